@@ -1,0 +1,114 @@
+"""The host's LMDB environment: the only place that calls lmdb.open.
+
+Every process opens its own handle after it starts (children are spawned, never forked with an open
+environment). Frontends open read-only; the worker opens read-write and is the single writer.
+Settings that every process must agree on (the store format) are persisted in the `meta` database
+and checked on open; a mismatch is a StoreFormatError and the caller serves without the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from cachestore.errors import StoreError, StoreFormatError
+
+log = logging.getLogger("infercache.store")
+
+STORE_FORMAT = 1
+DB_RESULTS = b"results"        # key(24) -> record
+DB_STORED = b"stored"          # created_us(8, big-endian) + key -> b""   (eviction order)
+DB_EXPIRY = b"expiry"          # expires_us(8, big-endian) + key -> b""   (sweep order)
+DB_NAMESPACES = b"namespaces"  # ns_id(8) -> JSON [tenant, model, version]
+DB_META = b"meta"              # persisted settings
+ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    path: Path
+    map_size: int
+    budget: int  # eviction starts above this many bytes of live pages
+    sync: bool = True
+
+
+class Store:
+    """One process's handle on the environment and its named databases."""
+
+    def __init__(self, settings: StoreSettings, *, readonly: bool) -> None:
+        self.settings = settings
+        self.readonly = readonly
+        self._pid = os.getpid()
+        self.env = self._open()
+        self.dbs = {name: self._open_db(name) for name in ALL_DBS}
+        self._check_format()
+        if not readonly:
+            # Frees reader slots left by processes that died (kill -9) while holding a read transaction.
+            stale = self.env.reader_check()
+            if stale:
+                log.warning("cleared %d stale reader slot(s)", stale)
+
+    def _open(self) -> lmdb.Environment:
+        path = self.settings.path
+        try:
+            if not self.readonly:
+                path.mkdir(parents=True, exist_ok=True)
+            return lmdb.open(
+                str(path), map_size=self.settings.map_size, max_dbs=len(ALL_DBS), readonly=self.readonly,
+                sync=self.settings.sync, readahead=False, max_readers=512, subdir=True, create=not self.readonly,
+            )
+        except lmdb.Error as exc:
+            raise StoreError(f"cannot open store at {path}: {exc}") from exc
+
+    def _open_db(self, name: bytes):
+        try:
+            return self.env.open_db(name, create=not self.readonly)
+        except lmdb.Error as exc:
+            raise StoreError(f"store at {self.settings.path} has no database {name.decode()}: {exc}") from exc
+
+    def _check_format(self) -> None:
+        meta = self.dbs[DB_META]
+        with self.env.begin(write=not self.readonly) as txn:
+            raw = txn.get(b"settings", db=meta)
+            if raw is None:
+                if self.readonly:
+                    raise StoreFormatError("store has no settings record yet")
+                txn.put(b"settings", json.dumps({"format": STORE_FORMAT}).encode(), db=meta)
+                return
+        found = json.loads(raw).get("format")
+        if found != STORE_FORMAT:
+            raise StoreFormatError(f"store format {found}, this build reads {STORE_FORMAT}")
+
+    def begin(self, *, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
+        if os.getpid() != self._pid:
+            raise StoreError("a Store handle must not cross a fork; open one per process")
+        try:
+            return self.env.begin(write=write, buffers=buffers)
+        except lmdb.MapResizedError:
+            # Another process grew the map: adopt its size and retry once.
+            self.env.set_mapsize(0)
+            return self.env.begin(write=write, buffers=buffers)
+
+    def used_bytes(self, txn: lmdb.Transaction) -> int:
+        """Bytes of live pages (what eviction keeps under the budget); shrinks when entries are deleted."""
+        total = 0
+        for stat in [txn.stat(db) for db in self.dbs.values()] + [txn.stat()]:
+            total += (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
+        return total
+
+    def stats(self) -> dict[str, int]:
+        with self.begin() as txn:
+            return {
+                "entries": txn.stat(self.dbs[DB_RESULTS])["entries"],
+                "used_bytes": self.used_bytes(txn),
+                "budget_bytes": self.settings.budget,
+                "map_size_bytes": self.env.info()["map_size"],
+            }
+
+    def close(self) -> None:
+        self.env.close()

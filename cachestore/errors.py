@@ -1,0 +1,13 @@
+"""Exceptions of the store. Callers treat every one of them as a cache miss, never as a client error."""
+
+
+class StoreError(Exception):
+    """The store cannot be used right now (missing, corrupt, wrong format, out of space)."""
+
+
+class StoreFormatError(StoreError):
+    """The store on disk was written by an incompatible format version; it is not trusted."""
+
+
+class CorruptRecord(StoreError):
+    """A record failed its checksum or does not parse; it is treated as absent."""

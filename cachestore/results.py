@@ -1,0 +1,120 @@
+"""L1 result cache: whole responses by exact key.
+
+Reading (`ResultCache.get`) is what frontends do on every request: one read transaction on the
+memory map, lock-free with respect to the writer (LMDB's MVCC), a few microseconds. The write-side
+functions below run only inside the worker's write-behind transactions (writer.py); they keep the two
+indexes (`stored` for eviction order, `expiry` for the sweeper) consistent with `results`.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+
+import lmdb
+
+from cachestore import records
+from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
+from cachestore.errors import CorruptRecord
+from cachestore.keys import NS_ID_BYTES, Namespace
+
+log = logging.getLogger("infercache.store")
+
+_U64 = struct.Struct(">Q")
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class ResultCache:
+    """Read side of L1. Every failure is logged and reported as a miss."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._results = store.dbs[DB_RESULTS]
+
+    def get(self, key: bytes, now: int, max_age_us: int | None = None) -> records.Record | None:
+        try:
+            with self.store.begin(buffers=True) as txn:
+                raw = txn.get(key, db=self._results)
+                record = None if raw is None else records.decode(raw)
+        except CorruptRecord as exc:
+            log.warning("ignoring record %s: %s", key.hex(), exc)
+            return None
+        except lmdb.Error as exc:
+            log.warning("result cache read failed, serving a miss: %s", exc)
+            return None
+        if record is None or not record.is_fresh(now, max_age_us):
+            return None
+        return record
+
+
+# ---- write side: called by the writer thread inside its write transaction -------------------------
+
+def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: records.Record) -> None:
+    dbs = store.dbs
+    delete(store, txn, key)
+    txn.put(key, records.encode(record), db=dbs[DB_RESULTS])
+    txn.put(_U64.pack(record.created_us) + key, b"", db=dbs[DB_STORED])
+    if record.expires_us:
+        txn.put(_U64.pack(record.expires_us) + key, b"", db=dbs[DB_EXPIRY])
+    txn.put(key[:NS_ID_BYTES], ns.to_json(), db=dbs[DB_NAMESPACES], overwrite=False)
+
+
+def delete(store: Store, txn: lmdb.Transaction, key: bytes) -> bool:
+    dbs = store.dbs
+    raw = txn.get(key, db=dbs[DB_RESULTS])
+    if raw is None:
+        return False
+    try:
+        created, expires = records.decode_times(raw)
+        txn.delete(_U64.pack(created) + key, db=dbs[DB_STORED])
+        if expires:
+            txn.delete(_U64.pack(expires) + key, db=dbs[DB_EXPIRY])
+    except CorruptRecord:
+        pass  # its index rows (if any) age out through sweep/evict, which skip missing records
+    return txn.delete(key, db=dbs[DB_RESULTS])
+
+
+def delete_namespace(store: Store, txn: lmdb.Transaction, ns_id: bytes) -> int:
+    """Deletes every entry whose key starts with ns_id, and the namespace row itself."""
+    keys = []
+    with txn.cursor(db=store.dbs[DB_RESULTS]) as cursor:
+        if cursor.set_range(ns_id):
+            for key in cursor.iternext(keys=True, values=False):
+                if not key.startswith(ns_id):
+                    break
+                keys.append(bytes(key))
+    removed = sum(delete(store, txn, key) for key in keys)
+    txn.delete(ns_id, db=store.dbs[DB_NAMESPACES])
+    return removed
+
+
+def namespaces(store: Store, txn: lmdb.Transaction) -> list[tuple[bytes, Namespace]]:
+    with txn.cursor(db=store.dbs[DB_NAMESPACES]) as cursor:
+        return [(bytes(k), Namespace.from_json(bytes(v))) for k, v in cursor]
+
+
+def _delete_index_prefix(store: Store, txn: lmdb.Transaction, index: bytes, stop: int | None, limit: int) -> int:
+    """Deletes entries in index order (oldest first) until `stop` (a time) or `limit` entries."""
+    victims = []
+    with txn.cursor(db=store.dbs[index]) as cursor:
+        for row in cursor.iternext(keys=True, values=False):
+            if len(victims) >= limit or (stop is not None and _U64.unpack_from(row)[0] > stop):
+                break
+            victims.append(bytes(row))
+    for row in victims:
+        txn.delete(row, db=store.dbs[index])
+        delete(store, txn, row[_U64.size:])
+    return len(victims)
+
+
+def sweep_expired(store: Store, txn: lmdb.Transaction, now: int, limit: int = 10_000) -> int:
+    return _delete_index_prefix(store, txn, DB_EXPIRY, now, limit)
+
+
+def evict_oldest(store: Store, txn: lmdb.Transaction, count: int) -> int:
+    """Least-recently-stored eviction (readers never write, so there is no access time to use)."""
+    return _delete_index_prefix(store, txn, DB_STORED, None, count)

@@ -1,0 +1,198 @@
+"""Write-behind: the single writer of the store.
+
+One thread owns every write transaction. Callers on the event loop enqueue operations without
+blocking; the thread applies whatever has queued up in one transaction (so the write lock is taken
+once per batch, not once per entry), keeps the store under its byte budget, and sweeps expired
+entries. A failed write is logged and dropped: a lost cache write is a future miss, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import lmdb
+
+from cachestore import records, results
+from cachestore.env import Store
+from cachestore.keys import NS_ID_BYTES, Namespace
+
+log = logging.getLogger("infercache.writer")
+
+EVICT_CHUNK = 256
+LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
+
+
+@dataclass(frozen=True)
+class Selector:
+    """What Invalidate removes; set fields combine with AND. None = any."""
+
+    tenant: str | None = None
+    model: str | None = None
+    version: str | None = None
+    key: bytes | None = None
+
+    def matches(self, ns: Namespace) -> bool:
+        return (
+            (self.tenant is None or ns.tenant == self.tenant)
+            and (self.model is None or ns.model == self.model)
+            and (self.version is None or ns.version == self.version)
+        )
+
+
+@dataclass(frozen=True)
+class _Put:
+    key: bytes
+    ns: Namespace
+    record: records.Record
+
+
+@dataclass(frozen=True)
+class _Invalidate:
+    selector: Selector
+    done: Future
+
+
+@dataclass(frozen=True)
+class _Flush:
+    done: Future
+
+
+_STOP = object()
+
+
+class WriteBehind:
+    def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0) -> None:
+        self.store = store
+        self.batch_max = batch_max
+        self.sweep_interval_s = sweep_interval_s
+        self.counters: Counter[str] = Counter()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread; never block -------------------------------------------------------
+
+    def put(self, key: bytes, ns: Namespace, record: records.Record) -> None:
+        self._queue.put(_Put(key, ns, record))
+
+    def invalidate(self, selector: Selector) -> Future:
+        """Future of the number of entries removed; ordered after every put enqueued before it."""
+        done: Future = Future()
+        self._queue.put(_Invalidate(selector, done))
+        return done
+
+    def flush(self) -> Future:
+        """Future that completes once everything enqueued before it is committed."""
+        done: Future = Future()
+        self._queue.put(_Flush(done))
+        return done
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    # ---- the writer thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + self.sweep_interval_s
+        while True:
+            batch = []
+            try:
+                batch.append(self._queue.get(timeout=max(0.0, next_sweep - time.monotonic())))
+            except queue.Empty:
+                pass
+            while batch and len(batch) < self.batch_max:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            ops = [op for op in batch if op is not _STOP]
+            if ops:
+                self._guarded(self._apply, ops)
+            if time.monotonic() >= next_sweep:  # also under constant load, not only when idle
+                self._guarded(self._sweep)
+                next_sweep = time.monotonic() + self.sweep_interval_s
+            if _STOP in batch:
+                return
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # the thread must survive anything; the cache just misses
+            self.counters["write_errors"] += 1
+            log.exception("write-behind failed; entries dropped")
+
+    def _apply(self, batch: list) -> None:
+        try:
+            try:
+                self._commit(batch)
+            except lmdb.MapFullError:
+                # Full despite the budget (budget too close to the map size, or huge records): free a
+                # tenth of the store and retry once; if that fails too, the batch is dropped.
+                self.counters["map_full"] += 1
+                log.warning("store map full; evicting 10%% and retrying %d operation(s)", len(batch))
+                self._evict_fraction(0.1)
+                self._commit(batch)
+        except Exception as exc:
+            for op in batch:
+                if not isinstance(op, _Put) and not op.done.done():
+                    op.done.set_exception(exc)
+            raise
+        for op in batch:
+            if isinstance(op, _Flush):
+                op.done.set_result(None)
+
+    def _commit(self, batch: list) -> None:
+        removed: list[tuple[_Invalidate, int]] = []
+        with self.store.begin(write=True) as txn:
+            for op in batch:
+                if isinstance(op, _Put):
+                    results.put(self.store, txn, op.key, op.ns, op.record)
+                elif isinstance(op, _Invalidate):
+                    removed.append((op, self._invalidate(txn, op.selector)))
+            self._enforce_budget(txn)
+        self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
+        self.counters["write_txns"] += 1
+        for op, count in removed:
+            self.counters["invalidated"] += count
+            op.done.set_result(count)
+
+    def _invalidate(self, txn: lmdb.Transaction, selector: Selector) -> int:
+        spaces = results.namespaces(self.store, txn)
+        if selector.key is not None:
+            ns = dict(spaces).get(selector.key[:NS_ID_BYTES])
+            if ns is None or not selector.matches(ns):
+                return 0
+            return int(results.delete(self.store, txn, selector.key))
+        return sum(results.delete_namespace(self.store, txn, ns_id) for ns_id, ns in spaces if selector.matches(ns))
+
+    def _enforce_budget(self, txn: lmdb.Transaction) -> None:
+        budget = self.store.settings.budget
+        if self.store.used_bytes(txn) <= budget:
+            return
+        evicted = 0
+        while self.store.used_bytes(txn) > budget * LOW_WATER:
+            n = results.evict_oldest(self.store, txn, EVICT_CHUNK)
+            if n == 0:
+                break
+            evicted += n
+        self.counters["evicted"] += evicted
+        log.info("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
+
+    def _evict_fraction(self, fraction: float) -> None:
+        with self.store.begin(write=True) as txn:
+            entries = txn.stat(self.store.dbs[results.DB_RESULTS])["entries"]
+            self.counters["evicted"] += results.evict_oldest(self.store, txn, max(1, int(entries * fraction)))
+
+    def _sweep(self) -> None:
+        with self.store.begin(write=True) as txn:
+            swept = results.sweep_expired(self.store, txn, results.now_us())
+        if swept:
+            self.counters["swept"] += swept
+            log.info("swept %d expired entries", swept)

@@ -1,0 +1,66 @@
+"""A small Python client for infercache.
+
+    from infercache.client import Client
+    with Client("127.0.0.1:50051") as client:
+        result = client.infer("minilm", "How do I return an item?")
+        print(result.source, result.outputs["embedding"].shape)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import infercache_pb2_grpc
+
+Mode = pb.CachePolicy.Mode
+
+
+@dataclass(frozen=True)
+class Result:
+    outputs: dict[str, np.ndarray]
+    source: str          # "MISS", "RESULT_EXACT", ...
+    age_s: float
+    model_version: str
+    key: str             # pass to Client.invalidate(key=...) to drop exactly this entry
+
+
+def decode_outputs(response: pb.InferResponse) -> dict[str, np.ndarray]:
+    return {t.name: np.frombuffer(t.data, dtype=t.dtype).reshape(tuple(t.shape)) for t in response.outputs}
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout_s: float = 10.0) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = infercache_pb2_grpc.InferenceCacheStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def infer(self, model: str, text: str, *, version: str = "", tenant: str = "", mode: str = "DEFAULT",
+              max_age_s: int | None = None) -> Result:
+        policy = pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s)
+        request = pb.InferRequest(model=model, version=version, tenant=tenant, text=text, cache=policy)
+        response = self.stub.Infer(request, timeout=self.timeout_s)
+        info = response.cache
+        return Result(decode_outputs(response), pb.CacheInfo.Source.Name(info.source), info.age_s,
+                      info.model_version, info.key)
+
+    def invalidate(self, **selector) -> int:
+        return self.stub.Invalidate(pb.InvalidateRequest(**selector), timeout=self.timeout_s).removed
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+
+    def models(self) -> list[pb.ModelInfo]:
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s).models)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

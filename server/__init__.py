@@ -1,0 +1,1 @@
+"""infercache server: supervisor, frontends and the inference worker."""

@@ -1,0 +1,94 @@
+"""`infercache` command line: the only place that reads argv and the environment.
+
+    infercache serve [--config FILE] [--port N] [--frontends N] [--set section.field=value ...]
+    infercache prepare-model [--models-dir DIR] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "minilm"
+DEFAULT_VERSION = "1"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server import config as config_mod
+    from server.models import ModelConfigError, ModelRepository
+    from server.supervisor import run
+
+    overrides = dict(item.split("=", 1) for item in args.set)
+    for flag, dotted in (("host", "server.host"), ("port", "server.port"), ("frontends", "server.frontends"),
+                         ("models_dir", "server.models_dir"), ("cache_dir", "cache.dir")):
+        if getattr(args, flag) is not None:
+            overrides[dotted] = getattr(args, flag)
+    try:
+        config = config_mod.load(args.config or os.environ.get("INFERCACHE_CONFIG"), os.environ, overrides)
+        repository = ModelRepository(Path(config.server.models_dir))
+    except (config_mod.ConfigError, ModelConfigError) as exc:
+        print(f"infercache: {exc}", file=sys.stderr)
+        return 2
+    missing = [f"{m.name} version {m.serving_version}" for m in repository.models.values()
+               if m.serving_version not in m.versions]
+    if missing or not repository.models:
+        print(f"infercache: no model files for {', '.join(missing) or 'any model'} in {repository.root}; "
+              "run `infercache prepare-model` (or `make model`)", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    import logging
+
+    from server.export_model import default_encoder_dir, export_sentence_encoder
+    from server.models import MODEL_FILE, load_model
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = load_model(Path(args.models_dir) / DEFAULT_MODEL)
+    target = spec.version_dir(DEFAULT_VERSION)
+    if (target / MODEL_FILE).is_file() and not args.force:
+        print(f"infercache: {target / MODEL_FILE} exists (use --force to export again)")
+        return 0
+    print(f"infercache: exporting all-MiniLM-L6-v2 to {target} ...", flush=True)
+    export_sentence_encoder(default_encoder_dir(), target, spec.max_tokens)
+    print(f"infercache: wrote {target / MODEL_FILE}")
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="infercache", description="Inference cache sidecar")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the server (supervisor, frontends, worker)")
+    serve.add_argument("--config", help="YAML config file (default: $INFERCACHE_CONFIG)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--frontends", type=int, help="frontend processes (0 = one per CPU)")
+    serve.add_argument("--models-dir")
+    serve.add_argument("--cache-dir")
+    serve.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                       help="override any setting, e.g. --set cache.budget_mb=512")
+    serve.set_defaults(func=_serve)
+
+    prepare = commands.add_parser("prepare-model", help="export the default model to the model repository")
+    prepare.add_argument("--models-dir", default="models")
+    prepare.add_argument("--force", action="store_true", help="export even if the files exist")
+    prepare.set_defaults(func=_prepare_model)
+
+    args = parser.parse_args(argv)
+    bad = [item for item in getattr(args, "set", []) if "=" not in item or "." not in item.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--set expects SECTION.FIELD=VALUE, got {bad[0]!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Dynamic batcher: one task owns the pending requests and cuts them into engine batches.
+
+Requests are grouped by sequence-length bucket (one engine profile each). A bucket is cut when it
+holds max_batch requests or its oldest request has waited max_delay. A cut waits for a free engine
+slot first, so while the engine is busy requests keep joining the next batch. Admission is bounded:
+past `max_queue` waiting requests, `submit` fails at once with Overloaded. Cancelled and expired
+requests are dropped when the batch is cut, before they reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
+
+log = logging.getLogger("infercache.batcher")
+
+RunBatch = Callable[[list[list[int]]], list[Any]]
+
+
+@dataclass(eq=False)
+class _Request:
+    ids: list[int]
+    deadline: float | None  # loop time
+    enqueued: float
+    future: asyncio.Future = field(repr=False)
+
+    def dead(self, now: float) -> bool:
+        return self.future.done() or (self.deadline is not None and now >= self.deadline)
+
+
+class Batcher:
+    def __init__(
+        self, run_batch: RunBatch, *, buckets: tuple[int, ...], max_batch: int, max_delay_s: float,
+        max_queue: int, concurrency: int = 1, name: str = "batcher",
+    ) -> None:
+        self.run_batch = run_batch          # runs in a thread: token ids -> one result per sequence
+        self.buckets = buckets
+        self.max_batch = max_batch
+        self.max_delay_s = max_delay_s
+        self.max_queue = max_queue
+        self.name = name
+        self.counters: Counter[str] = Counter()
+        self._incoming: deque[_Request] = deque()
+        self._pending: dict[int, deque[_Request]] = {b: deque() for b in buckets}
+        self._waiting = 0                   # admitted, not yet cut into a batch
+        self._running: set[asyncio.Task] = set()
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=name)
+
+    @property
+    def depth(self) -> int:
+        return self._waiting
+
+    def bucket_of(self, length: int) -> int:
+        index = bisect.bisect_left(self.buckets, length)
+        return self.buckets[min(index, len(self.buckets) - 1)]
+
+    async def submit(self, ids: list[int], deadline: float | None) -> Any:
+        if self._closed:
+            raise WorkerUnavailable("inference worker is shutting down")
+        if self._waiting >= self.max_queue:
+            self.counters["rejected_full"] += 1
+            raise Overloaded(f"batch queue of {self.name} is full ({self.max_queue} waiting); retry later")
+        loop = asyncio.get_running_loop()
+        request = _Request(ids, deadline, loop.time(), loop.create_future())
+        self._waiting += 1
+        self._incoming.append(request)
+        self._wakeup.set()
+        return await request.future
+
+    async def close(self) -> None:
+        """Stops admitting, lets everything admitted run, then stops the owner task."""
+        self._closed = True
+        while self._waiting or self._running:
+            self._wakeup.set()
+            await asyncio.sleep(0.01)
+        self._task.cancel()
+        self._executor.shutdown(wait=False)
+
+    # ---- the owner task ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._take_incoming()
+            now = loop.time()
+            bucket, cut_at = self._next_cut()
+            if bucket is None or cut_at > now:
+                timeout = None if bucket is None else cut_at - now
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                except TimeoutError:
+                    pass
+                self._wakeup.clear()
+                continue
+            await self._slots.acquire()     # engine busy: the batch keeps growing meanwhile
+            self._take_incoming()
+            batch = self._cut(bucket, loop.time())
+            if not batch:
+                self._slots.release()
+                continue
+            task = loop.create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    def _take_incoming(self) -> None:
+        while self._incoming:
+            request = self._incoming.popleft()
+            self._pending[self.bucket_of(len(request.ids))].append(request)
+
+    def _next_cut(self) -> tuple[int | None, float]:
+        """The bucket to cut next and when: now if full, else when its oldest request is due."""
+        best, best_at = None, float("inf")
+        for bucket, queue in self._pending.items():
+            if not queue:
+                continue
+            at = float("-inf") if len(queue) >= self.max_batch else queue[0].enqueued + self.max_delay_s
+            if at < best_at:
+                best, best_at = bucket, at
+        return best, best_at
+
+    def _cut(self, bucket: int, now: float) -> list[_Request]:
+        queue, batch = self._pending[bucket], []
+        while queue and len(batch) < self.max_batch:
+            request = queue.popleft()
+            self._waiting -= 1
+            if request.dead(now):
+                if not request.future.done():
+                    self.counters["dropped_expired"] += 1
+                    request.future.set_exception(DeadlineExceeded("deadline passed while queued"))
+                else:
+                    self.counters["dropped_cancelled"] += 1
+                continue
+            batch.append(request)
+        return batch
+
+    async def _run(self, batch: list[_Request]) -> None:
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.run_batch, [r.ids for r in batch]
+            )
+            for request, result in zip(batch, results, strict=True):
+                if not request.future.done():
+                    request.future.set_result(result)
+            self.counters["batches"] += 1
+            self.counters["batched_requests"] += len(batch)
+        except Exception as exc:
+            log.exception("engine batch of %d failed", len(batch))
+            self.counters["batch_errors"] += 1
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(exc)
+        finally:
+            self._slots.release()

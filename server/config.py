@@ -1,0 +1,134 @@
+"""Server configuration: one settings object with defaults.
+
+Sources, later ones winning: built-in defaults < YAML file < environment (INFERCACHE_<SECTION>_<FIELD>)
+< command-line overrides. Only `server.__main__` calls `load`; everything else receives the frozen
+object (spawned children receive it as an argument and never read argv or the environment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from cachestore.env import StoreSettings
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    frontends: int = 0                 # 0 = one per CPU
+    models_dir: str = "models"
+    socket_dir: str = ""               # unix socket of the worker; "" = a fresh temporary directory
+    worker_timeout_s: float = 30.0     # longest a frontend waits for the worker when the client sets no deadline
+    worker_wait_s: float = 2.0         # how long a call waits for a restarting worker before UNAVAILABLE
+    drain_s: float = 10.0              # grace for in-flight requests on SIGTERM
+    max_queue: int = 1024              # requests admitted to the batcher before RESOURCE_EXHAUSTED
+    engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = one per CPU
+    log_level: str = "INFO"
+
+
+@dataclass(frozen=True)
+class CacheSection:
+    dir: str = "var/cache"
+    map_size_mb: int = 2048            # LMDB map (sparse file; the hard ceiling)
+    budget_mb: int = 1536              # eviction keeps live data under this; must be below map_size_mb
+    sync: bool = True                  # fsync each write-behind transaction
+    write_batch: int = 512             # most operations per write transaction
+    sweep_interval_s: float = 30.0     # how often expired entries are deleted
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerSection = field(default_factory=ServerSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+
+    @property
+    def frontend_count(self) -> int:
+        return self.server.frontends or os.cpu_count() or 1
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _coerce(section: str, name: str, kind: type, value: Any) -> Any:
+    try:
+        if kind is bool and isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{section}.{name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _apply(config: Config, section: str, values: Mapping[str, Any], origin: str) -> Config:
+    if section not in _SECTIONS:
+        raise ConfigError(f"{origin}: unknown section {section!r} (known: {', '.join(_SECTIONS)})")
+    current = getattr(config, section)
+    types = {f.name: f.type for f in dataclasses.fields(current)}
+    changes = {}
+    for name, value in values.items():
+        if name not in types:
+            raise ConfigError(f"{origin}: unknown setting {section}.{name} (known: {', '.join(types)})")
+        kind = {"str": str, "int": int, "float": float, "bool": bool}[types[name]]
+        changes[name] = _coerce(section, name, kind, value)
+    return dataclasses.replace(config, **{section: dataclasses.replace(current, **changes)})
+
+
+def load(path: str | None, environ: Mapping[str, str], overrides: Mapping[str, Any]) -> Config:
+    """overrides: {"section.field": value} from the command line."""
+    config = Config()
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping")
+            config = _apply(config, section, values, path)
+    for name, value in environ.items():
+        if name.startswith("INFERCACHE_") and name != "INFERCACHE_CONFIG":
+            section, _, key = name[len("INFERCACHE_"):].lower().partition("_")
+            config = _apply(config, section, {key: value}, f"environment {name}")
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        config = _apply(config, section, {key: value}, f"option {dotted}")
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    if not 0 < config.server.port < 65536:
+        raise ConfigError(f"server.port must be 1..65535, got {config.server.port}")
+    if config.server.frontends < 0:
+        raise ConfigError("server.frontends must be >= 0 (0 = one per CPU)")
+    if not 0 < config.cache.budget_mb < config.cache.map_size_mb:
+        raise ConfigError(
+            f"cache.budget_mb ({config.cache.budget_mb}) must be positive and below cache.map_size_mb "
+            f"({config.cache.map_size_mb}), so eviction runs before the map is full"
+        )
+    if config.server.max_queue < 1:
+        raise ConfigError("server.max_queue must be >= 1")
+
+
+def store_settings(config: Config) -> StoreSettings:
+    mb = 1024 * 1024
+    return StoreSettings(
+        path=Path(config.cache.dir), map_size=config.cache.map_size_mb * mb,
+        budget=config.cache.budget_mb * mb, sync=config.cache.sync,
+    )

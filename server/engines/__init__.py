@@ -1,0 +1,1 @@
+"""Runtimes behind one interface (base.Engine); one module per runtime."""

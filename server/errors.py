@@ -1,0 +1,90 @@
+"""Domain errors and the one table that maps them to gRPC status codes.
+
+Core code raises these; only the servicers (frontend.py, worker.py) translate, through `status_of`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+
+log = logging.getLogger("infercache.errors")
+
+
+class InferCacheError(Exception):
+    """Base of every error a client may see; the message says what to fix."""
+
+
+class InvalidArgument(InferCacheError):
+    pass
+
+
+class ModelNotFound(InferCacheError):
+    pass
+
+
+class NotCached(InferCacheError):
+    """ONLY_IF_CACHED and no fresh entry."""
+
+
+class Overloaded(InferCacheError):
+    """The batch queue is full; retry later or elsewhere."""
+
+
+class WorkerUnavailable(InferCacheError):
+    pass
+
+
+class DeadlineExceeded(InferCacheError):
+    pass
+
+
+STATUS_CODES: dict[type[InferCacheError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    NotCached: grpc.StatusCode.FAILED_PRECONDITION,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+# Codes the worker may return that the frontend passes to its client unchanged.
+_FROM_CODE = {code: cls for cls, code in STATUS_CODES.items()}
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls], str(exc)
+    return grpc.StatusCode.INTERNAL, "internal error (logged on the server)"
+
+
+def from_worker_error(code: grpc.StatusCode, details: str) -> InferCacheError:
+    """The domain error for a failed internal call, so the client sees the worker's code."""
+    cls = _FROM_CODE.get(code)
+    if cls is not None:
+        return cls(details)
+    if code == grpc.StatusCode.CANCELLED:
+        return WorkerUnavailable("inference worker cancelled the call (restarting?)")
+    return WorkerUnavailable(f"inference worker failed: {code.name}: {details}")
+
+
+def grpc_errors(handler):
+    """Decorates an async servicer method: domain errors become their status code, anything else INTERNAL."""
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except InferCacheError as exc:
+            code, message = status_of(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error in %s", handler.__name__)
+            code, message = status_of(RuntimeError())
+        await context.abort(code, message)
+
+    return wrapper

@@ -1,0 +1,119 @@
+"""Model repository: `models/<name>/config.yaml` and `models/<name>/<version>/model.onnx` (+ tokenizer.json).
+
+The config names the task, the input limits, the outputs, the batcher's sequence-length buckets and
+the cache policy. Frontends read it to validate requests; the worker also loads the files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from server.errors import ModelNotFound
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    root: Path
+    task: str
+    serving_version: str
+    versions: tuple[str, ...]
+    outputs: tuple[str, ...]
+    max_text_chars: int
+    max_tokens: int
+    buckets: tuple[int, ...]          # ascending token counts; one engine profile each
+    max_batch_size: int
+    max_queue_delay_ms: float
+    ttl_s: int                        # 0 = results are never cached
+
+    def version_dir(self, version: str) -> Path:
+        return self.root / version
+
+    def resolve_version(self, version: str) -> str:
+        """The requested version, or the serving one for ""; ModelNotFound if absent."""
+        if not version:
+            return self.serving_version
+        if version not in self.versions:
+            raise ModelNotFound(
+                f"model {self.name!r} has no version {version!r} (available: {', '.join(self.versions) or 'none'})"
+            )
+        return version
+
+
+def _get(data: dict, path: str, kind: type, default: Any = None) -> Any:
+    node: Any = data
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+        if default is None:
+            raise ModelConfigError(f"missing required setting {path!r}")
+        return default
+    try:
+        return kind(node)
+    except (TypeError, ValueError):
+        raise ModelConfigError(f"setting {path!r} must be {kind.__name__}, got {node!r}") from None
+
+
+def load_model(root: Path) -> ModelSpec:
+    config_path = root / "config.yaml"
+    try:
+        data = yaml.safe_load(config_path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ModelConfigError(f"{config_path}: {exc}") from None
+    try:
+        buckets = tuple(sorted(int(b) for b in _get(data, "batching.buckets", list)))
+        max_tokens = _get(data, "input.max_tokens", int)
+        spec = ModelSpec(
+            name=root.name,
+            root=root,
+            task=_get(data, "task", str),
+            serving_version=str(_get(data, "serving_version", str)),
+            versions=tuple(sorted(p.name for p in root.iterdir() if (p / MODEL_FILE).is_file())),
+            outputs=tuple(_get(data, "outputs", list)),
+            max_text_chars=_get(data, "input.max_text_chars", int),
+            max_tokens=max_tokens,
+            buckets=buckets,
+            max_batch_size=_get(data, "batching.max_batch_size", int),
+            max_queue_delay_ms=_get(data, "batching.max_queue_delay_ms", float),
+            ttl_s=_get(data, "cache.ttl_s", int),
+        )
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"{config_path}: {exc}") from None
+    if not buckets or buckets[-1] < max_tokens:
+        raise ModelConfigError(f"{config_path}: the largest bucket must be >= input.max_tokens ({max_tokens})")
+    if spec.max_batch_size < 1 or spec.max_text_chars < 1 or spec.ttl_s < 0:
+        raise ModelConfigError(f"{config_path}: max_batch_size and max_text_chars must be >= 1, ttl_s >= 0")
+    return spec
+
+
+class ModelRepository:
+    def __init__(self, models_dir: Path) -> None:
+        self.root = models_dir
+        if not models_dir.is_dir():
+            raise ModelConfigError(f"model repository {models_dir} does not exist")
+        self.models = {
+            spec.name: spec
+            for spec in (load_model(p) for p in sorted(models_dir.iterdir()) if (p / "config.yaml").is_file())
+        }
+
+    def get(self, name: str) -> ModelSpec:
+        spec = self.models.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise ModelNotFound(f"unknown model {name!r} (served: {known})")
+        return spec
+
+    def servable(self) -> list[ModelSpec]:
+        """Models whose serving version has its files in place."""
+        return [m for m in self.models.values() if m.serving_version in m.versions]

@@ -1,0 +1,157 @@
+"""Supervisor: spawns the inference worker and the frontends, restarts them, drains them on SIGTERM.
+
+It opens no gRPC server, no LMDB environment and no CUDA context itself, and starts children with
+`spawn`, so no child inherits such state through fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from server import frontend, process, worker
+from server.config import Config
+
+log = logging.getLogger("infercache.supervisor")
+
+STARTUP_TIMEOUT_S = 600.0
+STABLE_AFTER_S = 30.0      # a child that lived this long resets its restart backoff
+MAX_BACKOFF_S = 10.0
+
+
+@dataclass
+class _Child:
+    role: str
+    index: int
+    target: object
+    args: tuple
+    process: multiprocessing.process.BaseProcess | None = None
+    started: float = 0.0
+    failures: int = 0
+    restart_at: float | None = None
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.role if self.role == "worker" else f"{self.role}-{self.index}"
+
+
+class Supervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.ctx = multiprocessing.get_context("spawn")
+        self.ready = self.ctx.Queue()
+        socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        self.socket_path = str(socket_dir / "worker.sock")
+        self.worker = _Child("worker", 0, worker.main, (config, self.socket_path, self.ready))
+        self.frontends = [
+            _Child("frontend", i, frontend.main, (config, i, self.socket_path, self.ready))
+            for i in range(config.frontend_count)
+        ]
+        self._stopping = False
+
+    def _start(self, child: _Child) -> None:
+        child.process = self.ctx.Process(target=child.target, args=child.args, name=child.name)
+        child.process.start()
+        child.started = time.monotonic()
+        child.restart_at = None
+
+    def _await_ready(self, children: list[_Child]) -> None:
+        """Blocks until each child reported ready; exits if one dies first (a startup error, not a crash)."""
+        waiting = {(c.role, c.index): c for c in children}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while waiting and not self._stopping:
+            try:
+                role, index, pid = self.ready.get(timeout=0.2)
+                waiting.pop((role, index), None)
+            except queue.Empty:
+                pass
+            for child in waiting.values():
+                if not child.process.is_alive():
+                    raise SystemExit(f"infercache: {child.name} exited during startup (code {child.process.exitcode}); see its log above")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"infercache: startup took longer than {STARTUP_TIMEOUT_S:.0f} s")
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        started = time.monotonic()
+        self._start(self.worker)
+        self._await_ready([self.worker])
+        for child in self.frontends:
+            self._start(child)
+        self._await_ready(self.frontends)
+        server = self.config.server
+        print(
+            f"infercache: listening on {server.host}:{server.port} ({len(self.frontends)} frontends, "
+            f"worker pid {self.worker.process.pid}, models from {server.models_dir}, cache in {self.config.cache.dir})",
+            flush=True,
+        )
+        print(f"infercache: ready in {time.monotonic() - started:.1f} s", flush=True)
+        while not self._stopping:
+            self._watch()
+        return self._drain()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stopping = True
+
+    def _watch(self) -> None:
+        children = [self.worker, *self.frontends]
+        sentinels = [c.process.sentinel for c in children if c.process is not None and c.process.is_alive()]
+        wait(sentinels, timeout=0.2)
+        while True:
+            try:
+                role, index, pid = self.ready.get_nowait()
+                log.warning("%s %d is back (pid %d)", role, index, pid)
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        for child in children:
+            if self._stopping:
+                return
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self._start(child)
+                continue
+            if child.process.is_alive():
+                continue
+            lived = now - child.started
+            child.failures = 0 if lived > STABLE_AFTER_S else child.failures + 1
+            delay = min(MAX_BACKOFF_S, 0.1 * 2 ** child.failures) if child.failures else 0.0
+            log.error("%s (pid %d) exited with code %s after %.1f s; restarting in %.1f s",
+                      child.name, child.process.pid, child.process.exitcode, lived, delay)
+            child.restart_at = now + delay
+
+    def _stop(self, children: list[_Child]) -> None:
+        live = [c.process for c in children if c.process is not None and c.process.is_alive()]
+        for proc in live:
+            os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.server.drain_s + 5
+        for proc in live:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.error("%s did not stop in time; killing it", proc.name)
+                proc.kill()
+                proc.join()
+
+    def _drain(self) -> int:
+        """Frontends first (they finish in-flight calls, which may still need the worker), then the worker."""
+        log.info("draining")
+        self._stop(self.frontends)
+        self._stop([self.worker])
+        print("infercache: stopped", flush=True)
+        return 0
+
+
+def run(config: Config) -> int:
+    process.setup_logging(config.server.log_level, "supervisor")
+    return Supervisor(config).run()

@@ -1,0 +1,28 @@
+"""Tokenization and padding for encoder models (Hugging Face `tokenizers`, no Python model code)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+
+class TextEncoder:
+    def __init__(self, tokenizer_path: Path, max_tokens: int) -> None:
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(max_length=max_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+
+def pad_batch(sequences: list[list[int]], length: int) -> dict[str, np.ndarray]:
+    """Right-pads with id 0 to `length` (the longest in the batch, never beyond its bucket)."""
+    ids = np.zeros((len(sequences), length), dtype=np.int64)
+    mask = np.zeros((len(sequences), length), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    return {"input_ids": ids, "attention_mask": mask}

@@ -1,0 +1,219 @@
+"""Inference worker: one per device (here: the CPU).
+
+Frontends send it what missed L1, over gRPC on a unix socket. It joins identical in-flight requests
+(coalescing), batches them per model, runs the engine off the event loop, replies, and then hands
+the result to the write-behind thread. It is the only process that writes the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cachestore import records
+from cachestore.env import Store
+from cachestore.errors import StoreError
+from cachestore.keys import Namespace, parse_hex_key
+from cachestore.writer import Selector, WriteBehind
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import worker_pb2, worker_pb2_grpc
+from server import metrics, process
+from server.batcher import Batcher
+from server.config import Config, store_settings
+from server.engines.base import Engine, load_engine, profiles_for
+from server.errors import ModelNotFound, WorkerUnavailable, grpc_errors
+from server.models import MODEL_FILE, TOKENIZER_FILE, ModelRepository, ModelSpec
+from server.tokenization import TextEncoder, pad_batch
+
+log = logging.getLogger("infercache.worker")
+
+Source = pb.CacheInfo.Source
+
+
+class ModelRuntime:
+    """One loaded model version: tokenizer, engine and its batcher."""
+
+    def __init__(self, spec: ModelSpec, version: str, config: Config) -> None:
+        self.spec = spec
+        self.version = version
+        folder = spec.version_dir(version)
+        self.encoder = TextEncoder(folder / TOKENIZER_FILE, spec.max_tokens)
+        self.engine: Engine = load_engine(
+            folder / MODEL_FILE, profiles_for(spec.buckets, spec.max_batch_size), threads=config.server.engine_threads
+        )
+        self.batcher = Batcher(
+            self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
+            max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
+            name=f"{spec.name}-{version}",
+        )
+
+    def _run_batch(self, sequences: list[list[int]]) -> list[dict[str, np.ndarray]]:
+        outputs = self.engine.run(pad_batch(sequences, max(len(s) for s in sequences)))
+        return [{name: outputs[name][row] for name in self.spec.outputs} for row in range(len(sequences))]
+
+    def warmup(self) -> None:
+        self._run_batch([self.encoder.encode("warm up")])
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One computation that identical concurrent requests share."""
+
+    task: asyncio.Task
+    waiters: int = 0
+    stored: bool = False
+    created_us: int = field(default_factory=lambda: time.time_ns() // 1000)
+
+
+def to_tensors(outputs: dict[str, np.ndarray]) -> list[pb.Tensor]:
+    return [
+        pb.Tensor(name=name, dtype=str(array.dtype), shape=array.shape, data=np.ascontiguousarray(array).tobytes())
+        for name, array in outputs.items()
+    ]
+
+
+class WorkerCore:
+    """Transport-free worker logic; WorkerServicer is a thin gRPC shell over it."""
+
+    def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
+                 writer: WriteBehind | None) -> None:
+        self.repository = repository
+        self.runtimes = runtimes
+        self.writer = writer
+        self.counters: Counter[str] = Counter()
+        self._inflight: dict[bytes, _Flight] = {}
+
+    def runtime(self, model: str, version: str) -> ModelRuntime:
+        runtime = self.runtimes.get((model, version))
+        if runtime is None:
+            self.repository.get(model).resolve_version(version)  # the precise NOT_FOUND message
+            raise ModelNotFound(f"model {model!r} version {version!r} is not loaded by this worker")
+        return runtime
+
+    async def compute(self, request: worker_pb2.ComputeRequest, deadline: float | None) -> pb.InferResponse:
+        runtime = self.runtime(request.model, request.version)
+        key = request.key
+        flight = self._inflight.get(key)
+        source = Source.COALESCED
+        if flight is None:
+            source = Source.MISS
+            task = asyncio.get_running_loop().create_task(self._run(runtime, request.text, key, deadline))
+            flight = self._inflight[key] = _Flight(task)
+            task.add_done_callback(lambda _, k=key, f=flight: self._inflight.pop(k) if self._inflight.get(k) is f else None)
+        self.counters["computed" if source == Source.MISS else "coalesced"] += 1
+        flight.waiters += 1
+        try:
+            result: pb.InferResponse = await asyncio.shield(flight.task)
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                flight.task.cancel()  # nobody wants it any more: the batcher drops it before the engine
+        if request.store and not flight.stored and self.writer is not None:
+            flight.stored = True
+            ttl_us = self.repository.get(request.model).ttl_s * 1_000_000
+            record = records.Record(flight.created_us, flight.created_us + ttl_us, result.SerializeToString())
+            self.writer.put(key, Namespace(request.tenant, request.model, request.version), record)
+        reply = pb.InferResponse()
+        reply.CopyFrom(result)
+        reply.cache.source = source
+        return reply
+
+    async def _run(self, runtime: ModelRuntime, text: str, key: bytes, deadline: float | None) -> pb.InferResponse:
+        outputs = await runtime.batcher.submit(runtime.encoder.encode(text), deadline)
+        return pb.InferResponse(
+            outputs=to_tensors(outputs), cache=pb.CacheInfo(model_version=runtime.version, key=key.hex())
+        )
+
+    async def invalidate(self, request: pb.InvalidateRequest) -> int:
+        if self.writer is None:
+            raise WorkerUnavailable("the result store is unavailable on this host; nothing to invalidate")
+        selector = Selector(
+            tenant=request.tenant if (request.tenant or request.match_empty_tenant) else None,
+            model=request.model or None,
+            version=request.version or None,
+            key=parse_hex_key(request.key) if request.key else None,
+        )
+        return await asyncio.wrap_future(self.writer.invalidate(selector))
+
+    def stats(self) -> pb.ProcessStats:
+        groups = [("worker", self.counters)]
+        for (model, version), runtime in self.runtimes.items():
+            batcher = runtime.batcher
+            groups.append((f"batcher.{model}.{version}", batcher.counters + Counter(queue_depth=batcher.depth)))
+        if self.writer is not None:
+            groups.append(("writer", self.writer.counters))
+        return metrics.process_stats("worker", *groups)
+
+    async def close(self) -> None:
+        for runtime in self.runtimes.values():
+            await runtime.batcher.close()
+        await asyncio.gather(*(f.task for f in list(self._inflight.values())), return_exceptions=True)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    @grpc_errors
+    async def Compute(self, request, context):
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        return await self.core.compute(request, deadline)
+
+    @grpc_errors
+    async def Invalidate(self, request, context):
+        return pb.InvalidateResponse(removed=await self.core.invalidate(request))
+
+    @grpc_errors
+    async def Stats(self, request, context):
+        return self.core.stats()
+
+
+def _open_writer(config: Config) -> WriteBehind | None:
+    try:
+        store = Store(store_settings(config), readonly=False)
+    except StoreError as exc:
+        log.error("result store unavailable, serving without it: %s", exc)
+        return None
+    return WriteBehind(store, batch_max=config.cache.write_batch, sweep_interval_s=config.cache.sweep_interval_s)
+
+
+async def _serve(config: Config, socket_path: Path, ready, stop: asyncio.Event) -> None:
+    repository = ModelRepository(Path(config.server.models_dir))
+    runtimes = {}
+    for spec in repository.servable():
+        for version in spec.versions:
+            started = time.monotonic()
+            runtimes[(spec.name, version)] = runtime = ModelRuntime(spec, version, config)
+            await asyncio.to_thread(runtime.warmup)
+            log.info("loaded %s version %s in %.2f s", spec.name, version, time.monotonic() - started)
+    writer = await asyncio.to_thread(_open_writer, config)
+    core = WorkerCore(repository, runtimes, writer)
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core), server)
+    socket_path.unlink(missing_ok=True)  # left behind by a worker that was killed
+    server.add_insecure_port(f"unix:{socket_path}")
+    await server.start()
+    ready.put(("worker", 0, os.getpid()))
+    log.info("worker ready on unix:%s (pid %d)", socket_path, os.getpid())
+    await stop.wait()
+    log.info("draining")
+    await server.stop(config.server.drain_s)
+    await core.close()
+    if writer is not None:
+        await asyncio.to_thread(writer.close)
+    log.info("worker stopped")
+
+
+def main(config: Config, socket_path: str, ready) -> None:
+    """Entry point of the spawned worker process."""
+    process.setup_logging(config.server.log_level, "worker")
+    process.run(lambda stop: _serve(config, Path(socket_path), ready, stop))
