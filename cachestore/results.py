@@ -13,11 +13,13 @@ import struct
 import time
 
 import lmdb
+from google.protobuf.message import DecodeError
 
 from cachestore import records
 from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, Namespace
+from infercache.v1 import infercache_pb2 as pb
 
 log = logging.getLogger("infercache.store")
 
@@ -49,6 +51,21 @@ class ResultCache:
         if record is None or not record.is_fresh(now, max_age_us):
             return None
         return record
+
+    def lookup(self, key: bytes, max_age_us: int | None = None) -> pb.InferResponse | None:
+        """The cached response marked RESULT_EXACT with its age, or None."""
+        now = now_us()
+        record = self.get(key, now, max_age_us)
+        if record is None:
+            return None
+        try:
+            response = pb.InferResponse.FromString(record.payload)
+        except DecodeError:
+            log.warning("ignoring record %s: payload does not parse", key.hex())
+            return None
+        response.cache.source = pb.CacheInfo.RESULT_EXACT
+        response.cache.age_s = record.age_s(now)
+        return response
 
 
 # ---- write side: called by the writer thread inside its write transaction -------------------------

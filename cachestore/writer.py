@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import lmdb
 
@@ -50,6 +51,7 @@ class _Put:
     key: bytes
     ns: Namespace
     record: records.Record
+    on_done: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,10 @@ class WriteBehind:
 
     # ---- called from any thread; never block -------------------------------------------------------
 
-    def put(self, key: bytes, ns: Namespace, record: records.Record) -> None:
-        self._queue.put(_Put(key, ns, record))
+    def put(self, key: bytes, ns: Namespace, record: records.Record,
+            on_done: Callable[[], None] | None = None) -> None:
+        """on_done runs on the writer thread once the put was committed or dropped."""
+        self._queue.put(_Put(key, ns, record, on_done))
 
     def invalidate(self, selector: Selector) -> Future:
         """Future of the number of entries removed; ordered after every put enqueued before it."""
@@ -115,6 +119,9 @@ class WriteBehind:
             ops = [op for op in batch if op is not _STOP]
             if ops:
                 self._guarded(self._apply, ops)
+                for op in ops:
+                    if isinstance(op, _Put) and op.on_done is not None:
+                        self._guarded(op.on_done)
             if time.monotonic() >= next_sweep:  # also under constant load, not only when idle
                 self._guarded(self._sweep)
                 next_sweep = time.monotonic() + self.sweep_interval_s

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from cachestore.env import Store
 from cachestore.errors import StoreError
 from cachestore.keys import entry_key, namespace_id, parse_hex_key
-from cachestore.results import ResultCache, now_us
+from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from server import metrics, process
@@ -123,15 +123,12 @@ class FrontendCore:
         key = entry_key(self._ns_id(request.tenant, spec.name, version), text)
         cached_at_all = spec.ttl_s > 0
 
-        if mode != Mode.BYPASS and cached_at_all and (cache := self.l1()) is not None:
-            max_age = request.cache.max_age_s * 1_000_000 if request.cache.HasField("max_age_s") else None
-            now = now_us()
-            record = cache.get(key, now, max_age)
-            if record is not None:
+        cached_ok = mode != Mode.BYPASS and cached_at_all
+        max_age = request.cache.max_age_s * 1_000_000 if request.cache.HasField("max_age_s") else None
+        if cached_ok and (cache := self.l1()) is not None:
+            response = cache.lookup(key, max_age)
+            if response is not None:
                 self.counters["hit_exact"] += 1
-                response = pb.InferResponse.FromString(record.payload)
-                response.cache.source = pb.CacheInfo.RESULT_EXACT
-                response.cache.age_s = record.age_s(now)
                 return response
         if mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
@@ -139,7 +136,7 @@ class FrontendCore:
         self.counters["forwarded"] += 1
         compute = worker_pb2.ComputeRequest(
             model=spec.name, version=version, tenant=request.tenant, text=text, key=key,
-            store=cached_at_all and mode != Mode.NO_STORE,
+            store=cached_at_all and mode != Mode.NO_STORE, cached_ok=cached_ok, max_age_us=max_age,
         )
         return await self.worker.call("Compute", compute, time_remaining)
 

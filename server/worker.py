@@ -22,6 +22,7 @@ from cachestore import records
 from cachestore.env import Store
 from cachestore.errors import StoreError
 from cachestore.keys import Namespace, parse_hex_key
+from cachestore.results import ResultCache
 from cachestore.writer import Selector, WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
@@ -80,6 +81,14 @@ def to_tensors(outputs: dict[str, np.ndarray]) -> list[pb.Tensor]:
     ]
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """From another thread; a loop that already closed (shutdown) has nothing left to update."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
 class WorkerCore:
     """Transport-free worker logic; WorkerServicer is a thin gRPC shell over it."""
 
@@ -88,6 +97,7 @@ class WorkerCore:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
+        self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
         self._inflight: dict[bytes, _Flight] = {}
 
@@ -103,11 +113,16 @@ class WorkerCore:
         key = request.key
         flight = self._inflight.get(key)
         source = Source.COALESCED
+        if flight is None and request.cached_ok and self.cache is not None:
+            max_age = request.max_age_us if request.HasField("max_age_us") else None
+            if (cached := self.cache.lookup(key, max_age)) is not None:
+                self.counters["late_hit"] += 1  # committed after the frontend looked
+                return cached
         if flight is None:
             source = Source.MISS
             task = asyncio.get_running_loop().create_task(self._run(runtime, request.text, key, deadline))
             flight = self._inflight[key] = _Flight(task)
-            task.add_done_callback(lambda _, k=key, f=flight: self._inflight.pop(k) if self._inflight.get(k) is f else None)
+            task.add_done_callback(lambda t, f=flight: self._forget_failed(t, f, key))
         self.counters["computed" if source == Source.MISS else "coalesced"] += 1
         flight.waiters += 1
         try:
@@ -117,14 +132,28 @@ class WorkerCore:
             if flight.waiters == 0 and not flight.task.done():
                 flight.task.cancel()  # nobody wants it any more: the batcher drops it before the engine
         if request.store and not flight.stored and self.writer is not None:
+            # The flight stays joinable until its entry is committed: a request that missed L1 in the
+            # meantime joins it instead of computing the same thing again.
             flight.stored = True
             ttl_us = self.repository.get(request.model).ttl_s * 1_000_000
             record = records.Record(flight.created_us, flight.created_us + ttl_us, result.SerializeToString())
-            self.writer.put(key, Namespace(request.tenant, request.model, request.version), record)
+            loop = asyncio.get_running_loop()
+            self.writer.put(key, Namespace(request.tenant, request.model, request.version), record,
+                            on_done=lambda f=flight: _call_soon(loop, self._forget, f, key))
+        elif flight.waiters == 0 and not flight.stored:
+            self._forget(flight, key)
         reply = pb.InferResponse()
         reply.CopyFrom(result)
         reply.cache.source = source
         return reply
+
+    def _forget_failed(self, task: asyncio.Task, flight: _Flight, key: bytes) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self._forget(flight, key)
+
+    def _forget(self, flight: _Flight, key: bytes) -> None:
+        if self._inflight.get(key) is flight:
+            del self._inflight[key]
 
     async def _run(self, runtime: ModelRuntime, text: str, key: bytes, deadline: float | None) -> pb.InferResponse:
         outputs = await runtime.batcher.submit(runtime.encoder.encode(text), deadline)

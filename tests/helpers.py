@@ -1,0 +1,36 @@
+"""Small helpers for tests that talk to a real server."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from infercache.client import Client, Result
+
+
+def unique(text: str) -> str:
+    """The text plus a random word, so tests sharing a server never share entries."""
+    return f"{text} {uuid.uuid4().hex[:12]}"
+
+
+def wait_cached(client: Client, model: str, text: str, timeout: float = 10.0, **kwargs) -> Result:
+    """Polls with ONLY_IF_CACHED until the write-behind has committed the entry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.infer(model, text, mode="ONLY_IF_CACHED", **kwargs)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                raise
+        time.sleep(0.02)
+
+
+def is_cached(client: Client, model: str, text: str, **kwargs) -> bool:
+    try:
+        client.infer(model, text, mode="ONLY_IF_CACHED", **kwargs)
+        return True
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
+        return False
