@@ -62,7 +62,7 @@ class Store:
                 str(path), map_size=self.settings.map_size, max_dbs=len(ALL_DBS), readonly=self.readonly,
                 sync=self.settings.sync, readahead=False, max_readers=512, subdir=True, create=not self.readonly,
             )
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot open store at {path}: {exc}") from exc
 
     def _open_db(self, name: bytes):
@@ -80,7 +80,10 @@ class Store:
                     raise StoreFormatError("store has no settings record yet")
                 txn.put(b"settings", json.dumps({"format": STORE_FORMAT}).encode(), db=meta)
                 return
-        found = json.loads(raw).get("format")
+        try:
+            found = json.loads(bytes(raw)).get("format")
+        except (ValueError, AttributeError):
+            found = None
         if found != STORE_FORMAT:
             raise StoreFormatError(f"store format {found}, this build reads {STORE_FORMAT}")
 

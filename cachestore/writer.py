@@ -92,7 +92,7 @@ class WriteBehind:
         return done
 
     def flush(self) -> Future:
-        """Future that completes once everything enqueued before it is committed."""
+        """Future that completes once everything enqueued before it was handled (committed or dropped)."""
         done: Future = Future()
         self._queue.put(_Flush(done))
         return done
@@ -148,12 +148,13 @@ class WriteBehind:
                 self._commit(batch)
         except Exception as exc:
             for op in batch:
-                if not isinstance(op, _Put) and not op.done.done():
+                if isinstance(op, _Invalidate) and not op.done.done():
                     op.done.set_exception(exc)
             raise
-        for op in batch:
-            if isinstance(op, _Flush):
-                op.done.set_result(None)
+        finally:
+            for op in batch:  # "handled", committed or dropped: failures are counted, not raised
+                if isinstance(op, _Flush):
+                    op.done.set_result(None)
 
     def _commit(self, batch: list) -> None:
         removed: list[tuple[_Invalidate, int]] = []

@@ -56,11 +56,12 @@ def models_dir(tmp_path_factory) -> Path:
 class ServerProcess:
     """`python -m server serve` as a child process on a free port, with its log in a file."""
 
-    def __init__(self, workdir: Path, models_dir: Path, *, frontends: int = 2, settings: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, models_dir: Path, *, frontends: int = 2, settings: tuple[str, ...] = (),
+                 cache_dir: Path | None = None) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.cache_dir = workdir / "cache"
+        self.cache_dir = cache_dir or workdir / "cache"
         self.log_path = workdir / "server.log"
         args = [
             sys.executable, "-m", "server", "serve", "--port", str(self.port), "--frontends", str(frontends),

@@ -1,0 +1,132 @@
+"""The dynamic batcher driving the real ONNX Runtime engine of the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from server.batcher import Batcher
+from server.engines.base import profiles_for
+from server.engines.onnxruntime import OrtEngine
+from server.errors import DeadlineExceeded, Overloaded
+from server.tokenization import TextEncoder, pad_batch
+from tests.conftest import MODEL_VERSION_DIR
+
+BUCKETS = (16, 32, 64, 128, 256)
+
+
+@pytest.fixture(scope="module")
+def model():
+    encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
+    engine = OrtEngine(MODEL_VERSION_DIR / "model.onnx", profiles_for(BUCKETS, 32), threads=2)
+    return encoder, engine
+
+
+class RecordingEngine:
+    """The real engine, plus a record of every batch it ran and a gate to hold it busy."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.batches: list[list[list[int]]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, sequences):
+        self.gate.wait(30)
+        self.batches.append(sequences)
+        out = self.engine.run(pad_batch(sequences, max(len(s) for s in sequences)))["embedding"]
+        return list(out)
+
+
+def texts_of_many_lengths(n: int) -> list[str]:
+    return [" ".join(["refund"] * (1 + (i * 7) % 90)) + f" request {i}" for i in range(n)]
+
+
+def test_batched_results_equal_unbatched_and_batches_stay_in_one_bucket(model):
+    encoder, engine = model
+    texts = texts_of_many_lengths(64)
+    ids = [encoder.encode(t) for t in texts]
+    alone = [engine.run(pad_batch([s], len(s)))["embedding"][0] for s in ids]
+    recorder = RecordingEngine(engine)
+
+    async def run():
+        batcher = Batcher(recorder, buckets=BUCKETS, max_batch=8, max_delay_s=0.005, max_queue=1000)
+        results = await asyncio.gather(*(batcher.submit(s, None) for s in ids))
+        await batcher.close()
+        return batcher, results
+
+    batcher, results = asyncio.run(run())
+    for got, want in zip(results, alone):
+        assert np.dot(got, want) > 0.99999
+    assert len(recorder.batches) < len(texts)
+    assert sum(len(b) for b in recorder.batches) == len(texts)
+    for batch in recorder.batches:
+        assert len(batch) <= 8
+        assert len({batcher.bucket_of(len(s)) for s in batch}) == 1  # padded only within its bucket
+    assert batcher.counters["batched_requests"] == len(texts)
+
+
+def test_full_queue_rejects_at_once(model):
+    encoder, engine = model
+    recorder = RecordingEngine(engine)
+    recorder.gate.clear()
+
+    async def run():
+        batcher = Batcher(recorder, buckets=BUCKETS, max_batch=1, max_delay_s=0.0, max_queue=3)
+        first = asyncio.ensure_future(batcher.submit(encoder.encode("first"), None))
+        while not batcher._running:  # the first request is inside the (held) engine
+            await asyncio.sleep(0.001)
+        waiting = [asyncio.ensure_future(batcher.submit(encoder.encode(f"w {i}"), None)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="full"):
+            await batcher.submit(encoder.encode("one too many"), None)
+        recorder.gate.set()
+        await asyncio.gather(first, *waiting)
+        await batcher.close()
+        return batcher
+
+    batcher = asyncio.run(run())
+    assert batcher.counters["rejected_full"] == 1 and batcher.counters["batched_requests"] == 4
+
+
+def test_cancelled_and_expired_requests_never_reach_the_engine(model):
+    encoder, engine = model
+    recorder = RecordingEngine(engine)
+    recorder.gate.clear()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(recorder, buckets=BUCKETS, max_batch=8, max_delay_s=0.0, max_queue=100)
+        busy = asyncio.ensure_future(batcher.submit(encoder.encode("keeps the engine busy"), None))
+        while not batcher._running:
+            await asyncio.sleep(0.001)
+        cancelled = asyncio.ensure_future(batcher.submit(encoder.encode("cancelled"), None))
+        expired = asyncio.ensure_future(batcher.submit(encoder.encode("expired"), loop.time() + 0.01))
+        kept = asyncio.ensure_future(batcher.submit(encoder.encode("kept"), None))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        recorder.gate.set()
+        await asyncio.gather(busy, kept)
+        with pytest.raises(DeadlineExceeded):
+            await expired
+        await batcher.close()
+        return batcher
+
+    batcher = asyncio.run(run())
+    seen = [s for batch in recorder.batches for s in batch]
+    assert encoder.encode("cancelled") not in seen and encoder.encode("expired") not in seen
+    assert encoder.encode("kept") in seen
+    assert batcher.counters["dropped_cancelled"] == 1 and batcher.counters["dropped_expired"] == 1
+
+
+def test_engine_matches_sentence_transformers(model, reference_encoder):
+    encoder, engine = model
+    texts = ["How do I return an item?", "I am still waiting on my card?", "x", " ".join(["long"] * 300)]
+    ids = [encoder.encode(t) for t in texts]
+    got = engine.run(pad_batch(ids, max(map(len, ids))))["embedding"]
+    want = reference_encoder.encode(texts, normalize_embeddings=True)
+    cosine = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= 0.999, cosine

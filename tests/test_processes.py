@@ -1,0 +1,198 @@
+"""Process behaviour: crashes, restarts, draining, overload and a broken store, with real child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cachestore import records
+from cachestore.env import DB_RESULTS, Store, StoreSettings
+from infercache.v1 import infercache_pb2 as pb
+from tests.conftest import REPO
+from tests.helpers import is_cached, unique, wait_cached
+
+MODEL = "minilm"
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _worker_pid_or_none(server):
+    try:
+        stats = server.stats()
+    except grpc.RpcError:
+        return None
+    return stats.worker.pid if stats.HasField("worker") else None
+
+
+def test_kill9_worker_under_load(start_server):
+    server = start_server()
+    warm = [unique(f"committed before the crash {i}") for i in range(20)]
+    with server.client() as client:
+        expected = {t: client.infer(MODEL, t).outputs["embedding"].tobytes() for t in warm}
+        for text in warm:
+            wait_cached(client, MODEL, text)
+    old_pid = server.worker_pid()
+
+    deadline_s = 3.0
+    outcomes: list[tuple[grpc.StatusCode, float]] = []
+    stop_at = time.monotonic() + 5.0
+
+    def load() -> None:
+        channel, stub = server.stub()
+        with channel:
+            while time.monotonic() < stop_at:
+                started = time.monotonic()
+                try:
+                    stub.Infer(pb.InferRequest(model=MODEL, text=unique("load during crash")), timeout=deadline_s)
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                outcomes.append((code, time.monotonic() - started))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    os.kill(old_pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join()
+
+    codes = {code for code, _ in outcomes}
+    assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+    assert grpc.StatusCode.OK in codes
+    slowest = max(elapsed for _, elapsed in outcomes)
+    assert slowest < deadline_s + 0.5, f"a call took {slowest:.2f} s with a {deadline_s} s deadline"
+    new_pid = _wait_for(lambda: (pid := _worker_pid_or_none(server)) and pid != old_pid and pid, 60, "worker restart")
+    assert new_pid != old_pid
+    with server.client() as client:
+        assert client.infer(MODEL, unique("after the restart")).source == "MISS"
+        for text in warm:
+            hit = client.infer(MODEL, text)
+            assert hit.source == "RESULT_EXACT" and hit.outputs["embedding"].tobytes() == expected[text]
+    assert server.stop() == 0
+
+    # The store opens cleanly and every record in it is intact.
+    store = Store(StoreSettings(server.cache_dir, 2048 << 20, 1536 << 20), readonly=True)
+    with store.begin() as txn:
+        rows = list(txn.cursor(db=store.dbs[DB_RESULTS]))
+    assert len(rows) >= len(warm)
+    for _, raw in rows:
+        pb.InferResponse.FromString(records.decode(raw).payload)
+    store.close()
+
+
+def test_sigterm_drains_in_flight_requests_and_loses_no_write(start_server, tmp_path):
+    server = start_server()
+    channel, stub = server.stub()
+    texts = [unique(f"in flight at shutdown {i}") for i in range(24)]
+    with channel:
+        stub.ListModels(pb.ListModelsRequest(), timeout=10)  # connection established before the burst
+        with ThreadPoolExecutor(len(texts)) as pool:
+            futures = [pool.submit(stub.Infer, pb.InferRequest(model=MODEL, text=t), timeout=30) for t in texts]
+            time.sleep(0.1)
+            server.proc.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in futures]
+    assert all(r.cache.source in (pb.CacheInfo.MISS, pb.CacheInfo.COALESCED) for r in responses)
+    assert server.proc.wait(30) == 0
+    assert "infercache: stopped" in server.log_text()
+
+    again = start_server(cache_dir=server.cache_dir)
+    with again.client() as client:
+        assert all(is_cached(client, MODEL, t) for t in texts)
+
+
+def test_killed_frontend_is_restarted(start_server):
+    server = start_server()
+    channel, stub = server.stub()
+    with channel:
+        _, call = stub.Infer.with_call(pb.InferRequest(model=MODEL, text="who answers"), timeout=10)
+    victim = int(dict(call.trailing_metadata())["infercache-frontend-pid"])
+    os.kill(victim, signal.SIGKILL)
+
+    def pids_answering():
+        seen = set()
+        for _ in range(40):
+            channel, stub = server.stub()
+            with channel:
+                try:
+                    _, call = stub.Infer.with_call(pb.InferRequest(model=MODEL, text="who answers"), timeout=5)
+                    seen.add(int(dict(call.trailing_metadata())["infercache-frontend-pid"]))
+                except grpc.RpcError:
+                    pass
+        return seen if len(seen) == 2 and victim not in seen else None
+
+    _wait_for(pids_answering, 60, "a replacement frontend")
+    assert "frontend-" in server.log_text() and "restarting" in server.log_text()
+
+
+def test_full_queue_answers_resource_exhausted_at_once(start_server):
+    server = start_server(settings=("server.max_queue=2",))
+    long_text = " ".join(["a customer asks about a delayed refund"] * 20)
+    channel, stub = server.stub()
+    with channel, ThreadPoolExecutor(48) as pool:
+        def call(i):
+            try:
+                stub.Infer(pb.InferRequest(model=MODEL, text=f"{long_text} {i}"), timeout=30)
+                return grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                return exc.code()
+        codes = list(pool.map(call, range(48)))
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    counters = server.stats().worker.counters
+    assert counters["batcher.minilm.1.rejected_full"] == codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def test_broken_store_degrades_to_misses(start_server, tmp_path):
+    not_a_dir = tmp_path / "cache-is-a-file"
+    not_a_dir.write_text("this is not an LMDB directory")
+    server = start_server(cache_dir=not_a_dir)
+    with server.client() as client:
+        text = unique("no store today")
+        assert client.infer(MODEL, text).source == "MISS"
+        assert client.infer(MODEL, text).source == "MISS"
+        with pytest.raises(grpc.RpcError) as err:
+            client.invalidate(model=MODEL)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "serving without it" in server.log_text()
+
+
+def test_missing_model_files_fail_fast_with_a_hint(tmp_path):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.yaml").write_text(
+        "task: embedding\nserving_version: '3'\ninput: {max_text_chars: 10, max_tokens: 8}\noutputs: [e]\n"
+        "batching: {buckets: [8], max_batch_size: 2, max_queue_delay_ms: 1}\ncache: {ttl_s: 1}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--models-dir", str(tmp_path / "models"), "--port", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "no model files for m version 3" in result.stderr and "prepare-model" in result.stderr
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("cache.budget_mb=4096", "must be positive and below cache.map_size_mb"),
+    ("server.nope=1", "unknown setting server.nope"),
+    ("server.port=http", "expected int"),
+])
+def test_bad_configuration_is_rejected_with_the_reason(setting, message):
+    result = subprocess.run([sys.executable, "-m", "server", "serve", "--set", setting],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr

@@ -1,0 +1,199 @@
+"""The result store on real LMDB files: records, indexes, invalidation, expiry, the byte budget."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import lmdb
+import pytest
+
+from cachestore import records, results
+from cachestore.env import DB_EXPIRY, DB_META, DB_RESULTS, DB_STORED, Store, StoreSettings
+from cachestore.errors import CorruptRecord, StoreFormatError
+from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
+from cachestore.writer import Selector, WriteBehind
+
+MB = 1 << 20
+
+
+def open_store(path, map_mb=64, budget_mb=48) -> Store:
+    return Store(StoreSettings(path, map_mb * MB, budget_mb * MB, sync=False), readonly=False)
+
+
+def put_all(writer: WriteBehind, ns: Namespace, texts, *, ttl_us=0, payload=b"x" * 100) -> list[bytes]:
+    now = results.now_us()
+    keys = []
+    for text in texts:
+        key = entry_key(ns.ns_id, text)
+        writer.put(key, ns, records.Record(now, now + ttl_us if ttl_us else 0, payload))
+        keys.append(key)
+    writer.flush().result(10)
+    return keys
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = open_store(tmp_path / "cache")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def writer(store):
+    writer = WriteBehind(store, sweep_interval_s=0.2)
+    yield writer
+    writer.close()
+
+
+def test_record_roundtrip_and_corruption_detected():
+    record = records.Record(created_us=1, expires_us=2, payload=b"payload")
+    raw = records.encode(record)
+    assert records.decode(raw) == record
+    with pytest.raises(CorruptRecord, match="checksum"):
+        records.decode(raw[:-1] + b"X")
+    with pytest.raises(CorruptRecord, match="format"):
+        records.decode(b"\x09" + raw[1:])
+    with pytest.raises(CorruptRecord):
+        records.decode(b"short")
+
+
+def test_keys_are_fixed_length_and_namespaced():
+    a, b = Namespace("t", "m", "1"), Namespace("t", "m", "2")
+    ka, kb = entry_key(a.ns_id, "hello"), entry_key(b.ns_id, "hello")
+    assert len(ka) == len(kb) == KEY_BYTES and ka != kb
+    assert Namespace("a|b", "c", "1").ns_id != Namespace("a", "b|c", "1").ns_id
+    assert parse_hex_key(ka.hex()) == ka
+    with pytest.raises(ValueError, match="hex digits"):
+        parse_hex_key("zz")
+
+
+def test_put_get_and_freshness(store, writer):
+    ns = Namespace("t", "m", "1")
+    (key,) = put_all(writer, ns, ["q"], ttl_us=200_000)
+    cache = results.ResultCache(store)
+    now = results.now_us()
+    assert cache.get(key, now).payload == b"x" * 100
+    assert cache.get(key, now + 300_000) is None            # expired
+    assert cache.get(key, now + 100_000, max_age_us=50_000) is None  # too old for this caller
+    assert cache.get(entry_key(ns.ns_id, "other"), now) is None
+
+
+def test_corrupt_record_reads_as_a_miss(store, writer):
+    ns = Namespace("t", "m", "1")
+    (key,) = put_all(writer, ns, ["q"])
+    with store.begin(write=True) as txn:
+        raw = bytearray(txn.get(key, db=store.dbs[DB_RESULTS]))
+        raw[-1] ^= 0xFF
+        txn.put(key, bytes(raw), db=store.dbs[DB_RESULTS])
+    assert results.ResultCache(store).get(key, results.now_us()) is None
+
+
+def test_overwrite_keeps_indexes_consistent(store, writer):
+    ns = Namespace("t", "m", "1")
+    for _ in range(3):
+        put_all(writer, ns, ["same"], ttl_us=10_000_000)
+    with store.begin() as txn:
+        assert txn.stat(store.dbs[DB_RESULTS])["entries"] == 1
+        assert txn.stat(store.dbs[DB_STORED])["entries"] == 1
+        assert txn.stat(store.dbs[DB_EXPIRY])["entries"] == 1
+
+
+def test_invalidate_selectors(store, writer):
+    spaces = [Namespace(t, m, v) for t in ("a", "b") for m in ("m1", "m2") for v in ("1", "2")]
+    keys = {ns: put_all(writer, ns, ["x", "y"]) for ns in spaces}
+
+    def count() -> int:
+        with store.begin() as txn:
+            return txn.stat(store.dbs[DB_RESULTS])["entries"]
+
+    assert count() == 16
+    assert writer.invalidate(Selector(key=keys[spaces[0]][0])).result(10) == 1
+    assert writer.invalidate(Selector(key=keys[spaces[0]][0], tenant="b")).result(10) == 0
+    assert writer.invalidate(Selector(tenant="a", model="m1", version="2")).result(10) == 2
+    assert writer.invalidate(Selector(model="m2")).result(10) == 8
+    assert writer.invalidate(Selector(tenant="b")).result(10) == 4
+    assert count() == 1
+    cache = results.ResultCache(store)
+    assert cache.get(keys[spaces[0]][1], results.now_us()) is not None
+
+
+def test_sweeper_deletes_expired_entries(store, writer):
+    ns = Namespace("t", "m", "1")
+    put_all(writer, ns, [f"short {i}" for i in range(50)], ttl_us=100_000)
+    put_all(writer, ns, [f"long {i}" for i in range(5)], ttl_us=600_000_000)
+    deadline = time.monotonic() + 10
+    while writer.counters["swept"] < 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writer.counters["swept"] == 50
+    with store.begin() as txn:
+        assert txn.stat(store.dbs[DB_RESULTS])["entries"] == 5
+        assert txn.stat(store.dbs[DB_EXPIRY])["entries"] == 5
+
+
+def test_budget_evicts_least_recently_stored(tmp_path):
+    store = open_store(tmp_path / "small", map_mb=16, budget_mb=2)
+    writer = WriteBehind(store)
+    ns = Namespace("t", "m", "1")
+    keys = []
+    for batch in range(30):  # ~6 MB of payload into a 2 MB budget
+        keys += put_all(writer, ns, [f"{batch}-{i}" for i in range(50)], payload=bytes(4000))
+        with store.begin() as txn:
+            assert store.used_bytes(txn) <= store.settings.budget
+    cache = results.ResultCache(store)
+    now = results.now_us()
+    assert cache.get(keys[-1], now) is not None
+    assert cache.get(keys[0], now) is None
+    assert writer.counters["evicted"] > 0 and writer.counters["write_errors"] == 0
+    writer.close()
+    store.close()
+
+
+def test_map_full_is_absorbed_not_raised(tmp_path):
+    # Budget deliberately close to the map size: a put can hit MapFullError before eviction runs.
+    store = open_store(tmp_path / "tiny", map_mb=2, budget_mb=1)
+    writer = WriteBehind(store, batch_max=4096)
+    ns = Namespace("t", "m", "1")
+    for round_ in range(5):
+        put_all(writer, ns, [f"{round_}-{i}" for i in range(400)], payload=bytes(3000))
+    assert writer.counters["write_errors"] + writer.counters["map_full"] > 0
+    assert writer.flush().result(10) is None  # the writer thread is alive and serving
+    key = put_all(writer, ns, ["after"])[0]
+    assert results.ResultCache(store).get(key, results.now_us()) is not None
+    writer.close()
+    store.close()
+
+
+def _read_in_child(path: str, key: bytes, queue) -> None:
+    store = Store(StoreSettings(__import__("pathlib").Path(path), 64 * MB, 48 * MB), readonly=True)
+    record = results.ResultCache(store).get(key, results.now_us())
+    queue.put(None if record is None else record.payload)
+
+
+def test_another_process_reads_committed_entries(store, writer):
+    ns = Namespace("t", "m", "1")
+    (key,) = put_all(writer, ns, ["shared"], payload=b"from the writer")
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(str(store.settings.path), key, queue))
+    child.start()
+    assert queue.get(timeout=60) == b"from the writer"
+    child.join(30)
+    assert child.exitcode == 0
+
+
+def test_incompatible_store_format_is_refused(tmp_path):
+    store = open_store(tmp_path / "old")
+    with store.begin(write=True) as txn:
+        txn.put(b"settings", b'{"format": 99}', db=store.dbs[DB_META])
+    store.close()
+    with pytest.raises(StoreFormatError, match="format 99"):
+        open_store(tmp_path / "old")
+
+
+def test_readonly_open_of_missing_store_is_a_store_error(tmp_path):
+    from cachestore.errors import StoreError
+
+    with pytest.raises(StoreError):
+        Store(StoreSettings(tmp_path / "absent", 64 * MB, 48 * MB), readonly=True)
+    assert lmdb  # the real library is what is under test

@@ -1,0 +1,52 @@
+"""Normalization, configuration and the error table."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from server import config, errors
+from server.normalize import Normalizer
+
+
+@pytest.mark.parametrize("variant", [
+    "How do I return an item?", "how do i return an item", "  HOW   do I return an ITEM!!  ",
+    "Ｈｏｗ ｄｏ Ｉ return an item？", "How\u00a0do I return an item…", "how-do-i return an item",
+])
+def test_variants_normalize_to_one_form(variant):
+    assert Normalizer()(variant) == "how do i return an item"
+
+
+def test_normalization_keeps_what_changes_meaning():
+    norm = Normalizer()
+    assert norm("return 2 items") != norm("return 3 items")
+    assert norm("Straße") == norm("STRASSE")  # case folding, not just lower()
+    assert norm("?!") == ""
+
+
+def test_config_layers_file_env_and_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {port: 6000, frontends: 3}\ncache: {budget_mb: 100, map_size_mb: 200}\n")
+    loaded = config.load(str(path), {"INFERCACHE_SERVER_PORT": "7000", "INFERCACHE_CACHE_SYNC": "false",
+                                     "OTHER": "x"}, {"server.frontends": 5})
+    assert loaded.server.port == 7000 and loaded.server.frontends == 5 and loaded.frontend_count == 5
+    assert loaded.cache.sync is False and loaded.cache.budget_mb == 100
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"INFERCACHE_SERVER_PORTT": "1"}, "unknown setting server.portt"),
+    ({"INFERCACHE_NOPE_X": "1"}, "unknown section 'nope'"),
+    ({"INFERCACHE_CACHE_SYNC": "maybe"}, "expected bool"),
+])
+def test_config_errors_name_the_setting(environ, message):
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(None, environ, {})
+
+
+def test_every_domain_error_has_one_status_code():
+    for cls in errors.InferCacheError.__subclasses__():
+        code, message = errors.status_of(cls("why"))
+        assert code != grpc.StatusCode.INTERNAL and message == "why"
+    assert errors.status_of(KeyError("secret"))[0] == grpc.StatusCode.INTERNAL
+    assert "secret" not in errors.status_of(KeyError("secret"))[1]
+    assert isinstance(errors.from_worker_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"), errors.Overloaded)
