@@ -94,18 +94,19 @@ class Batcher:
         while True:
             self._take_incoming()
             now = loop.time()
-            bucket, cut_at = self._next_cut()
-            if bucket is None or cut_at > now:
-                timeout = None if bucket is None else cut_at - now
+            bucket, next_at = self._next_cut(now)
+            if bucket is None:
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                    await asyncio.wait_for(self._wakeup.wait(), None if next_at is None else next_at - now)
                 except TimeoutError:
                     pass
                 self._wakeup.clear()
                 continue
-            await self._slots.acquire()     # engine busy: the batch keeps growing meanwhile
+            await self._slots.acquire()     # engine busy: the batches keep growing meanwhile
             self._take_incoming()
-            batch = self._cut(bucket, loop.time())
+            now = loop.time()
+            bucket, _ = self._next_cut(now)  # a bucket due before stays due; an older one may now lead
+            batch = self._cut(bucket, now)
             if not batch:
                 self._slots.release()
                 continue
@@ -118,16 +119,21 @@ class Batcher:
             request = self._incoming.popleft()
             self._pending[self.bucket_of(len(request.ids))].append(request)
 
-    def _next_cut(self) -> tuple[int | None, float]:
-        """The bucket to cut next and when: now if full, else when its oldest request is due."""
-        best, best_at = None, float("inf")
+    def _next_cut(self, now: float) -> tuple[int | None, float | None]:
+        """(bucket to cut now, None) or (None, when the next bucket falls due; None if all are empty).
+
+        A bucket is due when full or when its oldest request has waited max_delay; among due buckets
+        the one whose oldest request has waited longest goes first, so no bucket starves another."""
+        due, next_at = [], None
         for bucket, queue in self._pending.items():
             if not queue:
                 continue
-            at = float("-inf") if len(queue) >= self.max_batch else queue[0].enqueued + self.max_delay_s
-            if at < best_at:
-                best, best_at = bucket, at
-        return best, best_at
+            head = queue[0].enqueued
+            if len(queue) >= self.max_batch or head + self.max_delay_s <= now:
+                due.append((head, bucket))
+            elif next_at is None or head + self.max_delay_s < next_at:
+                next_at = head + self.max_delay_s
+        return (min(due)[1], None) if due else (None, next_at)
 
     def _cut(self, bucket: int, now: float) -> list[_Request]:
         queue, batch = self._pending[bucket], []

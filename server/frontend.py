@@ -36,7 +36,7 @@ log = logging.getLogger("infercache.frontend")
 Mode = pb.CachePolicy.Mode
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 PID_METADATA = "infercache-frontend-pid"
-STORE_RETRY_S = 5.0
+STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
 
 
 class WorkerClient:
@@ -88,6 +88,7 @@ class FrontendCore:
         self.counters: Counter[str] = Counter()
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
+        self._cache_warn_at = 0.0
 
     def l1(self) -> ResultCache | None:
         """The result cache, opened on first use and re-tried while the store is unavailable."""
@@ -95,8 +96,11 @@ class FrontendCore:
             try:
                 self._cache = ResultCache(Store(store_settings(self.config), readonly=True))
             except StoreError as exc:
-                self._cache_retry_at = time.monotonic() + STORE_RETRY_S
-                log.warning("result cache unavailable (serving misses, retry in %.0f s): %s", STORE_RETRY_S, exc)
+                now = time.monotonic()
+                self._cache_retry_at = now + STORE_RETRY_S
+                if now >= self._cache_warn_at:  # a fresh store appears shortly; a broken one warns every 30 s
+                    self._cache_warn_at = now + 30
+                    log.warning("result cache unavailable, serving misses until it opens: %s", exc)
         return self._cache
 
     @functools.lru_cache(maxsize=4096)

@@ -85,11 +85,11 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         started = time.monotonic()
-        self._start(self.worker)
-        self._await_ready([self.worker])
-        for child in self.frontends:
+        # All at once: frontends answer L1 hits without the worker, so a warm pod serves hits while the
+        # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
+        for child in (self.worker, *self.frontends):
             self._start(child)
-        self._await_ready(self.frontends)
+        self._await_ready([self.worker, *self.frontends])
         server = self.config.server
         print(
             f"infercache: listening on {server.host}:{server.port} ({len(self.frontends)} frontends, "

@@ -20,6 +20,9 @@ class OrtEngine(Engine):
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle intra-op threads would otherwise spin for a while after every run, taking the cores
+        # that the frontends' and the worker's event loops need between batches.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())

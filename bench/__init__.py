@@ -1,0 +1,1 @@
+"""`make bench`: latency, throughput and start-up figures against baselines measured in the same run."""

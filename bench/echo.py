@@ -1,0 +1,42 @@
+"""The baseline: a bare grpc.aio server answering Infer with a fixed response of the same size.
+
+Same API, same client, same number of processes (SO_REUSEPORT) and event loop as the frontends, and
+nothing else: the hit path's cost over this is what infercache adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import numpy as np
+
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import infercache_pb2_grpc
+from server import process
+
+
+class Echo(infercache_pb2_grpc.InferenceCacheServicer):
+    def __init__(self) -> None:
+        vector = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+        self.response = pb.InferResponse(
+            outputs=[pb.Tensor(name="embedding", dtype="float32", shape=[384], data=vector.tobytes())],
+            cache=pb.CacheInfo(model_version="1", key="00" * 24),
+        )
+
+    async def Infer(self, request, context):
+        return self.response
+
+
+def main(port: int, ready) -> None:
+    async def serve(stop: asyncio.Event) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        infercache_pb2_grpc.add_InferenceCacheServicer_to_server(Echo(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.put(os.getpid())
+        await stop.wait()
+        await server.stop(1)
+
+    process.run(serve)

@@ -1,0 +1,93 @@
+"""Run a real infercache server as a child process (for integration tests and benchmarks).
+
+    server = ServerProcess(workdir, models_dir)
+    with server.client() as client: ...
+    assert server.stop() == 0
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from infercache.client import Client
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import infercache_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server serve` on a free port, its output in workdir/server.log."""
+
+    def __init__(self, workdir: Path, models_dir: Path, *, frontends: int = 2, settings: tuple[str, ...] = (),
+                 cache_dir: Path | None = None, wait: bool = True) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.cache_dir = cache_dir or workdir / "cache"
+        self.log_path = workdir / "server.log"
+        args = [
+            sys.executable, "-m", "server", "serve", "--port", str(self.port), "--frontends", str(frontends),
+            "--models-dir", str(models_dir), "--cache-dir", str(self.cache_dir),
+            "--set", f"server.socket_dir={workdir / 'run'}", "--set", "cache.sweep_interval_s=1",
+        ]
+        for item in settings:
+            args += ["--set", item]
+        self.log = open(self.log_path, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "infercache: ready" in self.log_path.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    def client(self) -> Client:
+        return Client(self.address)
+
+    def stub(self) -> tuple[grpc.Channel, infercache_pb2_grpc.InferenceCacheStub]:
+        channel = grpc.insecure_channel(self.address)
+        return channel, infercache_pb2_grpc.InferenceCacheStub(channel)
+
+    def stats(self) -> pb.GetStatsResponse:
+        with self.client() as client:
+            return client.stats()
+
+    def worker_pid(self) -> int:
+        return self.stats().worker.pid
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
