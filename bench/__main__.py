@@ -137,6 +137,37 @@ def bench_misses(server: ServerProcess, texts: list[str], scale: float) -> dict:
     return out
 
 
+def bench_engine(texts: list[str], scale: float) -> dict:
+    """The engine alone, in this process, with the servers stopped: batch 1 vs batches of 32 cut per
+    bucket as the batcher cuts them. This is the ceiling of the server-level batching ratio."""
+    from server.engines.base import profiles_for
+    from server.engines.onnxruntime import OrtEngine
+    from server.models import load_model
+    from server.tokenization import TextEncoder, pad_batch
+
+    spec = load_model(REPO / "models" / "minilm")
+    folder = spec.version_dir(spec.serving_version)
+    encoder = TextEncoder(folder / "tokenizer.json", spec.max_tokens)
+    engine = OrtEngine(folder / "model.onnx", profiles_for(spec.buckets, spec.max_batch_size))
+    sequences = [encoder.encode(t) for t in texts[: max(256, int(1024 * scale))]]
+    by_bucket: dict[int, list] = {}
+    for seq in sequences:
+        by_bucket.setdefault(next(b for b in spec.buckets if len(seq) <= b), []).append(seq)
+    plans = {
+        "batch_1": [[s] for s in sequences],
+        "batch_32": [group[i:i + 32] for group in by_bucket.values() for i in range(0, len(group), 32)],
+    }
+    out = {}
+    for name, batches in plans.items():
+        engine.run(pad_batch(batches[0], max(map(len, batches[0]))))
+        started = time.perf_counter()
+        for batch in batches:
+            engine.run(pad_batch(batch, max(map(len, batch))))
+        out[name] = {"sequences_per_s": round(len(sequences) / (time.perf_counter() - started), 1)}
+    out["throughput_ratio"] = round(out["batch_32"]["sequences_per_s"] / out["batch_1"]["sequences_per_s"], 2)
+    return out
+
+
 def first_success(address: str, request: pb.InferRequest, started: float, timeout: float = 120) -> float:
     """Seconds from `started` until `request` succeeds (polling every 5 ms on fresh connections)."""
     deadline = time.monotonic() + timeout
@@ -186,6 +217,9 @@ def print_table(report: dict) -> None:
         print(f"  {model:<32} {miss[model]['throughput_rps']:7.1f}  {miss[model]['p50_ms']:8.1f}")
     print(f"  batcher vs max_batch_size 1: {miss['throughput_ratio']}x (target >= 3), "
           f"mean batch {miss['mean_batch_size']}")
+    engine = report["engine_alone"]
+    print(f"  engine alone (ceiling): batch 1 {engine['batch_1']['sequences_per_s']} seq/s, "
+          f"batch 32 {engine['batch_32']['sequences_per_s']} seq/s = {engine['throughput_ratio']}x")
     start = report["startup"]
     print(f"\nstart-up: first hit {start['first_hit_s']} s (target <= 1.5), first miss {start['first_miss_s']} s")
 
@@ -213,6 +247,8 @@ def main() -> None:
         finally:
             stop_echo(echo_procs)
             assert server.stop() == 0
+        print("benchmarking the engine alone ...", flush=True)
+        report["engine_alone"] = bench_engine(texts, scale)
         print("benchmarking start-up ...", flush=True)
         report["startup"] = bench_startup(workdir, models, server.cache_dir, texts, rounds)
     out = Path(args.out)
