@@ -36,7 +36,7 @@ def export_sentence_encoder(source: Path, target: Path, max_tokens: int) -> Path
     from transformers import AutoModel
 
     started = time.monotonic()
-    encoder = AutoModel.from_pretrained(str(source)).eval()
+    encoder = AutoModel.from_pretrained(str(source)).float().eval()  # fp32 graph even from fp16 weights
 
     class Embedder(torch.nn.Module):
         def __init__(self, bert: torch.nn.Module) -> None:
