@@ -140,7 +140,6 @@ def bench_misses(server: ServerProcess, texts: list[str], scale: float) -> dict:
 def bench_engine(texts: list[str], scale: float) -> dict:
     """The engine alone, in this process, with the servers stopped: batch 1 vs batches of 32 cut per
     bucket as the batcher cuts them. This is the ceiling of the server-level batching ratio."""
-    from server.engines.base import profiles_for
     from server.engines.onnxruntime import OrtEngine
     from server.models import load_model
     from server.tokenization import TextEncoder, pad_batch
@@ -148,7 +147,7 @@ def bench_engine(texts: list[str], scale: float) -> dict:
     spec = load_model(REPO / "models" / "minilm")
     folder = spec.version_dir(spec.serving_version)
     encoder = TextEncoder(folder / "tokenizer.json", spec.max_tokens)
-    engine = OrtEngine(folder / "model.onnx", profiles_for(spec.buckets, spec.max_batch_size))
+    engine = OrtEngine(folder / "model.onnx")
     sequences = [encoder.encode(t) for t in texts[: max(256, int(1024 * scale))]]
     by_bucket: dict[int, list] = {}
     for seq in sequences:

@@ -34,15 +34,17 @@ class ServerProcess:
     """`python -m server serve` on a free port, its output in workdir/server.log."""
 
     def __init__(self, workdir: Path, models_dir: Path, *, frontends: int = 2, settings: tuple[str, ...] = (),
-                 cache_dir: Path | None = None, wait: bool = True) -> None:
+                 cache_dir: Path | None = None, engines_dir: Path | None = None, wait: bool = True) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.cache_dir = cache_dir or workdir / "cache"
+        self.engines_dir = engines_dir or workdir / "engines"
         self.log_path = workdir / "server.log"
         args = [
             sys.executable, "-m", "server", "serve", "--port", str(self.port), "--frontends", str(frontends),
             "--models-dir", str(models_dir), "--cache-dir", str(self.cache_dir),
+            "--engines-dir", str(self.engines_dir),
             "--set", f"server.socket_dir={workdir / 'run'}", "--set", "cache.sweep_interval_s=1",
         ]
         for item in settings:

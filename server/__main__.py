@@ -1,6 +1,7 @@
 """`infercache` command line: the only place that reads argv and the environment.
 
     infercache serve [--config FILE] [--port N] [--frontends N] [--set section.field=value ...]
+    infercache engines build|list|verify|prune [--runtime onnxruntime|tensorrt] [--model NAME]
     infercache prepare-model [--models-dir DIR] [--force]
 """
 
@@ -15,20 +16,34 @@ DEFAULT_MODEL = "minilm"
 DEFAULT_VERSION = "1"
 
 
-def _serve(args: argparse.Namespace) -> int:
+_FLAGS = (("host", "server.host"), ("port", "server.port"), ("frontends", "server.frontends"),
+          ("models_dir", "server.models_dir"), ("cache_dir", "cache.dir"), ("engines_dir", "engines.dir"),
+          ("runtime", "engines.runtime"))
+
+
+def _config(args: argparse.Namespace):
+    """The one place configuration is read: file, environment, flags. Exits 2 with the reason."""
     from server import config as config_mod
+
+    overrides = dict(item.split("=", 1) for item in args.set)
+    for flag, dotted in _FLAGS:
+        if getattr(args, flag, None) is not None:
+            overrides[dotted] = getattr(args, flag)
+    try:
+        return config_mod.load(args.config or os.environ.get("INFERCACHE_CONFIG"), os.environ, overrides)
+    except config_mod.ConfigError as exc:
+        print(f"infercache: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
     from server.models import ModelConfigError, ModelRepository
     from server.supervisor import run
 
-    overrides = dict(item.split("=", 1) for item in args.set)
-    for flag, dotted in (("host", "server.host"), ("port", "server.port"), ("frontends", "server.frontends"),
-                         ("models_dir", "server.models_dir"), ("cache_dir", "cache.dir")):
-        if getattr(args, flag) is not None:
-            overrides[dotted] = getattr(args, flag)
+    config = _config(args)
     try:
-        config = config_mod.load(args.config or os.environ.get("INFERCACHE_CONFIG"), os.environ, overrides)
         repository = ModelRepository(Path(config.server.models_dir))
-    except (config_mod.ConfigError, ModelConfigError) as exc:
+    except ModelConfigError as exc:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
     missing = [f"{m.name} version {m.serving_version}" for m in repository.models.values()
@@ -58,20 +73,41 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engines(args: argparse.Namespace) -> int:
+    from server import engine_cli
+
+    return engine_cli.main(_config(args), args.engines_command, model=args.model, force=args.force,
+                           dry_run=args.dry_run)
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (default: $INFERCACHE_CONFIG)")
+    parser.add_argument("--models-dir")
+    parser.add_argument("--engines-dir", help="L3 engine store (engines.dir)")
+    parser.add_argument("--runtime", help="engines.runtime: onnxruntime or tensorrt")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override any setting, e.g. --set cache.budget_mb=512")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="infercache", description="Inference cache sidecar")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the server (supervisor, frontends, worker)")
-    serve.add_argument("--config", help="YAML config file (default: $INFERCACHE_CONFIG)")
+    _add_config_options(serve)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--frontends", type=int, help="frontend processes (0 = one per CPU)")
-    serve.add_argument("--models-dir")
     serve.add_argument("--cache-dir")
-    serve.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                       help="override any setting, e.g. --set cache.budget_mb=512")
     serve.set_defaults(func=_serve)
+
+    engines = commands.add_parser("engines", help="the L3 engine store: build, list, verify, prune")
+    engines.add_argument("engines_command", choices=("build", "list", "verify", "prune"))
+    _add_config_options(engines)
+    engines.add_argument("--model", help="build only this model (default: every servable model)")
+    engines.add_argument("--force", action="store_true", help="build even if a verified artifact exists")
+    engines.add_argument("--dry-run", action="store_true", help="prune: only say what would be removed")
+    engines.set_defaults(func=_engines)
 
     prepare = commands.add_parser("prepare-model", help="export the default model to the model repository")
     prepare.add_argument("--models-dir", default="models")

@@ -48,9 +48,18 @@ class CacheSection:
 
 
 @dataclass(frozen=True)
+class EnginesSection:
+    dir: str = "var/engines"           # L3 engine store (may be shared by pods: NFS, a PVC)
+    runtime: str = "onnxruntime"       # onnxruntime (CPU) or tensorrt (GPU)
+    precision: str = "fp16"            # requested; a runtime without FP16 builds fp32; config.yaml may override
+    build_missing: bool = True         # build at start when the store lacks an engine (logged and counted)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerSection = field(default_factory=ServerSection)
     cache: CacheSection = field(default_factory=CacheSection)
+    engines: EnginesSection = field(default_factory=EnginesSection)
 
     @property
     def frontend_count(self) -> int:
@@ -124,6 +133,10 @@ def validate(config: Config) -> None:
         )
     if config.server.max_queue < 1:
         raise ConfigError("server.max_queue must be >= 1")
+    if config.engines.runtime not in ("onnxruntime", "tensorrt"):
+        raise ConfigError(f"engines.runtime must be onnxruntime or tensorrt, got {config.engines.runtime!r}")
+    if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):
+        raise ConfigError(f"engines.precision must be fp16, fp32 or int8-qdq, got {config.engines.precision!r}")
 
 
 def store_settings(config: Config) -> StoreSettings:

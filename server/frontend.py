@@ -226,12 +226,22 @@ async def _serve(config: Config, index: int, socket_path: Path, ready, stop: asy
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"frontend {index}: cannot listen on {address}")
     await server.start()
+
+    async def serving_once_worker_is_up() -> None:
+        # Hits are answered from the start; health says SERVING once misses can be computed too
+        # (the worker opens its socket only after loading and warming up every engine).
+        await worker.channel.channel_ready()
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+
     for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_task = asyncio.get_running_loop().create_task(serving_once_worker_is_up())
     ready.put(("frontend", index, os.getpid()))
     log.info("frontend %d listening on %s (pid %d)", index, address, os.getpid())
     await stop.wait()
     log.info("draining")
+    health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.server.drain_s)
     await worker.close()

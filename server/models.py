@@ -36,6 +36,7 @@ class ModelSpec:
     max_batch_size: int
     max_queue_delay_ms: float
     ttl_s: int                        # 0 = results are never cached
+    precision: str = ""               # engine precision override ("int8-qdq" for Q/DQ models); "" = server default
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -87,6 +88,7 @@ def load_model(root: Path) -> ModelSpec:
             max_batch_size=_get(data, "batching.max_batch_size", int),
             max_queue_delay_ms=_get(data, "batching.max_queue_delay_ms", float),
             ttl_s=_get(data, "cache.ttl_s", int),
+            precision=str((data.get("engine") or {}).get("precision", "")),
         )
     except ModelConfigError as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None

@@ -89,7 +89,11 @@ class Supervisor:
         # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
         for child in (self.worker, *self.frontends):
             self._start(child)
-        self._await_ready([self.worker, *self.frontends])
+        try:
+            self._await_ready([self.worker, *self.frontends])
+        except SystemExit:
+            self._stop([*self.frontends, self.worker])  # or exiting would wait for them forever
+            raise
         server = self.config.server
         print(
             f"infercache: listening on {server.host}:{server.port} ({len(self.frontends)} frontends, "

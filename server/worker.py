@@ -29,9 +29,11 @@ from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server import metrics, process
 from server.batcher import Batcher
 from server.config import Config, store_settings
-from server.engines.base import Engine, load_engine, profiles_for
+from cachestore.engines import EngineStore
+from server.engines.artifacts import get_runtime, model_profiles, open_engine
+from server.engines.base import Engine
 from server.errors import ModelNotFound, WorkerUnavailable, grpc_errors
-from server.models import MODEL_FILE, TOKENIZER_FILE, ModelRepository, ModelSpec
+from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.tokenization import TextEncoder, pad_batch
 
 log = logging.getLogger("infercache.worker")
@@ -40,16 +42,13 @@ Source = pb.CacheInfo.Source
 
 
 class ModelRuntime:
-    """One loaded model version: tokenizer, engine and its batcher."""
+    """One loaded model version: tokenizer, engine (from the L3 store) and its batcher."""
 
-    def __init__(self, spec: ModelSpec, version: str, config: Config) -> None:
+    def __init__(self, spec: ModelSpec, version: str, engine: Engine, config: Config) -> None:
         self.spec = spec
         self.version = version
-        folder = spec.version_dir(version)
-        self.encoder = TextEncoder(folder / TOKENIZER_FILE, spec.max_tokens)
-        self.engine: Engine = load_engine(
-            folder / MODEL_FILE, profiles_for(spec.buckets, spec.max_batch_size), threads=config.server.engine_threads
-        )
+        self.encoder = TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
+        self.engine = engine
         self.batcher = Batcher(
             self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
@@ -61,7 +60,34 @@ class ModelRuntime:
         return [{name: outputs[name][row] for name in self.spec.outputs} for row in range(len(sequences))]
 
     def warmup(self) -> None:
-        self._run_batch([self.encoder.encode("warm up")])
+        """One batch per profile before the worker reports ready (TensorRT initializes lazily)."""
+        cls, sep = self.encoder.encode("")[:1] or [0], self.encoder.encode("")[-1:] or [0]
+        for profile in model_profiles(self.spec):
+            self._run_batch([cls + [sep[0]] * (profile.max_seq - 1)])
+
+
+def load_engines(config: Config, repository: ModelRepository, counters: Counter) -> dict[tuple[str, str], Engine]:
+    """An engine for every servable model version, from the L3 store (built there if missing)."""
+    store = EngineStore(Path(config.engines.dir))
+    runtime = get_runtime(config.engines.runtime)
+    engines = {}
+    for spec in repository.servable():
+        for version in spec.versions:
+            started = time.monotonic()
+            engine, artifact = open_engine(store, runtime, spec, version, config.engines.precision,
+                                           threads=config.server.engine_threads,
+                                           allow_build=config.engines.build_missing)
+            if artifact.built:
+                counters["engines_built_at_start"] += 1
+                counters["engine_build_ms"] += int(artifact.manifest.build_seconds * 1000)
+                log.warning("built engine %s at serve time in %.1f s%s; prebuild it with `infercache engines "
+                            "build` so pods only load", artifact.manifest.name, artifact.manifest.build_seconds,
+                            f" (stored one not trusted: {artifact.rebuilt_reason})" if artifact.rebuilt_reason else "")
+            counters["engines_loaded"] += 1
+            engines[(spec.name, version)] = engine
+            log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name,
+                     time.monotonic() - started)
+    return engines
 
 
 @dataclass(eq=False)
@@ -217,15 +243,15 @@ def _open_writer(config: Config) -> WriteBehind | None:
 
 async def _serve(config: Config, socket_path: Path, ready, stop: asyncio.Event) -> None:
     repository = ModelRepository(Path(config.server.models_dir))
+    engine_counters: Counter[str] = Counter()
+    engines = await asyncio.to_thread(load_engines, config, repository, engine_counters)
     runtimes = {}
-    for spec in repository.servable():
-        for version in spec.versions:
-            started = time.monotonic()
-            runtimes[(spec.name, version)] = runtime = ModelRuntime(spec, version, config)
-            await asyncio.to_thread(runtime.warmup)
-            log.info("loaded %s version %s in %.2f s", spec.name, version, time.monotonic() - started)
+    for (name, version), engine in engines.items():
+        runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, engine, config)
+        await asyncio.to_thread(runtime.warmup)
     writer = await asyncio.to_thread(_open_writer, config)
     core = WorkerCore(repository, runtimes, writer)
+    core.counters.update(engine_counters)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core), server)
     socket_path.unlink(missing_ok=True)  # left behind by a worker that was killed

@@ -38,14 +38,21 @@ def models_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def engines_dir(tmp_path_factory) -> Path:
+    """One L3 store for the servers of the whole session: each engine is built once."""
+    return tmp_path_factory.mktemp("engines")
+
+
 @pytest.fixture
-def start_server(tmp_path, models_dir):
+def start_server(tmp_path, models_dir, engines_dir):
     """Factory for servers that a test owns (and may crash); all are stopped afterwards."""
     started: list[ServerProcess] = []
 
     def start(**kwargs) -> ServerProcess:
         workdir = tmp_path / f"server{len(started)}"
         workdir.mkdir()
+        kwargs.setdefault("engines_dir", engines_dir)
         server = ServerProcess(workdir, models_dir, **kwargs)
         started.append(server)
         return server
@@ -56,9 +63,9 @@ def start_server(tmp_path, models_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, models_dir):
+def server(tmp_path_factory, models_dir, engines_dir):
     """One server shared by a test module (2 frontends). Tests use unique texts to stay independent."""
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), models_dir)
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), models_dir, engines_dir=engines_dir)
     yield srv
     code = srv.stop()
     assert code == 0, srv.log_text()

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from server.batcher import Batcher
-from server.engines.base import profiles_for
 from server.engines.onnxruntime import OrtEngine
 from server.errors import DeadlineExceeded, Overloaded
 from server.tokenization import TextEncoder, pad_batch
@@ -21,7 +20,7 @@ BUCKETS = (16, 32, 64, 128, 256)
 @pytest.fixture(scope="module")
 def model():
     encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
-    engine = OrtEngine(MODEL_VERSION_DIR / "model.onnx", profiles_for(BUCKETS, 32), threads=2)
+    engine = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=2)
     return encoder, engine
 
 

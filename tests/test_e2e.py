@@ -241,8 +241,8 @@ def test_health_reflection_models_and_stats(server):
     with channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "infercache.v1.InferenceCache"):
-            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-            assert status == health_pb2.HealthCheckResponse.SERVING
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert any(r.status == health_pb2.HealthCheckResponse.SERVING for r in watch)
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in reply.list_services_response.service}

@@ -1,4 +1,8 @@
-"""The engine interface: what the worker needs from a runtime, and nothing more."""
+"""The engine interface: what the worker needs from a runtime, and nothing more.
+
+A Runtime builds an artifact from a model's ONNX file (once, into the L3 store) and loads an Engine
+from it (in every serving process). An Engine runs padded batches.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,17 @@ from pathlib import Path
 import numpy as np
 
 
+class RuntimeUnavailable(RuntimeError):
+    """This runtime cannot build or run on this host (library or device missing)."""
+
+
+class EngineBuildError(RuntimeError):
+    pass
+
+
 @dataclass(frozen=True)
 class Profile:
-    """One optimization profile: batches up to max_batch of sequences up to max_seq tokens.
+    """One optimization profile: batches of up to max_batch sequences of min_seq..max_seq tokens.
 
     The batcher's sequence-length buckets map one to one onto profiles, so every batch it cuts fits
     exactly one profile (TensorRT needs that; ONNX Runtime takes any shape)."""
@@ -20,6 +32,14 @@ class Profile:
     max_seq: int
     max_batch: int
 
+    @property
+    def opt_batch(self) -> int:
+        return max(1, self.max_batch // 2)  # the batcher mostly cuts partial batches
+
+    def shapes(self) -> tuple[int, ...]:
+        """(min_batch, opt_batch, max_batch, min_seq, opt_seq, max_seq), as named in the L3 key."""
+        return (1, self.opt_batch, self.max_batch, self.min_seq, self.max_seq, self.max_seq)
+
 
 def profiles_for(buckets: tuple[int, ...], max_batch: int) -> tuple[Profile, ...]:
     lows = (1,) + tuple(b + 1 for b in buckets[:-1])
@@ -27,7 +47,7 @@ def profiles_for(buckets: tuple[int, ...], max_batch: int) -> tuple[Profile, ...
 
 
 class Engine(ABC):
-    """Runs padded batches. Thread-safe for one caller at a time; the worker calls it off the event loop."""
+    """Runs padded batches. One caller at a time; the worker calls it off the event loop."""
 
     @abstractmethod
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -38,8 +58,24 @@ class Engine(ABC):
         """Memory the engine holds on its device (0 where that is host memory)."""
 
 
-def load_engine(model_path: Path, profiles: tuple[Profile, ...], *, threads: int) -> Engine:
-    """The engine for this host. CPU builds use ONNX Runtime; later runtimes plug in here."""
-    from server.engines.onnxruntime import OrtEngine
+class Runtime(ABC):
+    name: str
+    version: str
+    suffix: str  # artifact file extension
 
-    return OrtEngine(model_path, profiles, threads=threads)
+    @abstractmethod
+    def device(self) -> tuple[str, dict]:
+        """(tag for artifact names, details for the manifest) of the device this host builds for."""
+
+    @abstractmethod
+    def precision(self, requested: str) -> str:
+        """The precision a build will have, given the requested one ("fp16", "fp32", "int8-qdq")."""
+
+    @abstractmethod
+    def build(self, source: Path, profiles: tuple[Profile, ...], precision: str, out: Path,
+              timing_cache: Path) -> dict:
+        """Builds `source` into `out`; returns details for the manifest."""
+
+    @abstractmethod
+    def load(self, artifact: Path, profiles: tuple[Profile, ...], *, threads: int) -> Engine:
+        pass

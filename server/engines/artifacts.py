@@ -1,0 +1,60 @@
+"""Engines through the L3 store: find the artifact for (model, version, device, runtime, precision,
+profiles), build it if it is missing or untrusted, load it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachestore.engines import ArtifactKey, EngineStore, Loaded
+from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
+from server.models import MODEL_FILE, ModelSpec
+
+RUNTIMES = ("onnxruntime", "tensorrt")
+
+
+def get_runtime(name: str) -> Runtime:
+    if name == "onnxruntime":
+        from server.engines.onnxruntime import OrtRuntime
+
+        return OrtRuntime()
+    if name == "tensorrt":
+        from server.engines.tensorrt import TensorRTRuntime
+
+        return TensorRTRuntime()
+    raise RuntimeUnavailable(f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
+
+
+def model_profiles(spec: ModelSpec) -> tuple[Profile, ...]:
+    return profiles_for(spec.buckets, spec.max_batch_size)
+
+
+def artifact_key(runtime: Runtime, spec: ModelSpec, version: str, precision: str) -> ArtifactKey:
+    device, _ = runtime.device()
+    return ArtifactKey(
+        model=spec.name, version=version, device=device, runtime=runtime.name,
+        runtime_version=runtime.version, precision=runtime.precision(spec.precision or precision),
+        profiles=tuple(p.shapes() for p in model_profiles(spec)), suffix=runtime.suffix,
+    )
+
+
+def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str, precision: str, *,
+            allow_build: bool = True) -> Loaded:
+    """The stored artifact for this model version on this host, built first if need be."""
+    key = artifact_key(runtime, spec, version, precision)
+    source = spec.version_dir(version) / MODEL_FILE
+    timing = store.timing_cache_path(key.device, runtime.name, runtime.version)
+    profiles = model_profiles(spec)
+    return store.get_or_build(
+        key, source, lambda out: runtime.build(source, profiles, key.precision, out, timing),
+        allow_build=allow_build,
+    )
+
+
+def open_engine(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str, precision: str, *,
+                threads: int, allow_build: bool) -> tuple[Engine, Loaded]:
+    loaded = prepare(store, runtime, spec, version, precision, allow_build=allow_build)
+    return runtime.load(loaded.path, model_profiles(spec), threads=threads), loaded
+
+
+def source_of(spec: ModelSpec, version: str) -> Path:
+    return spec.version_dir(version) / MODEL_FILE

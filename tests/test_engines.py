@@ -1,0 +1,206 @@
+"""The L3 engine store with real builds: ONNX Runtime's optimized model and TensorRT(-RTX) plans.
+
+TensorRT-RTX (installed by `make test`) parses ONNX and builds and serializes engines on this CPU-only
+machine; running an engine needs a supported NVIDIA GPU, so those tests skip with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachestore.engines import EngineStore
+from server.engines.artifacts import artifact_key, get_runtime, model_profiles, prepare
+from server.engines.base import RuntimeUnavailable
+from server.engines.onnxruntime import OrtEngine
+from server.models import load_model
+from server.tokenization import TextEncoder, pad_batch
+from tests.conftest import MODEL_VERSION_DIR, REPO
+
+SPEC = load_model(REPO / "models" / "minilm")
+
+
+def tensorrt_runtime():
+    try:
+        return get_runtime("tensorrt")
+    except RuntimeUnavailable as exc:
+        pytest.skip(f"TensorRT not installed here: {exc}")
+
+
+def flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_onnxruntime_artifact_is_built_once_verified_and_equivalent(tmp_path):
+    store = EngineStore(tmp_path / "engines")
+    runtime = get_runtime("onnxruntime")
+    first = prepare(store, runtime, SPEC, "1", "fp16")
+    assert first.built and first.path.is_file() and first.path.suffix == ".onnx"
+    manifest = json.loads(store.manifest_path(first.manifest.name).read_text())
+    assert manifest["sha256"] == first.manifest.sha256 and manifest["size_bytes"] == first.path.stat().st_size
+    assert manifest["key"]["runtime"] == "onnxruntime" and manifest["key"]["precision"] == "fp32"
+    assert len(manifest["key"]["profiles"]) == len(SPEC.buckets) and manifest["build_seconds"] > 0
+    assert manifest["details"]["graph_optimization"] == "ORT_ENABLE_ALL"
+    assert first.manifest.name.startswith("minilm_1_cpu-")
+
+    second = prepare(store, runtime, SPEC, "1", "fp16")
+    assert not second.built and second.manifest == first.manifest
+
+    encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
+    batch = pad_batch([encoder.encode(t) for t in ("how do i return an item", "card not arrived")], 8)
+    stored = runtime.load(second.path, model_profiles(SPEC), threads=1).run(batch)["embedding"]
+    original = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=1).run(batch)["embedding"]
+    np.testing.assert_allclose(stored, original, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (flip_a_byte, "checksum mismatch"),
+    (lambda p: p.write_bytes(p.read_bytes()[:1000]), "missing or truncated"),
+    (lambda p: p.with_suffix(".json").write_text("{not json"), "no valid manifest"),
+])
+def test_damaged_artifact_is_rebuilt_not_trusted(tmp_path, caplog, damage, reason):
+    store = EngineStore(tmp_path / "engines")
+    runtime = get_runtime("onnxruntime")
+    built = prepare(store, runtime, SPEC, "1", "fp16")
+    damage(built.path)
+    with caplog.at_level(logging.WARNING, logger="infercache.engines"):
+        again = prepare(store, runtime, SPEC, "1", "fp16")
+    assert again.built and reason in again.rebuilt_reason
+    assert any(reason in r.getMessage() for r in caplog.records)
+    assert store.verify_all() == [(again.manifest.name, "")]
+
+
+def test_changed_profiles_or_source_invalidate(tmp_path):
+    store = EngineStore(tmp_path / "engines")
+    runtime = get_runtime("onnxruntime")
+    base = prepare(store, runtime, SPEC, "1", "fp16")
+    other = prepare(store, runtime, replace(SPEC, buckets=(32, 256)), "1", "fp16")
+    assert other.built and other.manifest.name != base.manifest.name
+    assert base.manifest.name.rsplit("_", 1)[0] == other.manifest.name.rsplit("_", 1)[0]  # only the hash differs
+
+    copy = tmp_path / "models" / "minilm"
+    shutil.copytree(MODEL_VERSION_DIR, copy / "1")
+    moved = replace(SPEC, root=copy)
+    assert not prepare(store, runtime, moved, "1", "fp16").built  # same bytes, same artifact
+    flip_a_byte(copy / "1" / "model.onnx")
+    changed = prepare(store, runtime, moved, "1", "fp16")
+    assert changed.built and "source model changed" in changed.rebuilt_reason
+
+
+def test_tensorrt_build_profiles_manifest_and_timing_cache(tmp_path):
+    runtime = tensorrt_runtime()
+    store = EngineStore(tmp_path / "engines")
+    spec = replace(SPEC, buckets=(16, 32), max_batch_size=8)
+    first = prepare(store, runtime, spec, "1", "fp16")
+    assert first.built and first.path.suffix == ".plan" and first.path.stat().st_size > 10_000_000
+    key = first.manifest.key
+    assert key["runtime"] == runtime.name and key["runtime_version"] == runtime.version
+    assert key["profiles"] == [[1, 4, 8, 1, 16, 16], [1, 4, 8, 17, 32, 32]]
+    details = first.manifest.details
+    assert details["inputs"] == ["input_ids", "attention_mask"] and "compute_capability" in details
+    timing = store.timing_cache_path(key["device"], runtime.name, runtime.version)
+    assert timing.is_file() and details["timing_cache_saved_bytes"] == timing.stat().st_size > 0
+    assert details["timing_cache_loaded_bytes"] == 0  # the first build on this device
+
+    assert not prepare(store, runtime, spec, "1", "fp16").built
+    flip_a_byte(first.path)
+    rebuilt = prepare(store, runtime, spec, "1", "fp16")
+    assert rebuilt.built and "checksum" in rebuilt.rebuilt_reason
+    # A new profile set is a new artifact, and its build starts from the device's timing cache.
+    wider = prepare(store, runtime, replace(spec, buckets=(64,)), "1", "fp16")
+    assert wider.built and wider.manifest.name != first.manifest.name
+    assert wider.manifest.details["timing_cache_loaded_bytes"] == timing.stat().st_size
+
+
+def test_two_builders_into_one_directory_build_once(tmp_path):
+    tensorrt_runtime()
+    engines = tmp_path / "shared-engines"
+    command = [sys.executable, "-m", "server", "engines", "build", "--runtime", "tensorrt",
+               "--engines-dir", str(engines), "--models-dir", str(REPO / "models")]
+    builders = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for _ in range(2)]
+    outputs = [b.communicate(timeout=600)[0] for b in builders]
+    assert [b.returncode for b in builders] == [0, 0], outputs
+    assert sum("built in" in out for out in outputs) == 1, outputs
+    assert sum("already in the store" in out for out in outputs) == 1, outputs
+    artifacts = sorted(p.name for p in (engines / "artifacts").iterdir())
+    assert len(artifacts) == 2 and artifacts[0].endswith(".json") and artifacts[1].endswith(".plan")
+    assert EngineStore(engines).verify_all()[0][1] == ""
+
+
+def test_engines_cli_list_verify_prune(tmp_path):
+    engines = tmp_path / "engines"
+    models = tmp_path / "models"
+    for name in ("minilm", "retired"):
+        (models / name).mkdir(parents=True)
+        shutil.copy(REPO / "models" / "minilm" / "config.yaml", models / name / "config.yaml")
+        (models / name / "1").symlink_to(MODEL_VERSION_DIR)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "server", "engines", *args, "--engines-dir", str(engines),
+                               "--models-dir", str(models)], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    built = cli("build")
+    assert built.returncode == 0 and "[1/2] minilm 1" in built.stdout and "[2/2] retired 1" in built.stdout
+    listed = cli("list").stdout
+    assert "minilm_1_cpu-" in listed and "retired_1_cpu-" in listed
+    assert cli("verify").returncode == 0
+
+    shutil.rmtree(models / "retired")
+    (engines / "artifacts" / ".orphan.onnx.999999999.building").write_bytes(b"left by a crashed build")
+    assert "would remove retired_1_" in cli("prune", "--dry-run").stdout
+    pruned = cli("prune")
+    assert pruned.returncode == 0 and "removed retired_1_" in pruned.stdout and "orphan" in pruned.stdout
+    assert "retired" not in cli("list").stdout
+
+    flip_a_byte(next((engines / "artifacts").glob("*.onnx")))
+    bad = cli("verify")
+    assert bad.returncode == 1 and "BAD" in bad.stdout and "checksum mismatch" in bad.stdout
+
+
+def test_server_builds_into_an_empty_store_and_then_only_loads(start_server, tmp_path):
+    engines = tmp_path / "fresh-engines"
+    cold = start_server(engines_dir=engines)
+    counters = cold.stats().worker.counters
+    assert counters["worker.engines_built_at_start"] == counters["worker.engines_loaded"] == 3
+    assert counters["worker.engine_build_ms"] > 0
+    assert "built engine minilm_1_" in cold.log_text() and "infercache engines build" in cold.log_text()
+    assert cold.stop() == 0
+
+    warm = start_server(engines_dir=engines)
+    counters = warm.stats().worker.counters
+    assert counters["worker.engines_built_at_start"] == 0 and counters["worker.engines_loaded"] == 3
+    with warm.client() as client:
+        assert client.infer("minilm", "loaded, not built").outputs["embedding"].shape == (384,)
+
+
+def test_tensorrt_execution_matches_onnxruntime(tmp_path):
+    runtime = tensorrt_runtime()
+    from server.engines.cuda import device_info
+
+    gpu = device_info()
+    if gpu is None:
+        pytest.skip("TensorRT execution needs an NVIDIA GPU; this host has none (engines were built, not run)")
+    if runtime.is_rtx and (gpu.major, gpu.minor) not in ((7, 5), (8, 0), (8, 6), (8, 9), (12, 0), (12, 1)):
+        pytest.skip(f"TensorRT-RTX engines do not run on compute capability {gpu.major}.{gpu.minor} ({gpu.name})")
+    store = EngineStore(tmp_path / "engines")
+    loaded = prepare(store, runtime, SPEC, "1", "fp32")
+    engine = runtime.load(loaded.path, model_profiles(SPEC), threads=1)
+    encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
+    batch = pad_batch([encoder.encode(t) for t in ("how do i return an item", "card not arrived")], 12)
+    got = engine.run(batch)["embedding"]
+    want = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=1).run(batch)["embedding"]
+    assert np.min(np.sum(got * want, axis=1)) > 0.999
+    assert artifact_key(runtime, SPEC, "1", "fp32").device == gpu.tag
