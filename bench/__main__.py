@@ -6,6 +6,8 @@
 2. Misses: throughput at 32 concurrent callers with the batcher vs max_batch_size 1 (same server,
    same weights, two model names).
 3. Start-up: process start to the first served hit (warm store) and to the first served miss.
+4. L3 engine store: cold (build) vs warm (find, verify, load) for ONNX Runtime, TensorRT(-RTX) and the
+   whole server's start to ready.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from bench import echo
+from bench.engines import bench_l3, print_l3
 from bench.load import run_load
 from infercache.testing import REPO, ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
@@ -187,7 +190,7 @@ def bench_startup(workdir: Path, models: Path, cache_dir: Path, texts: list[str]
     for i in range(rounds):
         run_dir = workdir / f"start{i}"
         run_dir.mkdir()
-        server = ServerProcess(run_dir, models, cache_dir=cache_dir, wait=False)
+        server = ServerProcess(run_dir, models, cache_dir=cache_dir, engines_dir=workdir / "engines", wait=False)
         to_hit = first_success(server.address, hit, server.started)
         miss = pb.InferRequest(model="minilm", text=f"a question nobody asked before {i} {time.time()}")
         to_miss = first_success(server.address, miss, server.started)
@@ -236,7 +239,8 @@ def main() -> None:
         workdir = Path(tmp)
         models = make_models(workdir / "models")
         (workdir / "main").mkdir()
-        server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count())
+        server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count(),
+                               engines_dir=workdir / "engines")
         echo_address, echo_procs = start_echo(multiprocessing.cpu_count())
         try:
             print("benchmarking exact hits ...", flush=True)
@@ -250,10 +254,13 @@ def main() -> None:
         report["engine_alone"] = bench_engine(texts, scale)
         print("benchmarking start-up ...", flush=True)
         report["startup"] = bench_startup(workdir, models, server.cache_dir, texts, rounds)
+        print("benchmarking the L3 engine store ...", flush=True)
+        report["l3_engines"] = bench_l3(workdir, models, rounds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print_table(report)
+    print_l3(report["l3_engines"])
     print(f"\nwrote {out}")
 
 

@@ -24,6 +24,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Callable, Iterator
 
 log = logging.getLogger("infercache.engines")
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 _UNSAFE = re.compile(r"[^A-Za-z0-9.+-]+")
 
 
@@ -71,12 +72,34 @@ class Manifest:
     sha256: str
     size_bytes: int
     source_sha256: str
+    source_stat: list[int]      # [size, mtime_ns] of the source when built: skips re-hashing it on every start
     build_seconds: float
     built_at: str
     built_by: str
     key: dict
     details: dict = field(default_factory=dict)  # runtime-specific: GPU name, compute capability, timing cache use
     format: int = MANIFEST_FORMAT
+
+
+class _Source:
+    """The model file an artifact is built from; hashed only when its size or mtime changed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        stat = path.stat()
+        self.stat = [stat.st_size, stat.st_mtime_ns]
+        self._sha256: str | None = None
+
+    @property
+    def sha256(self) -> str:
+        if self._sha256 is None:
+            self._sha256 = sha256_file(self.path)
+        return self._sha256
+
+    def matches(self, manifest: "Manifest") -> bool:
+        if self.stat == manifest.source_stat:
+            return True
+        return self.sha256 == manifest.source_sha256  # copied or touched: same bytes still count
 
 
 @dataclass(frozen=True)
@@ -144,21 +167,34 @@ class EngineStore:
         except (OSError, ValueError, TypeError):
             return None
 
-    def check(self, key: ArtifactKey, source_sha256: str) -> tuple[Manifest | None, str]:
-        """(manifest, "") when the stored artifact can be trusted for `key`, else (None, why not)."""
+    def _trusted(self, key: ArtifactKey, source: _Source) -> tuple[Manifest | None, str]:
+        """Every check but the artifact checksum (which runs while the artifact loads)."""
         manifest = self.read_manifest(key.name)
         path = self.artifact_path(key)
         if manifest is None:
             return None, "no valid manifest" if path.exists() else "not built yet"
         if manifest.key != _key_dict(key):
             return None, "manifest describes a different build"
-        if manifest.source_sha256 != source_sha256:
+        if not source.matches(manifest):
             return None, "the source model changed since the build"
         if not path.is_file() or path.stat().st_size != manifest.size_bytes:
             return None, "artifact missing or truncated"
-        if sha256_file(path) != manifest.sha256:
-            return None, "artifact checksum mismatch"
         return manifest, ""
+
+    def _verified_load(self, path: Path, manifest: Manifest, load: Callable[[Path], object] | None):
+        """(loaded object, "") once the checksum matched, or (None, why not). Hashing and loading
+        overlap; a load whose checksum fails is dropped before anyone uses it."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            digest = pool.submit(sha256_file, path)
+            try:
+                engine, failure = (load(path) if load is not None else None), None
+            except Exception as exc:  # a damaged file may not even parse: the checksum decides
+                engine, failure = None, exc
+            if digest.result() != manifest.sha256:
+                return None, "artifact checksum mismatch"
+        if failure is not None:
+            raise failure  # intact but not loadable here (wrong GPU, missing runtime): not fixed by a rebuild
+        return engine, ""
 
     def list(self) -> list[Manifest]:
         names = sorted(p.stem for p in self.artifacts.glob("*.json"))
@@ -192,24 +228,31 @@ class EngineStore:
             finally:
                 fcntl.lockf(handle, fcntl.LOCK_UN)
 
-    def get_or_build(self, key: ArtifactKey, source: Path, build: Builder, *, allow_build: bool = True) -> Loaded:
-        source_sha = sha256_file(source)
-        manifest, why = self.check(key, source_sha)
+    def get_or_build(self, key: ArtifactKey, source: Path, build: Builder, *,
+                     load: Callable[[Path], object] | None = None, allow_build: bool = True) -> tuple[Loaded, object]:
+        """The trusted artifact for `key` (built first if missing or untrusted) and load(artifact)."""
+        src = _Source(source)
+        path = self.artifact_path(key)
+        manifest, why = self._trusted(key, src)
         if manifest is not None:
-            return Loaded(self.artifact_path(key), manifest, built=False)
+            engine, why = self._verified_load(path, manifest, load)
+            if not why:
+                return Loaded(path, manifest, built=False), engine
         if not allow_build:
             raise FileNotFoundError(f"engine {key.name} is not in the store ({why}); run `infercache engines build`")
         with self._lock(key.name):
-            manifest, why_now = self.check(key, source_sha)  # built by whoever held the lock before us
+            manifest, why = self._trusted(key, src)  # built by whoever held the lock before us
             if manifest is not None:
-                return Loaded(self.artifact_path(key), manifest, built=False)
-            if why_now not in ("not built yet",):
-                log.warning("%s: rebuilding, stored artifact not trusted: %s", key.name, why_now)
-            manifest = self._build(key, source_sha, build)
-        return Loaded(self.artifact_path(key), manifest, built=True,
-                      rebuilt_reason="" if why_now == "not built yet" else why_now)
+                engine, why = self._verified_load(path, manifest, load)
+                if not why:
+                    return Loaded(path, manifest, built=False), engine
+            if why != "not built yet":
+                log.warning("%s: rebuilding, stored artifact not trusted: %s", key.name, why)
+            manifest = self._build(key, src, build)
+        engine = load(path) if load is not None else None
+        return Loaded(path, manifest, built=True, rebuilt_reason="" if why == "not built yet" else why), engine
 
-    def _build(self, key: ArtifactKey, source_sha: str, build: Builder) -> Manifest:
+    def _build(self, key: ArtifactKey, source: _Source, build: Builder) -> Manifest:
         path = self.artifact_path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.building")
         started = time.monotonic()
@@ -222,7 +265,7 @@ class EngineStore:
             seconds = time.monotonic() - started
             manifest = Manifest(
                 name=key.name, artifact=path.name, sha256=sha256_file(tmp), size_bytes=tmp.stat().st_size,
-                source_sha256=source_sha, build_seconds=round(seconds, 3),
+                source_sha256=source.sha256, source_stat=source.stat, build_seconds=round(seconds, 3),
                 built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 built_by=f"{socket.gethostname()}:{os.getpid()}", key=_key_dict(key), details=details,
             )

@@ -51,18 +51,21 @@ class ServerProcess:
             args += ["--set", item]
         self.log = open(self.log_path, "w")
         self.started = time.monotonic()
+        self.ready_after: float | None = None
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
+        """Blocks until the server says it is ready; `ready_after` is then the seconds since launch."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if "infercache: ready" in self.log_path.read_text():
+                self.ready_after = time.monotonic() - self.started
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            time.sleep(0.05)
+            time.sleep(0.01)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_text()}")
 
     def log_text(self) -> str:

@@ -41,7 +41,7 @@ def build(config: Config, *, model: str | None, force: bool) -> int:
             store.manifest_path(key.name).unlink(missing_ok=True)
         started = time.monotonic()
         try:
-            loaded = prepare(store, runtime, spec, version, config.engines.precision)
+            loaded, _ = prepare(store, runtime, spec, version, config.engines.precision)
         except (EngineBuildError, RuntimeUnavailable, OSError) as exc:
             failures += 1
             _say(f"    FAILED: {exc}")

@@ -35,7 +35,6 @@ log = logging.getLogger("infercache.frontend")
 
 Mode = pb.CachePolicy.Mode
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
-PID_METADATA = "infercache-frontend-pid"
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
 
 
@@ -190,11 +189,9 @@ class FrontendCore:
 class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     def __init__(self, core: FrontendCore) -> None:
         self.core = core
-        self._pid = (PID_METADATA, str(os.getpid()))
 
     @grpc_errors
     async def Infer(self, request, context):
-        context.set_trailing_metadata((self._pid,))
         return await self.core.infer(request, context.time_remaining())
 
     @grpc_errors
@@ -203,7 +200,6 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
 
     @grpc_errors
     async def GetStats(self, request, context):
-        context.set_trailing_metadata((self._pid,))
         return await self.core.stats()
 
     @grpc_errors

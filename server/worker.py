@@ -30,7 +30,7 @@ from server import metrics, process
 from server.batcher import Batcher
 from server.config import Config, store_settings
 from cachestore.engines import EngineStore
-from server.engines.artifacts import get_runtime, model_profiles, open_engine
+from server.engines.artifacts import get_runtime, model_profiles, prepare
 from server.engines.base import Engine
 from server.errors import ModelNotFound, WorkerUnavailable, grpc_errors
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
@@ -74,9 +74,8 @@ def load_engines(config: Config, repository: ModelRepository, counters: Counter)
     for spec in repository.servable():
         for version in spec.versions:
             started = time.monotonic()
-            engine, artifact = open_engine(store, runtime, spec, version, config.engines.precision,
-                                           threads=config.server.engine_threads,
-                                           allow_build=config.engines.build_missing)
+            artifact, engine = prepare(store, runtime, spec, version, config.engines.precision, load=True,
+                                       threads=config.server.engine_threads, allow_build=config.engines.build_missing)
             if artifact.built:
                 counters["engines_built_at_start"] += 1
                 counters["engine_build_ms"] += int(artifact.manifest.build_seconds * 1000)

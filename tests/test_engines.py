@@ -46,7 +46,7 @@ def flip_a_byte(path: Path) -> None:
 def test_onnxruntime_artifact_is_built_once_verified_and_equivalent(tmp_path):
     store = EngineStore(tmp_path / "engines")
     runtime = get_runtime("onnxruntime")
-    first = prepare(store, runtime, SPEC, "1", "fp16")
+    first = prepare(store, runtime, SPEC, "1", "fp16")[0]
     assert first.built and first.path.is_file() and first.path.suffix == ".onnx"
     manifest = json.loads(store.manifest_path(first.manifest.name).read_text())
     assert manifest["sha256"] == first.manifest.sha256 and manifest["size_bytes"] == first.path.stat().st_size
@@ -55,7 +55,7 @@ def test_onnxruntime_artifact_is_built_once_verified_and_equivalent(tmp_path):
     assert manifest["details"]["graph_optimization"] == "ORT_ENABLE_ALL"
     assert first.manifest.name.startswith("minilm_1_cpu-")
 
-    second = prepare(store, runtime, SPEC, "1", "fp16")
+    second = prepare(store, runtime, SPEC, "1", "fp16")[0]
     assert not second.built and second.manifest == first.manifest
 
     encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
@@ -73,11 +73,11 @@ def test_onnxruntime_artifact_is_built_once_verified_and_equivalent(tmp_path):
 def test_damaged_artifact_is_rebuilt_not_trusted(tmp_path, caplog, damage, reason):
     store = EngineStore(tmp_path / "engines")
     runtime = get_runtime("onnxruntime")
-    built = prepare(store, runtime, SPEC, "1", "fp16")
+    built = prepare(store, runtime, SPEC, "1", "fp16")[0]
     damage(built.path)
     with caplog.at_level(logging.WARNING, logger="infercache.engines"):
-        again = prepare(store, runtime, SPEC, "1", "fp16")
-    assert again.built and reason in again.rebuilt_reason
+        again, engine = prepare(store, runtime, SPEC, "1", "fp16", load=True)  # loading a damaged file is no error
+    assert again.built and reason in again.rebuilt_reason and engine is not None
     assert any(reason in r.getMessage() for r in caplog.records)
     assert store.verify_all() == [(again.manifest.name, "")]
 
@@ -85,17 +85,17 @@ def test_damaged_artifact_is_rebuilt_not_trusted(tmp_path, caplog, damage, reaso
 def test_changed_profiles_or_source_invalidate(tmp_path):
     store = EngineStore(tmp_path / "engines")
     runtime = get_runtime("onnxruntime")
-    base = prepare(store, runtime, SPEC, "1", "fp16")
-    other = prepare(store, runtime, replace(SPEC, buckets=(32, 256)), "1", "fp16")
+    base = prepare(store, runtime, SPEC, "1", "fp16")[0]
+    other = prepare(store, runtime, replace(SPEC, buckets=(32, 256)), "1", "fp16")[0]
     assert other.built and other.manifest.name != base.manifest.name
     assert base.manifest.name.rsplit("_", 1)[0] == other.manifest.name.rsplit("_", 1)[0]  # only the hash differs
 
     copy = tmp_path / "models" / "minilm"
     shutil.copytree(MODEL_VERSION_DIR, copy / "1")
     moved = replace(SPEC, root=copy)
-    assert not prepare(store, runtime, moved, "1", "fp16").built  # same bytes, same artifact
+    assert not prepare(store, runtime, moved, "1", "fp16")[0].built  # same bytes, same artifact
     flip_a_byte(copy / "1" / "model.onnx")
-    changed = prepare(store, runtime, moved, "1", "fp16")
+    changed = prepare(store, runtime, moved, "1", "fp16")[0]
     assert changed.built and "source model changed" in changed.rebuilt_reason
 
 
@@ -103,7 +103,7 @@ def test_tensorrt_build_profiles_manifest_and_timing_cache(tmp_path):
     runtime = tensorrt_runtime()
     store = EngineStore(tmp_path / "engines")
     spec = replace(SPEC, buckets=(16, 32), max_batch_size=8)
-    first = prepare(store, runtime, spec, "1", "fp16")
+    first = prepare(store, runtime, spec, "1", "fp16")[0]
     assert first.built and first.path.suffix == ".plan" and first.path.stat().st_size > 10_000_000
     key = first.manifest.key
     assert key["runtime"] == runtime.name and key["runtime_version"] == runtime.version
@@ -114,12 +114,12 @@ def test_tensorrt_build_profiles_manifest_and_timing_cache(tmp_path):
     assert timing.is_file() and details["timing_cache_saved_bytes"] == timing.stat().st_size > 0
     assert details["timing_cache_loaded_bytes"] == 0  # the first build on this device
 
-    assert not prepare(store, runtime, spec, "1", "fp16").built
+    assert not prepare(store, runtime, spec, "1", "fp16")[0].built
     flip_a_byte(first.path)
-    rebuilt = prepare(store, runtime, spec, "1", "fp16")
+    rebuilt = prepare(store, runtime, spec, "1", "fp16")[0]
     assert rebuilt.built and "checksum" in rebuilt.rebuilt_reason
     # A new profile set is a new artifact, and its build starts from the device's timing cache.
-    wider = prepare(store, runtime, replace(spec, buckets=(64,)), "1", "fp16")
+    wider = prepare(store, runtime, replace(spec, buckets=(64,)), "1", "fp16")[0]
     assert wider.built and wider.manifest.name != first.manifest.name
     assert wider.manifest.details["timing_cache_loaded_bytes"] == timing.stat().st_size
 
@@ -196,8 +196,7 @@ def test_tensorrt_execution_matches_onnxruntime(tmp_path):
     if runtime.is_rtx and (gpu.major, gpu.minor) not in ((7, 5), (8, 0), (8, 6), (8, 9), (12, 0), (12, 1)):
         pytest.skip(f"TensorRT-RTX engines do not run on compute capability {gpu.major}.{gpu.minor} ({gpu.name})")
     store = EngineStore(tmp_path / "engines")
-    loaded = prepare(store, runtime, SPEC, "1", "fp32")
-    engine = runtime.load(loaded.path, model_profiles(SPEC), threads=1)
+    _, engine = prepare(store, runtime, SPEC, "1", "fp32", load=True)
     encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
     batch = pad_batch([encoder.encode(t) for t in ("how do i return an item", "card not arrived")], 12)
     got = engine.run(batch)["embedding"]

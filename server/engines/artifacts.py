@@ -3,8 +3,6 @@ profiles), build it if it is missing or untrusted, load it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from cachestore.engines import ArtifactKey, EngineStore, Loaded
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
 from server.models import MODEL_FILE, ModelSpec
@@ -38,23 +36,15 @@ def artifact_key(runtime: Runtime, spec: ModelSpec, version: str, precision: str
 
 
 def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str, precision: str, *,
-            allow_build: bool = True) -> Loaded:
-    """The stored artifact for this model version on this host, built first if need be."""
+            allow_build: bool = True, load: bool = False, threads: int = 0) -> tuple[Loaded, Engine | None]:
+    """The stored artifact for this model version on this host (built first if need be), and with
+    load=True the engine loaded from it."""
     key = artifact_key(runtime, spec, version, precision)
     source = spec.version_dir(version) / MODEL_FILE
     timing = store.timing_cache_path(key.device, runtime.name, runtime.version)
     profiles = model_profiles(spec)
     return store.get_or_build(
         key, source, lambda out: runtime.build(source, profiles, key.precision, out, timing),
+        load=(lambda path: runtime.load(path, profiles, threads=threads)) if load else None,
         allow_build=allow_build,
     )
-
-
-def open_engine(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str, precision: str, *,
-                threads: int, allow_build: bool) -> tuple[Engine, Loaded]:
-    loaded = prepare(store, runtime, spec, version, precision, allow_build=allow_build)
-    return runtime.load(loaded.path, model_profiles(spec), threads=threads), loaded
-
-
-def source_of(spec: ModelSpec, version: str) -> Path:
-    return spec.version_dir(version) / MODEL_FILE
