@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,11 @@ DB_STORED = b"stored"          # created_us(8, big-endian) + key -> b""   (evict
 DB_EXPIRY = b"expiry"          # expires_us(8, big-endian) + key -> b""   (sweep order)
 DB_NAMESPACES = b"namespaces"  # ns_id(8) -> JSON [tenant, model, version]
 DB_META = b"meta"              # persisted settings
-ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META)
+DB_SEMLOG = b"semlog"          # semantic index entries (cachestore/semantic.py)
+DB_SEMKEYS = b"semkeys"
+DB_SEMNEXT = b"semnext"
+ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META, DB_SEMLOG, DB_SEMKEYS, DB_SEMNEXT)
+READER_DBS = (DB_RESULTS, DB_META)  # what read-only (frontend) handles open
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Store:
         self.readonly = readonly
         self._pid = os.getpid()
         self.env = self._open()
-        self.dbs = {name: self._open_db(name) for name in ALL_DBS}
+        self.dbs = {name: db for name in ALL_DBS if (db := self._open_db(name)) is not None}
         self._check_format()
         if not readonly:
             # Frees reader slots left by processes that died (kill -9) while holding a read transaction.
@@ -69,23 +74,29 @@ class Store:
         try:
             return self.env.open_db(name, create=not self.readonly)
         except lmdb.Error as exc:
+            if self.readonly and name not in READER_DBS:
+                return None  # a store from before that database existed: readers do not need it
             raise StoreError(f"store at {self.settings.path} has no database {name.decode()}: {exc}") from exc
 
     def _check_format(self) -> None:
+        """Checks the persisted settings; a new store gets them, with a random id that snapshots
+        kept outside LMDB (semantic indexes) use to tell whether they belong to this store."""
         meta = self.dbs[DB_META]
         with self.env.begin(write=not self.readonly) as txn:
             raw = txn.get(b"settings", db=meta)
             if raw is None:
                 if self.readonly:
                     raise StoreFormatError("store has no settings record yet")
-                txn.put(b"settings", json.dumps({"format": STORE_FORMAT}).encode(), db=meta)
-                return
-        try:
-            found = json.loads(bytes(raw)).get("format")
-        except (ValueError, AttributeError):
-            found = None
-        if found != STORE_FORMAT:
-            raise StoreFormatError(f"store format {found}, this build reads {STORE_FORMAT}")
+                settings = {"format": STORE_FORMAT, "store_id": uuid.uuid4().hex}
+                txn.put(b"settings", json.dumps(settings).encode(), db=meta)
+            else:
+                try:
+                    settings = json.loads(bytes(raw))
+                except ValueError:
+                    settings = {}
+        if settings.get("format") != STORE_FORMAT:
+            raise StoreFormatError(f"store format {settings.get('format')}, this build reads {STORE_FORMAT}")
+        self.store_id = str(settings.get("store_id", ""))
 
     def begin(self, *, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
         if os.getpid() != self._pid:

@@ -15,7 +15,7 @@ import time
 import lmdb
 from google.protobuf.message import DecodeError
 
-from cachestore import records
+from cachestore import records, semantic
 from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, Namespace
@@ -70,9 +70,10 @@ class ResultCache:
 
 # ---- write side: called by the writer thread inside its write transaction -------------------------
 
-def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: records.Record) -> None:
+def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: records.Record,
+        removed: list | None = None) -> None:
     dbs = store.dbs
-    delete(store, txn, key)
+    delete(store, txn, key, removed)
     txn.put(key, records.encode(record), db=dbs[DB_RESULTS])
     txn.put(_U64.pack(record.created_us) + key, b"", db=dbs[DB_STORED])
     if record.expires_us:
@@ -80,11 +81,15 @@ def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: 
     txn.put(key[:NS_ID_BYTES], ns.to_json(), db=dbs[DB_NAMESPACES], overwrite=False)
 
 
-def delete(store: Store, txn: lmdb.Transaction, key: bytes) -> bool:
+def delete(store: Store, txn: lmdb.Transaction, key: bytes, removed: list | None = None) -> bool:
+    """Deletes an entry with its index rows; its semantic row's (ns_id, label) goes to `removed`."""
     dbs = store.dbs
     raw = txn.get(key, db=dbs[DB_RESULTS])
     if raw is None:
         return False
+    gone = semantic.remove(store, txn, key)
+    if gone is not None and removed is not None:
+        removed.append(gone)
     try:
         created, expires = records.decode_times(raw)
         txn.delete(_U64.pack(created) + key, db=dbs[DB_STORED])
@@ -95,7 +100,7 @@ def delete(store: Store, txn: lmdb.Transaction, key: bytes) -> bool:
     return txn.delete(key, db=dbs[DB_RESULTS])
 
 
-def delete_namespace(store: Store, txn: lmdb.Transaction, ns_id: bytes) -> int:
+def delete_namespace(store: Store, txn: lmdb.Transaction, ns_id: bytes, removed: list | None = None) -> int:
     """Deletes every entry whose key starts with ns_id, and the namespace row itself."""
     keys = []
     with txn.cursor(db=store.dbs[DB_RESULTS]) as cursor:
@@ -104,9 +109,9 @@ def delete_namespace(store: Store, txn: lmdb.Transaction, ns_id: bytes) -> int:
                 if not key.startswith(ns_id):
                     break
                 keys.append(bytes(key))
-    removed = sum(delete(store, txn, key) for key in keys)
+    count = sum(delete(store, txn, key, removed) for key in keys)
     txn.delete(ns_id, db=store.dbs[DB_NAMESPACES])
-    return removed
+    return count
 
 
 def namespaces(store: Store, txn: lmdb.Transaction) -> list[tuple[bytes, Namespace]]:
@@ -114,7 +119,8 @@ def namespaces(store: Store, txn: lmdb.Transaction) -> list[tuple[bytes, Namespa
         return [(bytes(k), Namespace.from_json(bytes(v))) for k, v in cursor]
 
 
-def _delete_index_prefix(store: Store, txn: lmdb.Transaction, index: bytes, stop: int | None, limit: int) -> int:
+def _delete_index_prefix(store: Store, txn: lmdb.Transaction, index: bytes, stop: int | None, limit: int,
+                         removed: list | None) -> int:
     """Deletes entries in index order (oldest first) until `stop` (a time) or `limit` entries."""
     victims = []
     with txn.cursor(db=store.dbs[index]) as cursor:
@@ -124,14 +130,15 @@ def _delete_index_prefix(store: Store, txn: lmdb.Transaction, index: bytes, stop
             victims.append(bytes(row))
     for row in victims:
         txn.delete(row, db=store.dbs[index])
-        delete(store, txn, row[_U64.size:])
+        delete(store, txn, row[_U64.size:], removed)
     return len(victims)
 
 
-def sweep_expired(store: Store, txn: lmdb.Transaction, now: int, limit: int = 10_000) -> int:
-    return _delete_index_prefix(store, txn, DB_EXPIRY, now, limit)
+def sweep_expired(store: Store, txn: lmdb.Transaction, now: int, limit: int = 10_000,
+                  removed: list | None = None) -> int:
+    return _delete_index_prefix(store, txn, DB_EXPIRY, now, limit, removed)
 
 
-def evict_oldest(store: Store, txn: lmdb.Transaction, count: int) -> int:
+def evict_oldest(store: Store, txn: lmdb.Transaction, count: int, removed: list | None = None) -> int:
     """Least-recently-stored eviction (readers never write, so there is no access time to use)."""
-    return _delete_index_prefix(store, txn, DB_STORED, None, count)
+    return _delete_index_prefix(store, txn, DB_STORED, None, count, removed)

@@ -19,7 +19,8 @@ from typing import Callable
 
 import lmdb
 
-from cachestore import records, results
+from cachestore import records, results, semantic
+from cachestore.semantic import Row, SemanticEntry
 from cachestore.env import Store
 from cachestore.keys import NS_ID_BYTES, Namespace
 
@@ -52,6 +53,7 @@ class _Put:
     ns: Namespace
     record: records.Record
     on_done: Callable[[], None] | None = None
+    semantic: SemanticEntry | None = None
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,11 @@ _STOP = object()
 
 
 class WriteBehind:
-    def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0) -> None:
+    def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0,
+                 on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None) -> None:
         self.store = store
+        # Told after each commit which semantic rows were added and which (ns_id, label) went.
+        self.on_semantic = on_semantic
         self.batch_max = batch_max
         self.sweep_interval_s = sweep_interval_s
         self.counters: Counter[str] = Counter()
@@ -81,9 +86,10 @@ class WriteBehind:
     # ---- called from any thread; never block -------------------------------------------------------
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,
-            on_done: Callable[[], None] | None = None) -> None:
-        """on_done runs on the writer thread once the put was committed or dropped."""
-        self._queue.put(_Put(key, ns, record, on_done))
+            on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
+        """on_done runs on the writer thread once the put was committed or dropped. With `semantic`,
+        the entry also joins its namespace's semantic index."""
+        self._queue.put(_Put(key, ns, record, on_done, semantic))
 
     def invalidate(self, selector: Selector) -> Future:
         """Future of the number of entries removed; ordered after every put enqueued before it."""
@@ -157,36 +163,46 @@ class WriteBehind:
                     op.done.set_result(None)
 
     def _commit(self, batch: list) -> None:
-        removed: list[tuple[_Invalidate, int]] = []
+        invalidated: list[tuple[_Invalidate, int]] = []
+        added: list[Row] = []
+        removed: list[tuple[bytes, int]] = []
         with self.store.begin(write=True) as txn:
             for op in batch:
                 if isinstance(op, _Put):
-                    results.put(self.store, txn, op.key, op.ns, op.record)
+                    results.put(self.store, txn, op.key, op.ns, op.record, removed)
+                    if op.semantic is not None:
+                        added.append(semantic.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):
-                    removed.append((op, self._invalidate(txn, op.selector)))
-            self._enforce_budget(txn)
+                    invalidated.append((op, self._invalidate(txn, op.selector, removed)))
+            self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
-        for op, count in removed:
+        self._notify(added, removed)
+        for op, count in invalidated:
             self.counters["invalidated"] += count
             op.done.set_result(count)
 
-    def _invalidate(self, txn: lmdb.Transaction, selector: Selector) -> int:
+    def _notify(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        if self.on_semantic is not None and (added or removed):
+            self.on_semantic(added, removed)
+
+    def _invalidate(self, txn: lmdb.Transaction, selector: Selector, removed: list) -> int:
         spaces = results.namespaces(self.store, txn)
         if selector.key is not None:
             ns = dict(spaces).get(selector.key[:NS_ID_BYTES])
             if ns is None or not selector.matches(ns):
                 return 0
-            return int(results.delete(self.store, txn, selector.key))
-        return sum(results.delete_namespace(self.store, txn, ns_id) for ns_id, ns in spaces if selector.matches(ns))
+            return int(results.delete(self.store, txn, selector.key, removed))
+        return sum(results.delete_namespace(self.store, txn, ns_id, removed)
+                   for ns_id, ns in spaces if selector.matches(ns))
 
-    def _enforce_budget(self, txn: lmdb.Transaction) -> None:
+    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> None:
         budget = self.store.settings.budget
         if self.store.used_bytes(txn) <= budget:
             return
         evicted = 0
         while self.store.used_bytes(txn) > budget * LOW_WATER:
-            n = results.evict_oldest(self.store, txn, EVICT_CHUNK)
+            n = results.evict_oldest(self.store, txn, EVICT_CHUNK, removed)
             if n == 0:
                 break
             evicted += n
@@ -194,13 +210,17 @@ class WriteBehind:
         log.info("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
 
     def _evict_fraction(self, fraction: float) -> None:
+        removed: list[tuple[bytes, int]] = []
         with self.store.begin(write=True) as txn:
             entries = txn.stat(self.store.dbs[results.DB_RESULTS])["entries"]
-            self.counters["evicted"] += results.evict_oldest(self.store, txn, max(1, int(entries * fraction)))
+            self.counters["evicted"] += results.evict_oldest(self.store, txn, max(1, int(entries * fraction)), removed)
+        self._notify([], removed)
 
     def _sweep(self) -> None:
+        removed: list[tuple[bytes, int]] = []
         with self.store.begin(write=True) as txn:
-            swept = results.sweep_expired(self.store, txn, results.now_us())
+            swept = results.sweep_expired(self.store, txn, results.now_us(), removed=removed)
+        self._notify([], removed)
         if swept:
             self.counters["swept"] += swept
             log.info("swept %d expired entries", swept)

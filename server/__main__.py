@@ -3,6 +3,7 @@
     infercache serve [--config FILE] [--port N] [--frontends N] [--set section.field=value ...]
     infercache engines build|list|verify|prune [--runtime onnxruntime|tensorrt] [--model NAME]
     infercache prepare-model [--models-dir DIR] [--force]
+    infercache train-head data.csv --name NAME [--text-column text] [--label-column label]
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                         help="override any setting, e.g. --set cache.budget_mb=512")
 
 
+def _train_head(args: argparse.Namespace) -> int:
+    from server.train_head import TrainError, train
+
+    try:
+        train(Path(args.csv), text_column=args.text_column, label_column=args.label_column,
+              models_dir=Path(args.models_dir), encoder=args.encoder, name=args.name, version=args.version,
+              epochs=args.epochs, limit=args.limit)
+    except TrainError as exc:
+        print(f"infercache: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="infercache", description="Inference cache sidecar")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +127,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--models-dir", default="models")
     prepare.add_argument("--force", action="store_true", help="export even if the files exist")
     prepare.set_defaults(func=_prepare_model)
+
+    head = commands.add_parser("train-head", help="train a classification head on an encoder from a labelled CSV")
+    head.add_argument("csv", help="CSV file with a header row")
+    head.add_argument("--name", required=True, help="model name to write (models/<name>/<version>)")
+    head.add_argument("--text-column", default="text")
+    head.add_argument("--label-column", default="label")
+    head.add_argument("--encoder", default=DEFAULT_MODEL, help="encoder model in the repository")
+    head.add_argument("--version", help="version to write (default: the next integer)")
+    head.add_argument("--models-dir", default="models")
+    head.add_argument("--epochs", type=int, default=300)
+    head.add_argument("--limit", type=int, help="use only the first N rows")
+    head.set_defaults(func=_train_head)
 
     args = parser.parse_args(argv)
     bad = [item for item in getattr(args, "set", []) if "=" not in item or "." not in item.split("=", 1)[0]]

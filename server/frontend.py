@@ -122,6 +122,8 @@ class FrontendCore:
         mode = request.cache.mode
         if mode not in Mode.values():
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
+        if request.semantic.HasField("min_similarity") and not 0.0 <= request.semantic.min_similarity <= 1.0:
+            raise InvalidArgument(f"semantic.min_similarity must be within 0..1, got {request.semantic.min_similarity}")
         text = self._normalized_text(request.text, spec.max_text_chars)
         key = entry_key(self._ns_id(request.tenant, spec.name, version), text)
         cached_at_all = spec.ttl_s > 0
@@ -140,6 +142,7 @@ class FrontendCore:
         compute = worker_pb2.ComputeRequest(
             model=spec.name, version=version, tenant=request.tenant, text=text, key=key,
             store=cached_at_all and mode != Mode.NO_STORE, cached_ok=cached_ok, max_age_us=max_age,
+            semantic=request.semantic,
         )
         return await self.worker.call("Compute", compute, time_remaining)
 

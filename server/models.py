@@ -13,9 +13,11 @@ from typing import Any
 import yaml
 
 from server.errors import ModelNotFound
+from server.match_policy import MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
+LABELS_FILE = "labels.json"       # classification models: score column -> label
 
 
 class ModelConfigError(ValueError):
@@ -37,6 +39,7 @@ class ModelSpec:
     max_queue_delay_ms: float
     ttl_s: int                        # 0 = results are never cached
     precision: str = ""               # engine precision override ("int8-qdq" for Q/DQ models); "" = server default
+    semantic: MatchPolicy | None = None  # near-duplicate matching (classification models); None = exact only
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -89,11 +92,14 @@ def load_model(root: Path) -> ModelSpec:
             max_queue_delay_ms=_get(data, "batching.max_queue_delay_ms", float),
             ttl_s=_get(data, "cache.ttl_s", int),
             precision=str((data.get("engine") or {}).get("precision", "")),
+            semantic=policy_from_config(data.get("semantic")),
         )
-    except ModelConfigError as exc:
+    except (ModelConfigError, ValueError) as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None
     if not buckets or buckets[-1] < max_tokens:
         raise ModelConfigError(f"{config_path}: the largest bucket must be >= input.max_tokens ({max_tokens})")
+    if spec.semantic is not None and spec.task != "classification":
+        raise ModelConfigError(f"{config_path}: semantic matching needs a classification model (an answer to agree on)")
     if spec.max_batch_size < 1 or spec.max_text_chars < 1 or spec.ttl_s < 0:
         raise ModelConfigError(f"{config_path}: max_batch_size and max_text_chars must be >= 1, ttl_s >= 0")
     return spec

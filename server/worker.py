@@ -8,6 +8,7 @@ the result to the write-behind thread. It is the only process that writes the st
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -22,7 +23,9 @@ from cachestore import records
 from cachestore.env import Store
 from cachestore.errors import StoreError
 from cachestore.keys import Namespace, parse_hex_key
-from cachestore.results import ResultCache
+from cachestore.keys import NS_ID_BYTES
+from cachestore.results import ResultCache, now_us
+from cachestore.semantic import SemanticEntry
 from cachestore.writer import Selector, WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
@@ -33,7 +36,9 @@ from cachestore.engines import EngineStore
 from server.engines.artifacts import get_runtime, model_profiles, prepare
 from server.engines.base import Engine
 from server.errors import ModelNotFound, WorkerUnavailable, grpc_errors
-from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
+from server.match_policy import Neighbor
+from server.models import LABELS_FILE, TOKENIZER_FILE, ModelRepository, ModelSpec
+from server.semantic import SemanticTier
 from server.tokenization import TextEncoder, pad_batch
 
 log = logging.getLogger("infercache.worker")
@@ -49,6 +54,8 @@ class ModelRuntime:
         self.version = version
         self.encoder = TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
         self.engine = engine
+        labels_path = spec.version_dir(version) / LABELS_FILE
+        self.labels: list[str] = json.loads(labels_path.read_text()) if spec.task == "classification" else []
         self.batcher = Batcher(
             self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
@@ -57,7 +64,17 @@ class ModelRuntime:
 
     def _run_batch(self, sequences: list[list[int]]) -> list[dict[str, np.ndarray]]:
         outputs = self.engine.run(pad_batch(sequences, max(len(s) for s in sequences)))
-        return [{name: outputs[name][row] for name in self.spec.outputs} for row in range(len(sequences))]
+        return [{name: values[row] for name, values in outputs.items()} for row in range(len(sequences))]
+
+    def response(self, outputs: dict[str, np.ndarray], key: bytes) -> pb.InferResponse:
+        response = pb.InferResponse(outputs=to_tensors({name: outputs[name] for name in self.spec.outputs}),
+                                    cache=pb.CacheInfo(model_version=self.version, key=key.hex()))
+        if self.labels:
+            scores = outputs["scores"]
+            best = int(np.argmax(scores))
+            response.classification.label = self.labels[best]
+            response.classification.probability = float(scores[best])
+        return response
 
     def warmup(self) -> None:
         """One batch per profile before the worker reports ready (TensorRT initializes lazily)."""
@@ -99,6 +116,16 @@ class _Flight:
     created_us: int = field(default_factory=lambda: time.time_ns() // 1000)
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What a flight produced: a computed response (with the query's embedding when the model matches
+    semantically), or a cached near-duplicate's response and record."""
+
+    response: pb.InferResponse
+    embedding: np.ndarray | None = None
+    matched: records.Record | None = None
+
+
 def to_tensors(outputs: dict[str, np.ndarray]) -> list[pb.Tensor]:
     return [
         pb.Tensor(name=name, dtype=str(array.dtype), shape=array.shape, data=np.ascontiguousarray(array).tobytes())
@@ -118,10 +145,11 @@ class WorkerCore:
     """Transport-free worker logic; WorkerServicer is a thin gRPC shell over it."""
 
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 writer: WriteBehind | None) -> None:
+                 writer: WriteBehind | None, semantic: SemanticTier | None = None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
+        self.semantic = semantic
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
         self._inflight: dict[bytes, _Flight] = {}
@@ -137,40 +165,54 @@ class WorkerCore:
         runtime = self.runtime(request.model, request.version)
         key = request.key
         flight = self._inflight.get(key)
-        source = Source.COALESCED
         if flight is None and request.cached_ok and self.cache is not None:
             max_age = request.max_age_us if request.HasField("max_age_us") else None
             if (cached := self.cache.lookup(key, max_age)) is not None:
                 self.counters["late_hit"] += 1  # committed after the frontend looked
                 return cached
+        joined = flight is not None
         if flight is None:
-            source = Source.MISS
-            task = asyncio.get_running_loop().create_task(self._run(runtime, request.text, key, deadline))
+            task = asyncio.get_running_loop().create_task(self._run(runtime, request, deadline))
             flight = self._inflight[key] = _Flight(task)
             task.add_done_callback(lambda t, f=flight: self._forget_failed(t, f, key))
-        self.counters["computed" if source == Source.MISS else "coalesced"] += 1
         flight.waiters += 1
         try:
-            result: pb.InferResponse = await asyncio.shield(flight.task)
+            outcome: _Outcome = await asyncio.shield(flight.task)
         finally:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.task.done():
                 flight.task.cancel()  # nobody wants it any more: the batcher drops it before the engine
+        self.counters["coalesced" if joined else ("semantic_hits" if outcome.matched else "computed")] += 1
         if request.store and not flight.stored and self.writer is not None:
             # The flight stays joinable until its entry is committed: a request that missed L1 in the
             # meantime joins it instead of computing the same thing again.
             flight.stored = True
-            ttl_us = self.repository.get(request.model).ttl_s * 1_000_000
-            record = records.Record(flight.created_us, flight.created_us + ttl_us, result.SerializeToString())
-            loop = asyncio.get_running_loop()
-            self.writer.put(key, Namespace(request.tenant, request.model, request.version), record,
-                            on_done=lambda f=flight: _call_soon(loop, self._forget, f, key))
+            self._store(request, runtime, flight, outcome)
         elif flight.waiters == 0 and not flight.stored:
             self._forget(flight, key)
         reply = pb.InferResponse()
-        reply.CopyFrom(result)
-        reply.cache.source = source
+        reply.CopyFrom(outcome.response)
+        if not outcome.matched:
+            reply.cache.source = Source.COALESCED if joined else Source.MISS
         return reply
+
+    def _store(self, request, runtime: ModelRuntime, flight: _Flight, outcome: _Outcome) -> None:
+        key, loop = request.key, asyncio.get_running_loop()
+        ns = Namespace(request.tenant, request.model, request.version)
+        done = lambda f=flight: _call_soon(loop, self._forget, f, key)  # noqa: E731
+        if outcome.matched is not None:
+            # An exact alias of the matched entry: the same text next time is a frontend RESULT_EXACT.
+            self.writer.put(key, ns, outcome.matched, on_done=done)
+            return
+        stored = pb.InferResponse()
+        stored.CopyFrom(outcome.response)
+        del stored.cache.neighbors[:]
+        ttl_us = runtime.spec.ttl_s * 1_000_000
+        record = records.Record(flight.created_us, flight.created_us + ttl_us, stored.SerializeToString())
+        entry = None
+        if outcome.embedding is not None:
+            entry = SemanticEntry(key[:NS_ID_BYTES], outcome.response.classification.label, outcome.embedding)
+        self.writer.put(key, ns, record, on_done=done, semantic=entry)
 
     def _forget_failed(self, task: asyncio.Task, flight: _Flight, key: bytes) -> None:
         if task.cancelled() or task.exception() is not None:
@@ -180,11 +222,44 @@ class WorkerCore:
         if self._inflight.get(key) is flight:
             del self._inflight[key]
 
-    async def _run(self, runtime: ModelRuntime, text: str, key: bytes, deadline: float | None) -> pb.InferResponse:
-        outputs = await runtime.batcher.submit(runtime.encoder.encode(text), deadline)
-        return pb.InferResponse(
-            outputs=to_tensors(outputs), cache=pb.CacheInfo(model_version=runtime.version, key=key.hex())
-        )
+    async def _run(self, runtime: ModelRuntime, request, deadline: float | None) -> _Outcome:
+        embedding, neighbors = None, []
+        policy = runtime.spec.semantic
+        overrides = request.semantic
+        if (policy is not None and self.semantic is not None
+                and (not overrides.HasField("enabled") or overrides.enabled)):
+            embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
+            embedding = (await embedder.batcher.submit(embedder.encoder.encode(request.text), deadline))["embedding"]
+            neighbors = await self.semantic.search(request.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
+            floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
+            chosen = policy.decide(neighbors, floor) if request.cached_ok else None
+            matched = self._matched(chosen, request, neighbors) if chosen is not None else None
+            if matched is not None:
+                return matched
+        outputs = await runtime.batcher.submit(runtime.encoder.encode(request.text), deadline)
+        response = runtime.response(outputs, request.key)
+        self._explain(response, request, neighbors)
+        return _Outcome(response, embedding)
+
+    def _matched(self, chosen: Neighbor, request, neighbors: list[Neighbor]) -> _Outcome | None:
+        """The chosen neighbour's entry as a RESULT_SEMANTIC answer, if it is still fresh."""
+        now = now_us()
+        max_age = request.max_age_us if request.HasField("max_age_us") else None
+        record = self.cache.get(chosen.key, now, max_age) if self.cache is not None else None
+        if record is None:
+            return None  # expired or gone since it was indexed: compute instead
+        response = pb.InferResponse.FromString(record.payload)
+        response.cache.source = Source.RESULT_SEMANTIC
+        response.cache.similarity = chosen.similarity
+        response.cache.age_s = record.age_s(now)
+        self._explain(response, request, neighbors)
+        return _Outcome(response, matched=record)
+
+    def _explain(self, response: pb.InferResponse, request, neighbors: list[Neighbor]) -> None:
+        if request.semantic.explain:
+            response.cache.neighbors.extend(
+                pb.Neighbor(similarity=n.similarity, answer=n.answer) for n in neighbors
+            )
 
     async def invalidate(self, request: pb.InvalidateRequest) -> int:
         if self.writer is None:
@@ -204,12 +279,16 @@ class WorkerCore:
             groups.append((f"batcher.{model}.{version}", batcher.counters + Counter(queue_depth=batcher.depth)))
         if self.writer is not None:
             groups.append(("writer", self.writer.counters))
+        if self.semantic is not None:
+            groups.append(("semantic", self.semantic.counters))
         return metrics.process_stats("worker", *groups)
 
     async def close(self) -> None:
         for runtime in self.runtimes.values():
             await runtime.batcher.close()
         await asyncio.gather(*(f.task for f in list(self._inflight.values())), return_exceptions=True)
+        if self.semantic is not None:
+            await self.semantic.close()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -240,6 +319,31 @@ def _open_writer(config: Config) -> WriteBehind | None:
     return WriteBehind(store, batch_max=config.cache.write_batch, sweep_interval_s=config.cache.sweep_interval_s)
 
 
+def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
+                   writer: WriteBehind | None) -> SemanticTier | None:
+    """The semantic tier when a served model asks for it and its embedder is served too; its indexes
+    are rebuilt in the background (requests are served meanwhile)."""
+    policies = [spec.semantic for spec in repository.servable() if spec.semantic is not None]
+    if not policies or writer is None:
+        return None
+    dims = set()
+    for policy in policies:
+        embedder = repository.models.get(policy.embedder)
+        runtime = runtimes.get((policy.embedder, embedder.serving_version)) if embedder else None
+        if runtime is None or "embedding" not in runtime.spec.outputs:
+            log.error("semantic matching off: embedder model %r is not served (or has no 'embedding' output)",
+                      policy.embedder)
+            return None
+        dims.add(int(runtime._run_batch([runtime.encoder.encode("dimension")])[0]["embedding"].shape[-1]))
+    if len(dims) != 1:
+        log.error("semantic matching off: embedders of different dimensions %s", sorted(dims))
+        return None
+    tier = SemanticTier(writer.store, Path(config.cache.dir) / "semantic", dims.pop())
+    writer.on_semantic = tier.apply
+    tier.start()
+    return tier
+
+
 async def _serve(config: Config, socket_path: Path, ready, stop: asyncio.Event) -> None:
     repository = ModelRepository(Path(config.server.models_dir))
     engine_counters: Counter[str] = Counter()
@@ -249,7 +353,8 @@ async def _serve(config: Config, socket_path: Path, ready, stop: asyncio.Event) 
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, engine, config)
         await asyncio.to_thread(runtime.warmup)
     writer = await asyncio.to_thread(_open_writer, config)
-    core = WorkerCore(repository, runtimes, writer)
+    tier = _semantic_tier(config, repository, runtimes, writer)
+    core = WorkerCore(repository, runtimes, writer, tier)
     core.counters.update(engine_counters)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core), server)

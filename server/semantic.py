@@ -1,0 +1,215 @@
+"""Semantic tier of the inference worker: near-duplicate requests answered from cached entries.
+
+One hnswlib index per namespace (tenant, model, version), so tenants never match each other. One
+thread owns every index (lookups, inserts, deletions, resizes, snapshots run there in order), so the
+event loop never blocks on them. Entries come from the write-behind after each commit; the semantic
+log in LMDB is the source of truth, and an index is rebuilt on start from its snapshot plus the log
+rows the snapshot lacks. Until that finishes, lookups report no neighbours (requests just miss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import hnswlib
+import numpy as np
+
+from cachestore import semantic as log_rows
+from cachestore.env import Store
+from cachestore.semantic import Row
+from server.match_policy import Neighbor
+
+log = logging.getLogger("infercache.semantic")
+
+INITIAL_CAPACITY = 1024
+HISTOGRAM_EDGES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
+
+
+class _Index:
+    """One namespace: the hnswlib graph plus label -> (key, answer) of its live entries."""
+
+    def __init__(self, dim: int, capacity: int = INITIAL_CAPACITY) -> None:
+        self.dim = dim
+        self.graph = hnswlib.Index(space="ip", dim=dim)  # unit vectors: inner product = cosine
+        self.graph.init_index(max_elements=capacity, ef_construction=128, M=16)
+        self.graph.set_ef(64)
+        self.rows: dict[int, tuple[bytes, str]] = {}
+
+    def add(self, rows: list[Row]) -> None:
+        fresh = [r for r in rows if r.label not in self.rows]
+        needed = self.graph.element_count + len(fresh)
+        if needed > self.graph.get_max_elements():  # grow in place; lookups wait a moment, never fail
+            self.graph.resize_index(max(needed, 2 * self.graph.get_max_elements()))
+        if fresh:
+            self.graph.add_items(np.stack([r.embedding for r in fresh]), [r.label for r in fresh])
+        for row in rows:
+            self.rows[row.label] = (row.key, row.answer)
+
+    def remove(self, label: int) -> None:
+        if self.rows.pop(label, None) is not None:
+            self.graph.mark_deleted(label)
+
+    def search(self, vector: np.ndarray, k: int) -> list[Neighbor]:
+        k = min(k, len(self.rows))
+        while k > 0:
+            try:
+                labels, distances = self.graph.knn_query(vector.reshape(1, -1), k=k)
+                break
+            except RuntimeError:  # too few reachable live elements for k (many deleted): ask for fewer
+                k -= 1
+        if k == 0:
+            return []
+        out = []
+        for label, distance in zip(labels[0], distances[0]):
+            if int(label) in self.rows:
+                key, answer = self.rows[int(label)]
+                out.append(Neighbor(float(1.0 - distance), key, answer))
+        return out
+
+
+class SemanticTier:
+    def __init__(self, store: Store, snapshot_dir: Path, dim: int) -> None:
+        self.store = store
+        self.snapshot_dir = snapshot_dir
+        self.dim = dim
+        self.ready = False
+        self.counters: Counter[str] = Counter()
+        self._indexes: dict[bytes, _Index] = {}
+        self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic")
+
+    # ---- called from the event loop -----------------------------------------------------------------
+
+    def start(self) -> asyncio.Future:
+        """Rebuilds every index in the background (exact hits and misses are served meanwhile)."""
+        return asyncio.get_running_loop().run_in_executor(self._owner, self._load_all)
+
+    async def search(self, ns_id: bytes, vector: np.ndarray, k: int) -> list[Neighbor]:
+        if not self.ready:
+            self.counters["lookups_before_ready"] += 1
+            return []
+        neighbors = await asyncio.get_running_loop().run_in_executor(self._owner, self._search, ns_id, vector, k)
+        self._observe(neighbors)
+        return neighbors
+
+    def _observe(self, neighbors: list[Neighbor]) -> None:
+        """Histogram of the nearest similarity of every lookup, hit or miss (GetStats)."""
+        self.counters["lookups"] += 1
+        if not neighbors:
+            self.counters["nearest.none"] += 1
+            return
+        nearest = neighbors[0].similarity
+        lower = max((e for e in HISTOGRAM_EDGES if nearest >= e), default=0.0)
+        self.counters[f"nearest.ge_{lower:.2f}"] += 1
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._owner, self._snapshot_all)
+        self._owner.shutdown(wait=True)
+
+    # ---- called from the write-behind thread after each commit ----------------------------------------
+
+    def apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        self._owner.submit(self._apply, added, removed)
+
+    # ---- the owner thread ---------------------------------------------------------------------------
+
+    def _index(self, ns_id: bytes) -> _Index:
+        index = self._indexes.get(ns_id)
+        if index is None:
+            index = self._indexes[ns_id] = _Index(self.dim)
+        return index
+
+    def _search(self, ns_id: bytes, vector: np.ndarray, k: int) -> list[Neighbor]:
+        index = self._indexes.get(ns_id)
+        return [] if index is None else index.search(vector, k)
+
+    def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        try:
+            for ns_id, label in removed:
+                if ns_id in self._indexes:
+                    self._indexes[ns_id].remove(label)
+            by_ns: dict[bytes, list[Row]] = {}
+            for row in added:
+                by_ns.setdefault(row.ns_id, []).append(row)
+            for ns_id, rows in by_ns.items():
+                self._index(ns_id).add(rows)
+            self.counters["indexed"] += len(added)
+            self.counters["unindexed"] += len(removed)
+        except Exception:  # a failed index update loses matches, never answers
+            self.counters["index_errors"] += 1
+            log.exception("semantic index update failed")
+
+    def _snapshot_path(self, ns_id: bytes) -> Path:
+        return self.snapshot_dir / f"{ns_id.hex()}.hnsw"
+
+    def _load_all(self) -> None:
+        started = time.monotonic()
+        try:
+            with self.store.begin() as txn:
+                spaces = log_rows.namespaces(self.store, txn)
+            for ns_id in spaces:
+                self._load(ns_id)
+        except Exception:
+            self.counters["index_errors"] += 1
+            log.exception("semantic index rebuild failed; serving exact matches only")
+            return
+        self.ready = True
+        total = sum(len(i.rows) for i in self._indexes.values())
+        self.counters["rebuild_ms"] = int((time.monotonic() - started) * 1000)
+        log.info("semantic indexes ready: %d namespaces, %d entries in %.2f s", len(self._indexes), total,
+                 time.monotonic() - started)
+
+    def _load(self, ns_id: bytes) -> None:
+        index = self._try_snapshot(ns_id)
+        in_graph = set(index.graph.get_ids_list()) if index is not None else set()
+        with self.store.begin(buffers=True) as txn:
+            rows = list(log_rows.scan(self.store, txn, ns_id))
+        if index is None:
+            index = _Index(self.dim, max(INITIAL_CAPACITY, 2 * len(rows)))
+        live = {row.label for row in rows}
+        tail = [row for row in rows if row.label not in in_graph]
+        index.rows = {row.label: (row.key, row.answer) for row in rows if row.label in in_graph}
+        for label in in_graph - live:  # deleted since the snapshot
+            try:
+                index.graph.mark_deleted(label)
+            except RuntimeError:
+                pass  # already marked in the snapshot
+        index.add(tail)
+        self._indexes[ns_id] = index
+        self.counters["rebuilt_from_log"] += len(tail)
+        self.counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
+
+    def _try_snapshot(self, ns_id: bytes) -> _Index | None:
+        path = self._snapshot_path(ns_id)
+        meta_path = path.with_suffix(".json")
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("store_id") != self.store.store_id or meta.get("dim") != self.dim:
+                return None
+            index = _Index.__new__(_Index)
+            index.dim = self.dim
+            index.graph = hnswlib.Index(space="ip", dim=self.dim)
+            index.graph.load_index(str(path), max_elements=max(INITIAL_CAPACITY, int(meta["capacity"])))
+            index.graph.set_ef(64)
+            index.rows = {}
+            return index
+        except (OSError, ValueError, KeyError, RuntimeError):
+            return None
+
+    def _snapshot_all(self) -> None:
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        for ns_id, index in self._indexes.items():
+            path = self._snapshot_path(ns_id)
+            try:
+                tmp = path.with_suffix(".tmp")
+                index.graph.save_index(str(tmp))
+                tmp.replace(path)
+                meta = {"store_id": self.store.store_id, "dim": self.dim, "capacity": index.graph.get_max_elements()}
+                path.with_suffix(".json").write_text(json.dumps(meta))
+            except (OSError, RuntimeError):
+                log.exception("semantic snapshot of %s failed (the next start rebuilds from the log)", ns_id.hex())

@@ -1,0 +1,160 @@
+"""`infercache train-head`: a classification head on an encoder of the model repository.
+
+Reads a labelled CSV, embeds the (normalized) texts with the encoder's ONNX model, fits a softmax
+regression in numpy, and writes a new model version whose single ONNX graph is encoder + head: the
+served artifact, with no Python model code at serve time. Outputs: "embedding" (the encoder's) and
+"scores" (class probabilities); labels.json maps score columns to labels.
+Needs the `onnx` package (the prepare extra); serving never imports this module.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from server.engines.onnxruntime import OrtEngine
+from server.models import LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, load_model
+from server.normalize import Normalizer
+from server.tokenization import TextEncoder, pad_batch
+
+class TrainError(ValueError):
+    pass
+
+
+def read_labelled_csv(path: Path, text_column: str, label_column: str, limit: int | None) -> tuple[list[str], list[str]]:
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in (text_column, label_column) if c not in (reader.fieldnames or [])]
+            if missing:
+                raise TrainError(f"{path}: no column {missing[0]!r} (columns: {', '.join(reader.fieldnames or [])})")
+            rows = [(r[text_column], r[label_column]) for r in reader if (r[text_column] or "").strip()]
+    except OSError as exc:
+        raise TrainError(f"cannot read {path}: {exc}") from None
+    rows = rows[:limit] if limit else rows
+    if len({label for _, label in rows}) < 2:
+        raise TrainError(f"{path}: need at least two distinct labels in {label_column!r}")
+    return [t for t, _ in rows], [l for _, l in rows]
+
+
+def embed(engine: OrtEngine, encoder: TextEncoder, texts: list[str], progress, batch: int = 64) -> np.ndarray:
+    ids = [encoder.encode(t) for t in texts]
+    order = np.argsort([len(i) for i in ids])  # similar lengths together: little padding
+    out = np.zeros((len(texts), 0), dtype=np.float32)
+    started = time.monotonic()
+    for n, start in enumerate(range(0, len(ids), batch)):
+        chunk = [ids[i] for i in order[start:start + batch]]
+        vectors = engine.run(pad_batch(chunk, max(map(len, chunk))))["embedding"]
+        if out.shape[1] == 0:
+            out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+        out[order[start:start + batch]] = vectors
+        if n % 20 == 0 or start + batch >= len(ids):
+            progress(f"  embedded {min(start + batch, len(ids))}/{len(ids)} ({time.monotonic() - started:.0f} s)")
+    return out
+
+
+def fit_softmax(x: np.ndarray, y: np.ndarray, classes: int, *, epochs: int, l2: float, lr: float = 0.05,
+                seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Multinomial logistic regression, full-batch Adam. Deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.01, (x.shape[1], classes)).astype(np.float32)
+    b = np.zeros(classes, dtype=np.float32)
+    onehot = np.eye(classes, dtype=np.float32)[y]
+    m = [np.zeros_like(w), np.zeros_like(b)]
+    v = [np.zeros_like(w), np.zeros_like(b)]
+    for step in range(1, epochs + 1):
+        logits = x @ w + b
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=1, keepdims=True)
+        grad = (p - onehot) / len(x)
+        grads = [x.T @ grad + l2 * w, grad.sum(axis=0)]
+        for i, (param, g) in enumerate(zip((w, b), grads)):
+            m[i] = 0.9 * m[i] + 0.1 * g
+            v[i] = 0.999 * v[i] + 0.001 * g * g
+            param -= lr * (m[i] / (1 - 0.9 ** step)) / (np.sqrt(v[i] / (1 - 0.999 ** step)) + 1e-8)
+    return w, b
+
+
+def compose(encoder_onnx: Path, w: np.ndarray, b: np.ndarray, out: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(encoder_onnx))
+    graph = model.graph
+    graph.initializer.extend([numpy_helper.from_array(w, "head_weight"), numpy_helper.from_array(b, "head_bias")])
+    graph.node.extend([
+        helper.make_node("MatMul", ["embedding", "head_weight"], ["head_matmul"]),
+        helper.make_node("Add", ["head_matmul", "head_bias"], ["head_logits"]),
+        helper.make_node("Softmax", ["head_logits"], ["scores"], axis=-1),
+    ])
+    graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", w.shape[1]]))
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out))
+
+
+def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
+    lines = [f"# Classification head on {encoder_name}, written by `infercache train-head`.", "task: classification"]
+    for line in encoder_config.splitlines():
+        if line.startswith(("task:", "outputs:", "#")):
+            continue
+        lines.append(line.split("#", 1)[0].rstrip())  # the encoder's comments describe the encoder
+    lines.append("outputs: [scores]       # class probabilities; the label and its probability come in `classification`")
+    if semantic:
+        lines += [
+            "semantic:               # near-duplicate requests answered from the cache (see README, Semantic matching)",
+            "  enabled: true",
+            f"  embedder: {encoder_name}       # the model whose embedding output finds neighbours",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Path, encoder: str, name: str,
+          version: str | None = None, epochs: int = 300, l2: float = 1e-4, limit: int | None = None,
+          progress=print) -> Path:
+    encoder_spec = load_model(models_dir / encoder)
+    encoder_dir = encoder_spec.version_dir(encoder_spec.serving_version)
+    texts, labels = read_labelled_csv(csv_path, text_column, label_column, limit)
+    normalize = Normalizer()
+    texts = [normalize(t) for t in texts]  # the server runs the model on normalized text
+    classes = sorted(set(labels))
+    y = np.array([classes.index(label) for label in labels])
+    progress(f"infercache: {len(texts)} rows, {len(classes)} labels; embedding with {encoder} ...")
+    engine = OrtEngine(encoder_dir / MODEL_FILE)
+    x = embed(engine, TextEncoder(encoder_dir / TOKENIZER_FILE, encoder_spec.max_tokens), texts, progress)
+
+    holdout = np.arange(len(x)) % 10 == 0
+    w, b = fit_softmax(x[~holdout], y[~holdout], len(classes), epochs=epochs, l2=l2)
+    holdout_accuracy = float(((x[holdout] @ w + b).argmax(axis=1) == y[holdout]).mean())
+    w, b = fit_softmax(x, y, len(classes), epochs=epochs, l2=l2)
+    train_accuracy = float(((x @ w + b).argmax(axis=1) == y).mean())
+    progress(f"infercache: accuracy {train_accuracy:.3f} on the training rows, {holdout_accuracy:.3f} on a 10% holdout")
+
+    root = models_dir / name
+    existing = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+    version = version or str(max(existing, default=0) + 1)
+    target = root / version
+    if target.exists():
+        raise TrainError(f"{target} exists; choose another --version")
+    staging = root / f".{version}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    compose(encoder_dir / MODEL_FILE, w.astype(np.float32), b.astype(np.float32), staging / MODEL_FILE)
+    shutil.copy(encoder_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+    (staging / LABELS_FILE).write_text(json.dumps(classes, indent=0))
+    (staging / "training.json").write_text(json.dumps({
+        "csv": str(csv_path), "rows": len(texts), "labels": len(classes), "encoder": f"{encoder}/{encoder_spec.serving_version}",
+        "epochs": epochs, "l2": l2, "train_accuracy": train_accuracy, "holdout_accuracy": holdout_accuracy,
+    }, indent=2))
+    staging.rename(target)
+    if not (root / "config.yaml").exists():
+        config = _config_text(encoder, (models_dir / encoder / "config.yaml").read_text(), semantic=True)
+        (root / "config.yaml").write_text(config.replace(f'serving_version: "{encoder_spec.serving_version}"',
+                                                          f'serving_version: "{version}"'))
+    progress(f"infercache: wrote {target} (serve it as model {name!r}, version {version})")
+    return target
