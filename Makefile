@@ -14,7 +14,7 @@ setup: $(STAMP) $(STUBS) $(MODEL)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt,eval]'
 	touch $@
 
 $(STUBS): $(PROTOS) $(STAMP)

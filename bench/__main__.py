@@ -28,6 +28,7 @@ import grpc
 
 from bench import echo
 from bench.engines import bench_l3, print_l3
+from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
 from infercache.testing import REPO, ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
@@ -226,11 +227,33 @@ def print_table(report: dict) -> None:
     print(f"\nstart-up: first hit {start['first_hit_s']} s (target <= 1.5), first miss {start['first_miss_s']} s")
 
 
+def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rounds: int, scale: float) -> None:
+    (workdir / "main").mkdir()
+    server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count(),
+                           engines_dir=workdir / "engines")
+    echo_address, echo_procs = start_echo(multiprocessing.cpu_count())
+    try:
+        print("benchmarking exact hits ...", flush=True)
+        report["exact_hits"] = bench_hits(server, echo_address, texts, rounds, scale)
+        print("benchmarking misses ...", flush=True)
+        report["misses"] = bench_misses(server, texts, scale)
+    finally:
+        stop_echo(echo_procs)
+        assert server.stop() == 0
+    print("benchmarking the engine alone ...", flush=True)
+    report["engine_alone"] = bench_engine(texts, scale)
+    print("benchmarking start-up ...", flush=True)
+    report["startup"] = bench_startup(workdir, models, server.cache_dir, texts, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
+    parser.add_argument("--sections", default="serving,l3,semantic",
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
     texts = load_texts()
     report: dict = {"machine": {"cpus": multiprocessing.cpu_count(), "python": platform.python_version()},
@@ -238,29 +261,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="infercache-bench-") as tmp:
         workdir = Path(tmp)
         models = make_models(workdir / "models")
-        (workdir / "main").mkdir()
-        server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count(),
-                               engines_dir=workdir / "engines")
-        echo_address, echo_procs = start_echo(multiprocessing.cpu_count())
-        try:
-            print("benchmarking exact hits ...", flush=True)
-            report["exact_hits"] = bench_hits(server, echo_address, texts, rounds, scale)
-            print("benchmarking misses ...", flush=True)
-            report["misses"] = bench_misses(server, texts, scale)
-        finally:
-            stop_echo(echo_procs)
-            assert server.stop() == 0
-        print("benchmarking the engine alone ...", flush=True)
-        report["engine_alone"] = bench_engine(texts, scale)
-        print("benchmarking start-up ...", flush=True)
-        report["startup"] = bench_startup(workdir, models, server.cache_dir, texts, rounds)
-        print("benchmarking the L3 engine store ...", flush=True)
-        report["l3_engines"] = bench_l3(workdir, models, rounds)
+        if "serving" in sections:
+            run_serving(report, workdir, models, texts, rounds, scale)
+        if "l3" in sections:
+            print("benchmarking the L3 engine store ...", flush=True)
+            report["l3_engines"] = bench_l3(workdir, models, rounds)
+        if "semantic" in sections:
+            print("benchmarking the semantic tier (Banking77 cross-validation, index rebuild) ...", flush=True)
+            report["semantic"] = {
+                "eval": bench_eval(models, workdir, folds=5 if not args.quick else 2,
+                                   limit=None if not args.quick else 2000),
+                "rebuild": bench_rebuild(models, workdir, 100_000 if not args.quick else 10_000),
+            }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print_table(report)
-    print_l3(report["l3_engines"])
+    if "exact_hits" in report:
+        print_table(report)
+    if "l3_engines" in report:
+        print_l3(report["l3_engines"])
+    if "semantic" in report:
+        print_semantic(report["semantic"])
     print(f"\nwrote {out}")
 
 

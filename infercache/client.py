@@ -26,6 +26,9 @@ class Result:
     age_s: float
     model_version: str
     key: str             # pass to Client.invalidate(key=...) to drop exactly this entry
+    label: str = ""      # classification models: the answer ...
+    probability: float = 0.0  # ... and its probability
+    similarity: float = 0.0   # RESULT_SEMANTIC: similarity of the matched request
 
 
 def decode_outputs(response: pb.InferResponse) -> dict[str, np.ndarray]:
@@ -39,13 +42,17 @@ class Client:
         self.timeout_s = timeout_s
 
     def infer(self, model: str, text: str, *, version: str = "", tenant: str = "", mode: str = "DEFAULT",
-              max_age_s: int | None = None) -> Result:
+              max_age_s: int | None = None, semantic: bool | None = None,
+              min_similarity: float | None = None) -> Result:
         policy = pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s)
-        request = pb.InferRequest(model=model, version=version, tenant=tenant, text=text, cache=policy)
+        matching = pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity)
+        request = pb.InferRequest(model=model, version=version, tenant=tenant, text=text, cache=policy,
+                                  semantic=matching)
         response = self.stub.Infer(request, timeout=self.timeout_s)
         info = response.cache
         return Result(decode_outputs(response), pb.CacheInfo.Source.Name(info.source), info.age_s,
-                      info.model_version, info.key)
+                      info.model_version, info.key, response.classification.label,
+                      response.classification.probability, info.similarity)
 
     def invalidate(self, **selector) -> int:
         return self.stub.Invalidate(pb.InvalidateRequest(**selector), timeout=self.timeout_s).removed

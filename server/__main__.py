@@ -103,6 +103,14 @@ def _train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_semantic(args: argparse.Namespace) -> int:
+    from server.semantic_eval import main as evaluate
+
+    evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column, label_column=args.label_column,
+             folds=args.folds, limit=args.limit, out=Path(args.out), png=Path(args.png) if args.png else None)
+    return 0
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="infercache", description="Inference cache sidecar")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +147,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     head.add_argument("--epochs", type=int, default=300)
     head.add_argument("--limit", type=int, help="use only the first N rows")
     head.set_defaults(func=_train_head)
+
+    evaluate = commands.add_parser("eval-semantic", help="measure semantic hits and fidelity on a labelled CSV")
+    evaluate.add_argument("csv")
+    evaluate.add_argument("--model", required=True)
+    evaluate.add_argument("--address", default="127.0.0.1:50051")
+    evaluate.add_argument("--text-column", default="text")
+    evaluate.add_argument("--label-column", default="label")
+    evaluate.add_argument("--folds", type=int, default=5)
+    evaluate.add_argument("--limit", type=int, help="use only the first N rows")
+    evaluate.add_argument("--out", default="bench/results/semantic.json")
+    evaluate.add_argument("--png", default="bench/results/semantic.png")
+    evaluate.set_defaults(func=_eval_semantic)
 
     args = parser.parse_args(argv)
     bad = [item for item in getattr(args, "set", []) if "=" not in item or "." not in item.split("=", 1)[0]]

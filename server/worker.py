@@ -226,10 +226,12 @@ class WorkerCore:
         embedding, neighbors = None, []
         policy = runtime.spec.semantic
         overrides = request.semantic
-        if (policy is not None and self.semantic is not None
-                and (not overrides.HasField("enabled") or overrides.enabled)):
+        lookup = not overrides.HasField("enabled") or overrides.enabled
+        if policy is not None and self.semantic is not None and (lookup or request.store):
+            # Stored results join the index even when this request does not look it up.
             embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
             embedding = (await embedder.batcher.submit(embedder.encoder.encode(request.text), deadline))["embedding"]
+        if embedding is not None and lookup:
             neighbors = await self.semantic.search(request.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
             floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
             chosen = policy.decide(neighbors, floor) if request.cached_ok else None

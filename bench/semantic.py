@@ -1,0 +1,133 @@
+"""Semantic tier: Banking77 5-fold evaluation, and index rebuild after restart with 100k entries."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.load import run_load
+from cachestore import records
+from cachestore.env import Store, StoreSettings
+from cachestore.keys import Namespace, entry_key
+from cachestore.semantic import SemanticEntry
+from cachestore.writer import WriteBehind
+from infercache.testing import REPO, ServerProcess
+from infercache.v1 import infercache_pb2 as pb
+from server.normalize import Normalizer
+
+BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
+RESULTS = REPO / "bench" / "results"
+
+
+def train_banking77(models: Path) -> None:
+    from server.train_head import train
+
+    if not (models / "banking77").exists():
+        train(BANKING77, text_column="text", label_column="category", models_dir=models, encoder="minilm",
+              name="banking77", progress=lambda m: None)
+
+
+def bench_eval(models: Path, workdir: Path, folds: int, limit: int | None) -> dict:
+    from server.semantic_eval import main as evaluate
+
+    train_banking77(models)
+    (workdir / "eval").mkdir()
+    server = ServerProcess(workdir / "eval", models, engines_dir=workdir / "engines")
+    try:
+        result = evaluate(server.address, "banking77", BANKING77, text_column="text", label_column="category",
+                          folds=folds, limit=limit, out=RESULTS / "semantic.json", png=RESULTS / "semantic.png")
+    finally:
+        assert server.stop() == 0
+    return {k: result[k] for k in ("rows", "folds", "exact_hits", "recommended", "best_fixed_threshold",
+                                    "validation") if k in result}
+
+
+def _fill(cache_dir: Path, count: int, dim: int) -> list[str]:
+    """`count` cached answers with semantic entries in tenant "bench" of banking77/1; returns the texts."""
+    store = Store(StoreSettings(cache_dir, 8 << 30, 6 << 30, sync=False), readonly=False)
+    writer = WriteBehind(store, batch_max=4096)
+    ns = Namespace("bench", "banking77", "1")
+    normalize = Normalizer()
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((77, dim)).astype(np.float32)  # clustered like intents, not uniform noise
+    payload = pb.InferResponse(classification=pb.Classification(label="card_arrival", probability=0.9),
+                               cache=pb.CacheInfo(model_version="1")).SerializeToString()
+    now = time.time_ns() // 1000
+    texts = []
+    for i in range(count):
+        text = f"synthetic customer question number {i}"
+        texts.append(text)
+        vector = centers[i % 77] + 0.6 * rng.standard_normal(dim).astype(np.float32)
+        vector /= np.linalg.norm(vector)
+        key = entry_key(ns.ns_id, normalize(text))
+        writer.put(key, ns, records.Record(now, now + 86_400_000_000, payload),
+                   semantic=SemanticEntry(ns.ns_id, f"label{i % 77}", vector))
+    writer.flush().result(600)
+    writer.close()
+    store.close()
+    return texts
+
+
+def _ready_counters(server: ServerProcess, timeout: float = 900) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counters = dict(server.stats().worker.counters)
+        if counters.get("semantic.rebuild_ms"):
+            return counters
+        time.sleep(0.05)
+    raise TimeoutError("semantic rebuild did not finish")
+
+
+def bench_rebuild(models: Path, workdir: Path, count: int) -> dict:
+    train_banking77(models)
+    cache_dir = workdir / "rebuild-cache"
+    started = time.perf_counter()
+    texts = _fill(cache_dir, count, 384)
+    fill_s = time.perf_counter() - started
+    hits = [pb.InferRequest(model="banking77", tenant="bench", text=t) for t in texts[:500]]
+    out: dict = {"entries": count, "fill_s": round(fill_s, 1)}
+    for label in ("from_log", "from_snapshot"):
+        run_dir = workdir / f"rebuild-{label}"
+        run_dir.mkdir()
+        server = ServerProcess(run_dir, models, engines_dir=workdir / "engines", cache_dir=cache_dir)
+        during = asyncio.run(run_load(server.address, hits, concurrency=1, total=1000))  # while the index rebuilds
+        counters = _ready_counters(server)
+        after = asyncio.run(run_load(server.address, hits, concurrency=1, total=1000))
+        assert during.sources == {"RESULT_EXACT": 1000} and after.errors == 0
+        out[label] = {
+            "rebuild_s": counters["semantic.rebuild_ms"] / 1000,
+            "rows_from_snapshot": counters.get("semantic.rebuilt_from_snapshot", 0),
+            "rows_from_log": counters.get("semantic.rebuilt_from_log", 0),
+            "exact_hit_p50_ms_during_rebuild": during.summary()["p50_ms"],
+            "exact_hit_p50_ms_after": after.summary()["p50_ms"],
+        }
+        assert server.stop() == 0  # writes the snapshot the second start loads
+    shutil.rmtree(cache_dir)
+    return out
+
+
+def print_semantic(result: dict) -> None:
+    ev = result.get("eval")
+    if ev:
+        print(f"\nsemantic tier, Banking77 train, {ev['folds']}-fold CV over {ev['rows']} rows")
+        for name in ("best_fixed_threshold", "recommended"):
+            p = ev.get(name)
+            if p:
+                setting = ", ".join(f"{k}={p[k]}" for k in ("min_similarity", "neighborhood", "min_agree") if k in p)
+                print(f"  {name:<21} hits {p['hit_rate']:.1%} of exact misses, fidelity {p['fidelity']:.2%}  ({setting})")
+        if ev.get("validation"):
+            v = ev["validation"]
+            print(f"  server vs offline decisions {v['decisions_agreeing_with_offline']:.1%}; "
+                  f"semantic hit p50 {v['semantic_hit_p50_ms']} ms (target <= 10)")
+    rb = result.get("rebuild")
+    if rb:
+        print(f"\nindex rebuild after restart, {rb['entries']} entries")
+        for label in ("from_log", "from_snapshot"):
+            r = rb[label]
+            print(f"  {label:<14} {r['rebuild_s']:7.2f} s; exact hit p50 {r['exact_hit_p50_ms_during_rebuild']} ms "
+                  f"during, {r['exact_hit_p50_ms_after']} ms after")

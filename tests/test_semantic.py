@@ -1,0 +1,210 @@
+"""Semantic matching through the real server: a head trained by the CLI, hnswlib indexes, consensus."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from cachestore.semantic import Row
+from infercache.testing import ServerProcess
+from infercache.v1 import infercache_pb2 as pb
+from server.match_policy import MatchPolicy, Neighbor
+from server.semantic import INITIAL_CAPACITY, _Index
+from tests.conftest import MODEL_VERSION_DIR, REPO
+from tests.helpers import unique
+
+FAQ = REPO / "examples" / "faq.csv"
+
+
+@pytest.fixture(scope="module")
+def faq_models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("semantic-models")
+    (root / "minilm").mkdir()
+    shutil.copy(REPO / "models" / "minilm" / "config.yaml", root / "minilm" / "config.yaml")
+    (root / "minilm" / "1").symlink_to(MODEL_VERSION_DIR)
+    trained = subprocess.run(
+        [sys.executable, "-m", "server", "train-head", str(FAQ), "--name", "faq", "--label-column", "intent",
+         "--models-dir", str(root)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert "accuracy" in trained.stdout and (root / "faq" / "1" / "labels.json").is_file()
+    return root
+
+
+@pytest.fixture(scope="module")
+def semantic_server(tmp_path_factory, faq_models, engines_dir):
+    srv = ServerProcess(tmp_path_factory.mktemp("semantic-server"), faq_models, engines_dir=engines_dir)
+    yield srv
+    assert srv.stop() == 0
+
+
+def infer(server: ServerProcess, text: str, *, tenant: str = "", mode=pb.CachePolicy.DEFAULT, **semantic):
+    channel, stub = server.stub()
+    with channel:
+        return stub.Infer(pb.InferRequest(model="faq", text=text, tenant=tenant, cache=pb.CachePolicy(mode=mode),
+                                          semantic=pb.SemanticPolicy(explain=True, **semantic)), timeout=30)
+
+
+def wait_indexed(server: ServerProcess, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while server.stats().worker.counters["semantic.indexed"] < count:
+        assert time.monotonic() < deadline, "entries were not indexed"
+        time.sleep(0.05)
+
+
+def warm(server: ServerProcess, tenant: str, texts: list[str]) -> None:
+    """Caches each text as computed by the model (matching off, so none answers for another)."""
+    before = server.stats().worker.counters["semantic.indexed"]
+    for text in texts:
+        assert infer(server, text, tenant=tenant, enabled=False).cache.source == pb.CacheInfo.MISS
+    wait_indexed(server, before + len(texts))
+
+
+def source(response) -> str:
+    return pb.CacheInfo.Source.Name(response.cache.source)
+
+
+def test_classification_answer_label_probability_and_scores(semantic_server):
+    response = infer(semantic_server, unique("How do I reset my password?"), enabled=False)
+    assert response.classification.label == "password_reset"
+    scores = np.frombuffer(response.outputs[0].data, dtype=np.float32)
+    assert response.outputs[0].name == "scores" and scores.shape == (8,)
+    assert abs(scores.sum() - 1) < 1e-4 and abs(scores.max() - response.classification.probability) < 1e-6
+
+
+def test_paraphrase_hits_unrelated_misses_and_the_hit_leaves_an_exact_alias(semantic_server):
+    tenant = unique("t")
+    warm(semantic_server, tenant, ["Where is my order?", "My package has not arrived yet", "Has my order been shipped?"])
+    query = "my package still has not arrived, where is my order"
+    hit = infer(semantic_server, query, tenant=tenant)
+    assert source(hit) == "RESULT_SEMANTIC" and hit.classification.label == "order_status"
+    assert hit.cache.similarity >= 0.62 and hit.cache.age_s >= 0
+    assert [n.answer for n in hit.cache.neighbors[:2]] == ["order_status", "order_status"]
+    unrelated = infer(semantic_server, "Which payment methods do you accept?", tenant=tenant)
+    assert source(unrelated) == "MISS" and unrelated.classification.label == "payment_methods"
+    deadline = time.monotonic() + 10
+    while source(again := infer(semantic_server, query, tenant=tenant)) != "RESULT_EXACT":
+        assert time.monotonic() < deadline, "the alias was not written"
+        time.sleep(0.05)
+    assert again.classification.label == "order_status"
+
+
+def test_consensus_refuses_when_close_neighbours_disagree(semantic_server):
+    tenant = unique("t")
+    warm(semantic_server, tenant, ["how do I cancel my order", "how do I return my order"])
+    query = "how do I cancel or return my order"
+    response = infer(semantic_server, query, tenant=tenant, min_similarity=0.3)
+    near = response.cache.neighbors
+    assert len(near) == 2 and near[0].similarity >= 0.3 and near[1].similarity >= 0.3
+    assert {near[0].answer, near[1].answer} == {"cancel_order", "returns"}
+    assert source(response) == "MISS"  # a single threshold at 0.3 would have answered from near[0]
+
+
+def test_tenants_never_match_each_other(semantic_server):
+    a, b = unique("a"), unique("b")
+    warm(semantic_server, a, ["How much does shipping cost?", "How much is express delivery?"])
+    assert source(infer(semantic_server, "what does shipping cost", tenant=a)) == "RESULT_SEMANTIC"
+    other = infer(semantic_server, "what does shipping cost", tenant=b)
+    assert source(other) == "MISS" and len(other.cache.neighbors) == 0
+
+
+def test_request_min_similarity_overrides_the_config(semantic_server):
+    tenant = unique("t")
+    warm(semantic_server, tenant, ["When is your store open?", "What time does the shop close today?"])
+    strict = infer(semantic_server, "what time does your store open", tenant=tenant, min_similarity=0.99,
+                   mode=pb.CachePolicy.NO_STORE)
+    assert source(strict) == "MISS" and strict.cache.neighbors[0].similarity < 0.99
+    assert source(infer(semantic_server, "what time does your store open", tenant=tenant)) == "RESULT_SEMANTIC"
+    off = infer(semantic_server, "what time does the store open", tenant=tenant, enabled=False)
+    assert source(off) == "MISS" and len(off.cache.neighbors) == 0
+
+
+def test_invalidating_a_version_removes_its_entries_from_the_index(semantic_server):
+    tenant = unique("t")
+    warm(semantic_server, tenant, ["How do I change my delivery address?", "Can I change where my parcel is delivered?"])
+    assert source(infer(semantic_server, "i need to change my delivery address", tenant=tenant,
+                        mode=pb.CachePolicy.NO_STORE)) == "RESULT_SEMANTIC"
+    before = semantic_server.stats().worker.counters["semantic.unindexed"]
+    with semantic_server.client() as client:
+        assert client.invalidate(model="faq", version="1", tenant=tenant) == 2
+    deadline = time.monotonic() + 10
+    while semantic_server.stats().worker.counters["semantic.unindexed"] < before + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = infer(semantic_server, "i need to change my delivery address", tenant=tenant, mode=pb.CachePolicy.NO_STORE)
+    assert source(after) == "MISS" and len(after.cache.neighbors) == 0
+
+
+def test_nearest_similarity_histogram_in_stats(semantic_server):
+    counters = semantic_server.stats().worker.counters
+    assert counters["semantic.lookups"] > 0
+    assert sum(v for k, v in counters.items() if k.startswith("semantic.nearest.")) == counters["semantic.lookups"]
+
+
+def test_index_comes_back_after_restart_from_snapshot_and_from_the_log(tmp_path, faq_models, engines_dir):
+    (tmp_path / "a").mkdir()
+    first = ServerProcess(tmp_path / "a", faq_models, engines_dir=engines_dir)
+    warm(first, "", ["How do I reset my password?", "I forgot my password", "I can't log in to my account"])
+    assert first.stop() == 0
+    snapshots = list((first.cache_dir / "semantic").glob("*.hnsw"))
+    assert len(snapshots) == 1
+
+    for label, prepare in (("snapshot", lambda: None), ("log", lambda: [p.unlink() for p in snapshots])):
+        prepare()
+        (tmp_path / label).mkdir()
+        again = ServerProcess(tmp_path / label, faq_models, engines_dir=engines_dir, cache_dir=first.cache_dir)
+        deadline = time.monotonic() + 30
+        while again.stats().worker.counters["semantic.rebuild_ms"] == 0 and "semantic indexes ready" not in again.log_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        counters = again.stats().worker.counters
+        assert counters[f"semantic.rebuilt_from_{label}"] == 3, counters
+        hit = infer(again, "i forgot my password and cannot log in", mode=pb.CachePolicy.NO_STORE)
+        assert source(hit) == "RESULT_SEMANTIC" and hit.classification.label == "password_reset"
+        assert again.stop() == 0
+
+
+def test_eval_semantic_reports_hits_fidelity_and_draws_the_curve(semantic_server, tmp_path):
+    out = tmp_path / "eval.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "eval-semantic", str(FAQ), "--model", "faq", "--address",
+         semantic_server.address, "--label-column", "intent", "--folds", "2", "--out", str(out),
+         "--png", str(tmp_path / "eval.png")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fold 2/2" in result.stdout and "recommended" in result.stdout
+    report = __import__("json").loads(out.read_text())
+    assert report["rows"] == 52 and len(report["sweep"]["fixed_threshold"]) == 20
+    for point in report["sweep"]["consensus"]:
+        assert 0 <= point["hit_rate"] <= 1 and 0 <= point["fidelity"] <= 1
+    assert (tmp_path / "eval.png").stat().st_size > 10_000
+
+
+def test_match_policy_rules():
+    policy = MatchPolicy(min_similarity=0.8, neighborhood=0.7, k=5, min_agree=2)
+    n = lambda s, a: Neighbor(s, b"", a)  # noqa: E731
+    assert policy.decide([n(0.9, "x"), n(0.75, "x")]).answer == "x"
+    assert policy.decide([n(0.9, "x")]) is None                      # a lone neighbour is not enough
+    assert policy.decide([n(0.9, "x"), n(0.72, "y")]) is None         # a close neighbour disagrees
+    assert policy.decide([n(0.9, "x"), n(0.8, "x"), n(0.6, "y")]).answer == "x"  # far ones do not count
+    assert policy.decide([n(0.79, "x"), n(0.78, "x")]) is None        # nearest below the floor
+    assert policy.decide([n(0.79, "x"), n(0.78, "x")], min_similarity=0.7).answer == "x"
+    assert policy.decide([]) is None
+
+
+def test_index_grows_past_its_capacity_and_forgets_removed_entries():
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((INITIAL_CAPACITY + 500, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = _Index(dim=16)
+    index.add([Row(b"n" * 8, i, bytes([i % 256]) * 24, f"a{i % 3}", v) for i, v in enumerate(vectors)])
+    assert index.graph.get_max_elements() >= len(vectors) and len(index.rows) == len(vectors)
+    nearest = index.search(vectors[1234], 3)
+    assert nearest[0].similarity > 0.999 and nearest[0].answer == "a1"
+    index.remove(1234)
+    assert all(n.similarity < 0.999 for n in index.search(vectors[1234], 3))
