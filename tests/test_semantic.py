@@ -208,3 +208,35 @@ def test_index_grows_past_its_capacity_and_forgets_removed_entries():
     assert nearest[0].similarity > 0.999 and nearest[0].answer == "a1"
     index.remove(1234)
     assert all(n.similarity < 0.999 for n in index.search(vectors[1234], 3))
+
+
+BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
+
+
+@pytest.mark.skipif(not BANKING77.is_file(), reason="../shared/data/banking77 is not beside this checkout")
+def test_train_head_on_banking77_writes_a_servable_version(tmp_path):
+    models = tmp_path / "models"
+    (models / "minilm").mkdir(parents=True)
+    shutil.copy(REPO / "models" / "minilm" / "config.yaml", models / "minilm" / "config.yaml")
+    (models / "minilm" / "1").symlink_to(MODEL_VERSION_DIR)
+    command = [sys.executable, "-m", "server", "train-head", str(BANKING77), "--name", "banking77",
+               "--label-column", "category", "--models-dir", str(models), "--limit", "600", "--epochs", "200"]
+    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "embedded 600/600" in first.stdout and "holdout" in first.stdout
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and (models / "banking77" / "2" / "model.onnx").is_file()  # next version
+    from server.models import ModelRepository
+
+    spec = ModelRepository(models).get("banking77")
+    labels = __import__("json").loads((models / "banking77" / "1" / "labels.json").read_text())
+    assert spec.task == "classification" and spec.semantic is not None and spec.versions == ("1", "2")
+    assert len(labels) == len(set(labels)) > 5
+
+
+def test_train_head_names_a_missing_column(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "server", "train-head", str(FAQ), "--name", "x",
+                             "--label-column", "category", "--models-dir", str(REPO / "models")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "no column 'category'" in result.stderr and "intent" in result.stderr
+    assert not (REPO / "models" / "x").exists()
