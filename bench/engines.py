@@ -49,11 +49,9 @@ def bench_l3(workdir: Path, models: Path, rounds: int) -> dict:
     except RuntimeUnavailable as exc:
         out["tensorrt"] = {"skipped": str(exc)}
     else:
-        builds = []
-        for i in range(rounds):
-            fresh = EngineStore(workdir / f"trt{i}")
-            builds.append(_timed(lambda: prepare(fresh, trt, spec, "1", "fp16")[0]))
-        finds = [_timed(lambda: prepare(fresh, trt, spec, "1", "fp16")[0].path.read_bytes()) for _ in range(rounds)]
+        stores = [EngineStore(workdir / f"trt{i}") for i in range(rounds)]
+        builds = [_timed(lambda s=s: prepare(s, trt, spec, "1", "fp16")) for s in stores]
+        finds = [_timed(lambda s=s: prepare(s, trt, spec, "1", "fp16")[0].path.read_bytes()) for s in stores]
         out["tensorrt"] = {"runtime": f"{trt.name} {trt.version}", "build_s": _median(builds),
                            "find_verify_read_s": _median(finds), "speedup": round(_median(builds) / _median(finds), 1),
                            "note": "loading onto a GPU is not measured here: no GPU runs these engines"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import statistics
 import time
 from pathlib import Path
 

@@ -22,8 +22,7 @@ import numpy as np
 from cachestore import records
 from cachestore.env import Store
 from cachestore.errors import StoreError
-from cachestore.keys import Namespace, parse_hex_key
-from cachestore.keys import NS_ID_BYTES
+from cachestore.keys import NS_ID_BYTES, Namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
 from cachestore.writer import Selector, WriteBehind
@@ -32,8 +31,7 @@ from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server import metrics, process
 from server.batcher import Batcher
 from server.config import Config, store_settings
-from cachestore.engines import EngineStore
-from server.engines.artifacts import get_runtime, model_profiles, prepare
+from server.engines.artifacts import load_engines, model_profiles
 from server.engines.base import Engine
 from server.errors import ModelNotFound, WorkerUnavailable, grpc_errors
 from server.match_policy import Neighbor
@@ -76,34 +74,14 @@ class ModelRuntime:
             response.classification.probability = float(scores[best])
         return response
 
+    def output_dim(self, name: str) -> int:
+        return int(self._run_batch([self.encoder.encode("dimension")])[0][name].shape[-1])
+
     def warmup(self) -> None:
         """One batch per profile before the worker reports ready (TensorRT initializes lazily)."""
         cls, sep = self.encoder.encode("")[:1] or [0], self.encoder.encode("")[-1:] or [0]
         for profile in model_profiles(self.spec):
             self._run_batch([cls + [sep[0]] * (profile.max_seq - 1)])
-
-
-def load_engines(config: Config, repository: ModelRepository, counters: Counter) -> dict[tuple[str, str], Engine]:
-    """An engine for every servable model version, from the L3 store (built there if missing)."""
-    store = EngineStore(Path(config.engines.dir))
-    runtime = get_runtime(config.engines.runtime)
-    engines = {}
-    for spec in repository.servable():
-        for version in spec.versions:
-            started = time.monotonic()
-            artifact, engine = prepare(store, runtime, spec, version, config.engines.precision, load=True,
-                                       threads=config.server.engine_threads, allow_build=config.engines.build_missing)
-            if artifact.built:
-                counters["engines_built_at_start"] += 1
-                counters["engine_build_ms"] += int(artifact.manifest.build_seconds * 1000)
-                log.warning("built engine %s at serve time in %.1f s%s; prebuild it with `infercache engines "
-                            "build` so pods only load", artifact.manifest.name, artifact.manifest.build_seconds,
-                            f" (stored one not trusted: {artifact.rebuilt_reason})" if artifact.rebuilt_reason else "")
-            counters["engines_loaded"] += 1
-            engines[(spec.name, version)] = engine
-            log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name,
-                     time.monotonic() - started)
-    return engines
 
 
 @dataclass(eq=False)
@@ -336,7 +314,7 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
             log.error("semantic matching off: embedder model %r is not served (or has no 'embedding' output)",
                       policy.embedder)
             return None
-        dims.add(int(runtime._run_batch([runtime.encoder.encode("dimension")])[0]["embedding"].shape[-1]))
+        dims.add(runtime.output_dim("embedding"))
     if len(dims) != 1:
         log.error("semantic matching off: embedders of different dimensions %s", sorted(dims))
         return None

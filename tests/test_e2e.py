@@ -11,7 +11,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from infercache.client import Client, decode_outputs
 from infercache.v1 import infercache_pb2 as pb
 from tests.conftest import SHORT_TTL_S
 from tests.helpers import is_cached, unique, wait_cached

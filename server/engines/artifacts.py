@@ -3,9 +3,17 @@ profiles), build it if it is missing or untrusted, load it."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
 from cachestore.engines import ArtifactKey, EngineStore, Loaded
+from server.config import Config
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
-from server.models import MODEL_FILE, ModelSpec
+from server.models import MODEL_FILE, ModelRepository, ModelSpec
+
+log = logging.getLogger("infercache.engines")
 
 RUNTIMES = ("onnxruntime", "tensorrt")
 
@@ -48,3 +56,26 @@ def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str,
         load=(lambda path: runtime.load(path, profiles, threads=threads)) if load else None,
         allow_build=allow_build,
     )
+
+
+def load_engines(config: Config, repository: ModelRepository, counters: Counter) -> dict[tuple[str, str], Engine]:
+    """An engine for every servable model version, from the L3 store (built there if missing)."""
+    store = EngineStore(Path(config.engines.dir))
+    runtime = get_runtime(config.engines.runtime)
+    engines = {}
+    for spec in repository.servable():
+        for version in spec.versions:
+            started = time.monotonic()
+            artifact, engine = prepare(store, runtime, spec, version, config.engines.precision, load=True,
+                                       threads=config.server.engine_threads, allow_build=config.engines.build_missing)
+            if artifact.built:
+                counters["engines_built_at_start"] += 1
+                counters["engine_build_ms"] += int(artifact.manifest.build_seconds * 1000)
+                log.warning("built engine %s at serve time in %.1f s%s; prebuild it with `infercache engines "
+                            "build` so pods only load", artifact.manifest.name, artifact.manifest.build_seconds,
+                            f" (stored one not trusted: {artifact.rebuilt_reason})" if artifact.rebuilt_reason else "")
+            counters["engines_loaded"] += 1
+            engines[(spec.name, version)] = engine
+            log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name,
+                     time.monotonic() - started)
+    return engines
