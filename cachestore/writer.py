@@ -183,8 +183,13 @@ class WriteBehind:
             op.done.set_result(count)
 
     def _notify(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        """After a commit; a failing listener never turns a committed transaction into a failed one."""
         if self.on_semantic is not None and (added or removed):
-            self.on_semantic(added, removed)
+            try:
+                self.on_semantic(added, removed)
+            except Exception:
+                self.counters["notify_errors"] += 1
+                log.exception("semantic index notification failed (the log in LMDB is still complete)")
 
     def _invalidate(self, txn: lmdb.Transaction, selector: Selector, removed: list) -> int:
         spaces = results.namespaces(self.store, txn)

@@ -114,7 +114,10 @@ class SemanticTier:
     # ---- called from the write-behind thread after each commit ----------------------------------------
 
     def apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
-        self._owner.submit(self._apply, added, removed)
+        try:
+            self._owner.submit(self._apply, added, removed)
+        except RuntimeError:  # shut down: these rows are in the LMDB log, the next start indexes them
+            self.counters["late_updates"] += 1
 
     # ---- the owner thread ---------------------------------------------------------------------------
 

@@ -267,8 +267,6 @@ class WorkerCore:
         for runtime in self.runtimes.values():
             await runtime.batcher.close()
         await asyncio.gather(*(f.task for f in list(self._inflight.values())), return_exceptions=True)
-        if self.semantic is not None:
-            await self.semantic.close()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -348,7 +346,9 @@ async def _serve(config: Config, socket_path: Path, ready, stop: asyncio.Event) 
     await server.stop(config.server.drain_s)
     await core.close()
     if writer is not None:
-        await asyncio.to_thread(writer.close)
+        await asyncio.to_thread(writer.close)  # the last writes reach the index before its snapshot
+    if tier is not None:
+        await tier.close()
     log.info("worker stopped")
 
 
