@@ -33,6 +33,10 @@ def faq_models(tmp_path_factory) -> Path:
          "--models-dir", str(root)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "accuracy" in trained.stdout and (root / "faq" / "1" / "labels.json").is_file()
+    (root / "faq-short").mkdir()  # the same head, entries living 2 s
+    config = (root / "faq" / "config.yaml").read_text()
+    (root / "faq-short" / "config.yaml").write_text(config.replace("ttl_s: 604800", "ttl_s: 2"))
+    (root / "faq-short" / "1").symlink_to(root / "faq" / "1")
     return root
 
 
@@ -43,10 +47,11 @@ def semantic_server(tmp_path_factory, faq_models, engines_dir):
     assert srv.stop() == 0
 
 
-def infer(server: ServerProcess, text: str, *, tenant: str = "", mode=pb.CachePolicy.DEFAULT, **semantic):
+def infer(server: ServerProcess, text: str, *, tenant: str = "", mode=pb.CachePolicy.DEFAULT, model: str = "faq",
+          **semantic):
     channel, stub = server.stub()
     with channel:
-        return stub.Infer(pb.InferRequest(model="faq", text=text, tenant=tenant, cache=pb.CachePolicy(mode=mode),
+        return stub.Infer(pb.InferRequest(model=model, text=text, tenant=tenant, cache=pb.CachePolicy(mode=mode),
                                           semantic=pb.SemanticPolicy(explain=True, **semantic)), timeout=30)
 
 
@@ -57,11 +62,11 @@ def wait_indexed(server: ServerProcess, count: int) -> None:
         time.sleep(0.05)
 
 
-def warm(server: ServerProcess, tenant: str, texts: list[str]) -> None:
+def warm(server: ServerProcess, tenant: str, texts: list[str], model: str = "faq") -> None:
     """Caches each text as computed by the model (matching off, so none answers for another)."""
     before = server.stats().worker.counters["semantic.indexed"]
     for text in texts:
-        assert infer(server, text, tenant=tenant, enabled=False).cache.source == pb.CacheInfo.MISS
+        assert infer(server, text, tenant=tenant, enabled=False, model=model).cache.source == pb.CacheInfo.MISS
     wait_indexed(server, before + len(texts))
 
 
@@ -137,6 +142,22 @@ def test_invalidating_a_version_removes_its_entries_from_the_index(semantic_serv
         assert time.monotonic() < deadline
         time.sleep(0.05)
     after = infer(semantic_server, "i need to change my delivery address", tenant=tenant, mode=pb.CachePolicy.NO_STORE)
+    assert source(after) == "MISS" and len(after.cache.neighbors) == 0
+
+
+def test_expired_entries_leave_the_index(semantic_server):
+    tenant = unique("t")
+    texts = ["How much does shipping cost?", "How much is express delivery?"]
+    before = semantic_server.stats().worker.counters["semantic.unindexed"]
+    warm(semantic_server, tenant, texts, model="faq-short")
+    query = "what does shipping cost"
+    fresh = infer(semantic_server, query, tenant=tenant, model="faq-short", mode=pb.CachePolicy.NO_STORE)
+    assert source(fresh) == "RESULT_SEMANTIC"
+    deadline = time.monotonic() + 20  # TTL 2 s, the test server sweeps every second
+    while semantic_server.stats().worker.counters["semantic.unindexed"] < before + 2:
+        assert time.monotonic() < deadline, "expired entries were not swept out of the index"
+        time.sleep(0.1)
+    after = infer(semantic_server, query, tenant=tenant, model="faq-short", mode=pb.CachePolicy.NO_STORE)
     assert source(after) == "MISS" and len(after.cache.neighbors) == 0
 
 
