@@ -2,6 +2,7 @@
 
     infercache serve [--config FILE] [--port N] [--frontends N] [--set section.field=value ...]
     infercache engines build|list|verify|prune [--runtime onnxruntime|tensorrt] [--model NAME]
+    infercache cache stats|readers [--cache-dir DIR]
     infercache prepare-model [--models-dir DIR] [--force]
     infercache train-head data.csv --name NAME [--text-column text] [--label-column label]
 """
@@ -81,6 +82,13 @@ def _engines(args: argparse.Namespace) -> int:
                            dry_run=args.dry_run)
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from server import cache_cli
+
+    config = _config(args)
+    return cache_cli.stats(config) if args.cache_command == "stats" else cache_cli.readers(config)
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (default: $INFERCACHE_CONFIG)")
     parser.add_argument("--models-dir")
@@ -135,6 +143,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--models-dir", default="models")
     prepare.add_argument("--force", action="store_true", help="export even if the files exist")
     prepare.set_defaults(func=_prepare_model)
+
+    cache = commands.add_parser("cache", help="the result store: stats per namespace, LMDB reader table")
+    cache.add_argument("cache_command", choices=("stats", "readers"))
+    _add_config_options(cache)
+    cache.add_argument("--cache-dir")
+    cache.set_defaults(func=_cache)
 
     head = commands.add_parser("train-head", help="train a classification head on an encoder from a labelled CSV")
     head.add_argument("csv", help="CSV file with a header row")

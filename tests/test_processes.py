@@ -189,3 +189,25 @@ def test_bad_configuration_is_rejected_with_the_reason(setting, message):
     result = subprocess.run([sys.executable, "-m", "server", "serve", "--set", setting],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_cache_cli_shows_namespaces_and_readers(start_server):
+    server = start_server()
+    with server.client() as client:
+        for tenant in ("acme", "globex"):
+            text = unique("operator view")
+            client.infer(MODEL, text, tenant=tenant)
+            wait_cached(client, MODEL, text, tenant=tenant)
+
+    def cli(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "server", "cache", command, "--cache-dir", str(server.cache_dir)],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    shown = cli("stats")  # while the server runs: read-only
+    assert shown.returncode == 0 and "2 entries" in shown.stdout
+    assert any(line.split()[:4] == ["acme", MODEL, "1", "1"] for line in shown.stdout.splitlines())
+    table = cli("readers")  # LMDB lists readers inside a transaction: "(no active readers)" when idle
+    assert table.returncode == 0 and ("pid" in table.stdout or "no active readers" in table.stdout)
+    missing = subprocess.run([sys.executable, "-m", "server", "cache", "stats", "--cache-dir", str(server.workdir / "none")],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "cannot open store" in missing.stdout

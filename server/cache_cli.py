@@ -1,0 +1,57 @@
+"""`infercache cache stats|readers`: operator views of the host's result store (read-only; safe while serving)."""
+
+from __future__ import annotations
+
+from cachestore import results
+from cachestore.env import DB_RESULTS, DB_SEMLOG, Store
+from cachestore.errors import StoreError
+from server.config import Config, store_settings
+
+
+def _open(config: Config) -> Store | None:
+    try:
+        return Store(store_settings(config), readonly=True)
+    except StoreError as exc:
+        print(f"infercache: {exc}")
+        return None
+
+
+def _count_prefix(txn, db, prefix: bytes) -> int:
+    count = 0
+    with txn.cursor(db=db) as cursor:
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(keys=True, values=False):
+                if not bytes(key).startswith(prefix):
+                    break
+                count += 1
+    return count
+
+
+def stats(config: Config) -> int:
+    store = _open(config)
+    if store is None:
+        return 2
+    totals = store.stats()
+    mb = 1024 * 1024
+    print(f"store {store.settings.path}: {totals['entries']} entries, {totals['used_bytes'] / mb:.1f} MiB live "
+          f"of a {totals['budget_bytes'] / mb:.0f} MiB budget (map {totals['map_size_bytes'] / mb:.0f} MiB)")
+    semlog = store.dbs.get(DB_SEMLOG)
+    with store.begin() as txn:
+        spaces = results.namespaces(store, txn)
+        print(f"{'tenant':<24} {'model':<20} {'version':<8} {'entries':>9} {'indexed':>9}")
+        for ns_id, ns in spaces:
+            entries = _count_prefix(txn, store.dbs[DB_RESULTS], ns_id)
+            indexed = _count_prefix(txn, semlog, ns_id) if semlog is not None else 0
+            print(f"{ns.tenant or '(empty)':<24} {ns.model:<20} {ns.version:<8} {entries:>9} {indexed:>9}")
+    store.close()
+    return 0
+
+
+def readers(config: Config) -> int:
+    """LMDB's reader table: a stale reader (a process killed inside a read) pins old pages."""
+    store = _open(config)
+    if store is None:
+        return 2
+    print(store.env.readers().rstrip())
+    store.close()
+    return 0
