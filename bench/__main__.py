@@ -191,12 +191,12 @@ def bench_startup(workdir: Path, models: Path, cache_dir: Path, texts: list[str]
     for i in range(rounds):
         run_dir = workdir / f"start{i}"
         run_dir.mkdir()
-        server = ServerProcess(run_dir, models, cache_dir=cache_dir, engines_dir=workdir / "engines", wait=False)
-        to_hit = first_success(server.address, hit, server.started)
-        miss = pb.InferRequest(model="minilm", text=f"a question nobody asked before {i} {time.time()}")
-        to_miss = first_success(server.address, miss, server.started)
-        server.wait_ready()
-        assert server.stop() == 0
+        with ServerProcess(run_dir, models, cache_dir=cache_dir, engines_dir=workdir / "engines", wait=False) as server:
+            to_hit = first_success(server.address, hit, server.started)
+            miss = pb.InferRequest(model="minilm", text=f"a question nobody asked before {i} {time.time()}")
+            to_miss = first_success(server.address, miss, server.started)
+            server.wait_ready()
+            assert server.stop() == 0
         samples.append({"first_hit_s": round(to_hit, 3), "first_miss_s": round(to_miss, 3)})
     return {
         "first_hit_s": statistics.median(s["first_hit_s"] for s in samples),

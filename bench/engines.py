@@ -63,9 +63,9 @@ def bench_l3(workdir: Path, models: Path, rounds: int) -> dict:
         for label in ("empty_store_s", "warm_store_s"):
             run_dir = workdir / f"l3-server{i}-{label}"
             run_dir.mkdir()
-            server = ServerProcess(run_dir, models, engines_dir=engines)
-            samples[label].append(server.ready_after)
-            assert server.stop() == 0
+            with ServerProcess(run_dir, models, engines_dir=engines) as server:
+                samples[label].append(server.ready_after)
+                assert server.stop() == 0
         shutil.rmtree(engines)
     out["server_start_to_ready"] = {k: _median(v) for k, v in samples.items()}
     out["server_start_to_ready"]["speedup"] = round(

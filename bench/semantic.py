@@ -93,11 +93,12 @@ def bench_rebuild(models: Path, workdir: Path, count: int) -> dict:
     for label in ("from_log", "from_snapshot"):
         run_dir = workdir / f"rebuild-{label}"
         run_dir.mkdir()
-        server = ServerProcess(run_dir, models, engines_dir=workdir / "engines", cache_dir=cache_dir)
-        during = asyncio.run(run_load(server.address, hits, concurrency=1, total=1000))  # while the index rebuilds
-        counters = _ready_counters(server)
-        after = asyncio.run(run_load(server.address, hits, concurrency=1, total=1000))
-        assert during.sources == {"RESULT_EXACT": 1000} and after.errors == 0
+        with ServerProcess(run_dir, models, engines_dir=workdir / "engines", cache_dir=cache_dir) as server:
+            during = asyncio.run(run_load(server.address, hits, concurrency=1, total=1000))  # while it rebuilds
+            counters = _ready_counters(server)
+            after = asyncio.run(run_load(server.address, hits, concurrency=1, total=1000))
+            assert during.sources == {"RESULT_EXACT": 1000} and after.errors == 0
+            assert server.stop() == 0  # writes the snapshot the second start loads
         out[label] = {
             "rebuild_s": counters["semantic.rebuild_ms"] / 1000,
             "rows_from_snapshot": counters.get("semantic.rebuilt_from_snapshot", 0),
@@ -105,7 +106,6 @@ def bench_rebuild(models: Path, workdir: Path, count: int) -> dict:
             "exact_hit_p50_ms_during_rebuild": during.summary()["p50_ms"],
             "exact_hit_p50_ms_after": after.summary()["p50_ms"],
         }
-        assert server.stop() == 0  # writes the snapshot the second start loads
     shutil.rmtree(cache_dir)
     return out
 

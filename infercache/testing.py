@@ -54,7 +54,11 @@ class ServerProcess:
         self.ready_after: float | None = None
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         if wait:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop(timeout=10)  # a server that did not come up must not outlive the caller
+                raise
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Blocks until the server says it is ready; `ready_after` is then the seconds since launch."""
@@ -85,13 +89,19 @@ class ServerProcess:
     def worker_pid(self) -> int:
         return self.stats().worker.pid
 
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL of the whole process group after `timeout`; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()

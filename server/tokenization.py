@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 class TextEncoder:
     def __init__(self, tokenizer_path: Path, max_tokens: int) -> None:
+        if not tokenizer_path.is_file():  # the library's own message does not name the file
+            raise FileNotFoundError(f"tokenizer file {tokenizer_path} is missing")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length=max_tokens)

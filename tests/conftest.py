@@ -49,11 +49,11 @@ def start_server(tmp_path, models_dir, engines_dir):
     """Factory for servers that a test owns (and may crash); all are stopped afterwards."""
     started: list[ServerProcess] = []
 
-    def start(**kwargs) -> ServerProcess:
+    def start(models: Path | None = None, **kwargs) -> ServerProcess:
         workdir = tmp_path / f"server{len(started)}"
         workdir.mkdir()
         kwargs.setdefault("engines_dir", engines_dir)
-        server = ServerProcess(workdir, models_dir, **kwargs)
+        server = ServerProcess(workdir, models or models_dir, **kwargs)
         started.append(server)
         return server
 

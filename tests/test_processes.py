@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from cachestore import records
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from infercache.v1 import infercache_pb2 as pb
-from tests.conftest import REPO
+from tests.conftest import MODEL_VERSION_DIR, REPO
 from tests.helpers import is_cached, unique, wait_cached
 
 MODEL = "minilm"
@@ -211,3 +212,16 @@ def test_cache_cli_shows_namespaces_and_readers(start_server):
     missing = subprocess.run([sys.executable, "-m", "server", "cache", "stats", "--cache-dir", str(server.workdir / "none")],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "cannot open store" in missing.stdout
+
+
+def test_a_worker_that_fails_at_startup_stops_the_server_promptly(start_server, tmp_path):
+    models = tmp_path / "broken-models"
+    (models / "minilm").mkdir(parents=True)
+    shutil.copy(REPO / "models" / "minilm" / "config.yaml", models / "minilm" / "config.yaml")
+    (models / "minilm" / "1").mkdir()
+    (models / "minilm" / "1" / "model.onnx").symlink_to(MODEL_VERSION_DIR / "model.onnx")  # no tokenizer.json
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 1") as err:
+        start_server(models=models)
+    assert time.monotonic() - started < 60  # the supervisor stopped its frontends instead of waiting on them
+    assert "worker exited during startup" in str(err.value) and "tokenizer.json" in str(err.value)

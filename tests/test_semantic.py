@@ -167,9 +167,8 @@ def test_nearest_similarity_histogram_in_stats(semantic_server):
     assert sum(v for k, v in counters.items() if k.startswith("semantic.nearest.")) == counters["semantic.lookups"]
 
 
-def test_index_comes_back_after_restart_from_snapshot_and_from_the_log(tmp_path, faq_models, engines_dir):
-    (tmp_path / "a").mkdir()
-    first = ServerProcess(tmp_path / "a", faq_models, engines_dir=engines_dir)
+def test_index_comes_back_after_restart_from_snapshot_and_from_the_log(start_server, faq_models):
+    first = start_server(models=faq_models)
     warm(first, "", ["How do I reset my password?", "I forgot my password", "I can't log in to my account"])
     assert first.stop() == 0
     snapshots = list((first.cache_dir / "semantic").glob("*.hnsw"))
@@ -177,10 +176,9 @@ def test_index_comes_back_after_restart_from_snapshot_and_from_the_log(tmp_path,
 
     for label, prepare in (("snapshot", lambda: None), ("log", lambda: [p.unlink() for p in snapshots])):
         prepare()
-        (tmp_path / label).mkdir()
-        again = ServerProcess(tmp_path / label, faq_models, engines_dir=engines_dir, cache_dir=first.cache_dir)
+        again = start_server(models=faq_models, cache_dir=first.cache_dir)
         deadline = time.monotonic() + 30
-        while again.stats().worker.counters["semantic.rebuild_ms"] == 0 and "semantic indexes ready" not in again.log_text():
+        while "semantic indexes ready" not in again.log_text():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         counters = again.stats().worker.counters
