@@ -52,8 +52,8 @@ class ResultCache:
             return None
         return record
 
-    def lookup(self, key: bytes, max_age_us: int | None = None) -> pb.InferResponse | None:
-        """The cached response marked RESULT_EXACT with its age, or None."""
+    def answer(self, key: bytes, max_age_us: int | None, source: int) -> tuple[records.Record, pb.InferResponse] | None:
+        """A fresh entry and its response, marked with `source` and the entry's age; None otherwise."""
         now = now_us()
         record = self.get(key, now, max_age_us)
         if record is None:
@@ -63,9 +63,14 @@ class ResultCache:
         except DecodeError:
             log.warning("ignoring record %s: payload does not parse", key.hex())
             return None
-        response.cache.source = pb.CacheInfo.RESULT_EXACT
+        response.cache.source = source
         response.cache.age_s = record.age_s(now)
-        return response
+        return record, response
+
+    def lookup(self, key: bytes, max_age_us: int | None = None) -> pb.InferResponse | None:
+        """The cached response marked RESULT_EXACT, or None."""
+        found = self.answer(key, max_age_us, pb.CacheInfo.RESULT_EXACT)
+        return None if found is None else found[1]
 
 
 # ---- write side: called by the writer thread inside its write transaction -------------------------

@@ -28,7 +28,7 @@ from infercache.v1 import infercache_pb2_grpc, worker_pb2, worker_pb2_grpc
 from server import metrics, process
 from server.config import Config, store_settings
 from server.errors import InvalidArgument, NotCached, WorkerUnavailable, from_worker_error, grpc_errors
-from server.models import ModelRepository
+from server.models import ModelRepository, ModelSpec
 from server.normalize import Normalizer
 
 log = logging.getLogger("infercache.frontend")
@@ -103,13 +103,14 @@ class FrontendCore:
                     log.warning("result cache unavailable, serving misses until it opens: %s", exc)
         return self._cache
 
-    def _normalized_text(self, text: str, max_chars: int) -> str:
-        if len(text) > max_chars:
-            raise InvalidArgument(f"text has {len(text)} characters; this model accepts at most {max_chars}")
+    def _keyed(self, tenant: str, spec: ModelSpec, version: str, text: str) -> tuple[str, bytes]:
+        """(normalized text, cache key) of a request's text; INVALID_ARGUMENT when unusable."""
+        if len(text) > spec.max_text_chars:
+            raise InvalidArgument(f"text has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
         normalized = self.normalize(text)
         if not normalized:
             raise InvalidArgument("text is empty (or only punctuation and whitespace); send the text to run")
-        return normalized
+        return normalized, entry_key(_ns_id(tenant, spec.name, version), normalized)
 
     async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> pb.InferResponse:
         if not request.model:
@@ -121,8 +122,7 @@ class FrontendCore:
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         if request.semantic.HasField("min_similarity") and not 0.0 <= request.semantic.min_similarity <= 1.0:
             raise InvalidArgument(f"semantic.min_similarity must be within 0..1, got {request.semantic.min_similarity}")
-        text = self._normalized_text(request.text, spec.max_text_chars)
-        key = entry_key(_ns_id(request.tenant, spec.name, version), text)
+        text, key = self._keyed(request.tenant, spec, version, request.text)
         cached_at_all = spec.ttl_s > 0
 
         cached_ok = mode != Mode.BYPASS and cached_at_all
@@ -159,7 +159,7 @@ class FrontendCore:
         if request.text:
             spec = self.repository.get(request.model)
             version = spec.resolve_version(request.version)
-            key = entry_key(_ns_id(request.tenant, spec.name, version), self._normalized_text(request.text, spec.max_text_chars))
+            _, key = self._keyed(request.tenant, spec, version, request.text)
             if request.key and request.key != key.hex():
                 raise InvalidArgument("text and key name different entries; set one of them")
             forwarded.key, forwarded.text = key.hex(), ""

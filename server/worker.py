@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import os
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +90,7 @@ class _Flight:
     task: asyncio.Task
     waiters: int = 0
     stored: bool = False
-    created_us: int = field(default_factory=lambda: time.time_ns() // 1000)
+    created_us: int = field(default_factory=now_us)
 
 
 @dataclass(frozen=True)
@@ -223,15 +222,12 @@ class WorkerCore:
 
     def _matched(self, chosen: Neighbor, request, neighbors: list[Neighbor]) -> _Outcome | None:
         """The chosen neighbour's entry as a RESULT_SEMANTIC answer, if it is still fresh."""
-        now = now_us()
         max_age = request.max_age_us if request.HasField("max_age_us") else None
-        record = self.cache.get(chosen.key, now, max_age) if self.cache is not None else None
-        if record is None:
+        found = self.cache.answer(chosen.key, max_age, Source.RESULT_SEMANTIC) if self.cache is not None else None
+        if found is None:
             return None  # expired or gone since it was indexed: compute instead
-        response = pb.InferResponse.FromString(record.payload)
-        response.cache.source = Source.RESULT_SEMANTIC
+        record, response = found
         response.cache.similarity = chosen.similarity
-        response.cache.age_s = record.age_s(now)
         self._explain(response, request, neighbors)
         return _Outcome(response, matched=record)
 
