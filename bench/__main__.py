@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import echo
+from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
@@ -34,8 +34,6 @@ from infercache.testing import REPO, ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 
-BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
-RESULTS = REPO / "bench" / "results"
 
 
 def load_texts() -> list[str]:

@@ -9,18 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import BANKING77, RESULTS
 from bench.load import run_load
 from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.keys import Namespace, entry_key
 from cachestore.semantic import SemanticEntry
 from cachestore.writer import WriteBehind
-from infercache.testing import REPO, ServerProcess
+from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import Normalizer
 
-BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
-RESULTS = REPO / "bench" / "results"
 
 
 def train_banking77(models: Path) -> None:

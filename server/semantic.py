@@ -34,10 +34,13 @@ HISTOGRAM_EDGES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
 class _Index:
     """One namespace: the hnswlib graph plus label -> (key, answer) of its live entries."""
 
-    def __init__(self, dim: int, capacity: int = INITIAL_CAPACITY) -> None:
+    def __init__(self, dim: int, capacity: int = INITIAL_CAPACITY, snapshot: Path | None = None) -> None:
         self.dim = dim
         self.graph = hnswlib.Index(space="ip", dim=dim)  # unit vectors: inner product = cosine
-        self.graph.init_index(max_elements=capacity, ef_construction=128, M=16)
+        if snapshot is None:
+            self.graph.init_index(max_elements=capacity, ef_construction=128, M=16)
+        else:
+            self.graph.load_index(str(snapshot), max_elements=capacity)
         self.graph.set_ef(64)
         self.rows: dict[int, tuple[bytes, str]] = {}
 
@@ -194,13 +197,7 @@ class SemanticTier:
             meta = json.loads(meta_path.read_text())
             if meta.get("store_id") != self.store.store_id or meta.get("dim") != self.dim:
                 return None
-            index = _Index.__new__(_Index)
-            index.dim = self.dim
-            index.graph = hnswlib.Index(space="ip", dim=self.dim)
-            index.graph.load_index(str(path), max_elements=max(INITIAL_CAPACITY, int(meta["capacity"])))
-            index.graph.set_ef(64)
-            index.rows = {}
-            return index
+            return _Index(self.dim, max(INITIAL_CAPACITY, int(meta["capacity"])), snapshot=path)
         except (OSError, ValueError, KeyError, RuntimeError):
             return None
 

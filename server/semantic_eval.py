@@ -39,6 +39,7 @@ SAFETY_MARGIN = 0.0025
 
 @dataclass
 class Query:
+    fold: int
     text: str
     label: str            # the dataset's label
     exact: bool = False   # answered by an exact (normalized) match
@@ -179,7 +180,7 @@ async def run(address: str, model: str, rows: list[tuple[str, str]], folds: int,
             policy = pb.CachePolicy(mode=pb.CachePolicy.NO_STORE)
             responses = await _send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=t, cache=policy,
                                                                semantic=explain) for t, _ in replay], concurrency)
-            fold_queries = [Query(t, l) for t, l in replay]
+            fold_queries = [Query(fold, t, l) for t, l in replay]
             recheck = []
             for q, r in zip(fold_queries, responses):
                 q.exact = r.cache.source == pb.CacheInfo.RESULT_EXACT
@@ -201,28 +202,24 @@ async def run(address: str, model: str, rows: list[tuple[str, str]], folds: int,
         result["recommended"] = best(result["sweep"]["consensus"], min_agree=2)
         result["best_fixed_threshold"] = best(result["sweep"]["fixed_threshold"])
         if result["recommended"] and validate:
-            result["validation"] = await _validate(stub, model, fold_tenants, rows, folds, result["recommended"],
-                                                   queries, validate)
+            result["validation"] = await _validate(stub, model, fold_tenants, result["recommended"], queries, validate)
         await _cleanup(stub, fold_tenants)
     return result
 
 
-async def _validate(stub, model: str, tenants: list[str], rows, folds: int, chosen: dict, queries: list[Query],
-                    count: int) -> dict:
-    """Replays a sample with the recommended policy on the server itself (one request at a time, so
-    the latency figures are the semantic path's own), and compares decisions with the offline ones."""
+async def _validate(stub, model: str, tenants: list[str], chosen: dict, queries: list[Query], count: int) -> dict:
+    """Replays a sample (spread over the folds) with the recommended policy on the server itself, one
+    request at a time so the latency figures are the semantic path's own, and compares its decisions
+    with the offline ones."""
     policy = MatchPolicy(min_similarity=chosen["min_similarity"], neighborhood=chosen["neighborhood"], k=5,
                          min_agree=chosen["min_agree"])
-    by_text = {(i % folds, q.text): q for i, q in enumerate(_in_row_order(queries, rows, folds))}
-    sample = [(i % folds, t) for i, (t, _) in enumerate(rows)][:count]
+    misses = [q for q in queries if not q.exact]
+    sample = misses[:: max(1, len(misses) // count)][:count]
     agree = server_hits = 0
     latencies = []
-    for fold, text in sample:
-        q = by_text[(fold, text)]
-        if q.exact:
-            continue
+    for q in sample:
         started = time.perf_counter()
-        r = await stub.Infer(pb.InferRequest(model=model, tenant=tenants[fold], text=text,
+        r = await stub.Infer(pb.InferRequest(model=model, tenant=tenants[q.fold], text=q.text,
                                              cache=pb.CachePolicy(mode=pb.CachePolicy.NO_STORE),
                                              semantic=pb.SemanticPolicy(min_similarity=policy.min_similarity)),
                              timeout=30)
@@ -231,25 +228,13 @@ async def _validate(stub, model: str, tenants: list[str], rows, folds: int, chos
             latencies.append((time.perf_counter() - started) * 1000)
         server_hits += hit
         agree += hit == (policy.decide([Neighbor(s, b"", a) for s, a in q.neighbors]) is not None)
-    checked = sum(1 for f, t in sample if not by_text[(f, t)].exact)
     latencies.sort()
     return {
-        "checked": checked, "decisions_agreeing_with_offline": agree / max(1, checked), "server_hits": server_hits,
+        "checked": len(sample), "decisions_agreeing_with_offline": agree / max(1, len(sample)),
+        "server_hits": server_hits,
         "semantic_hit_p50_ms": round(latencies[len(latencies) // 2], 2) if latencies else None,
         "note": "the server uses the model's configured neighborhood/min_agree; only min_similarity is per request",
     }
-
-
-def _in_row_order(queries: list[Query], rows, folds: int) -> list[Query]:
-    """Queries were collected fold by fold; put them back in the order of the CSV rows."""
-    per_fold: dict[int, list[Query]] = {}
-    start = 0
-    for fold in range(folds):
-        size = sum(1 for i in range(len(rows)) if i % folds == fold)
-        per_fold[fold] = queries[start:start + size]
-        start += size
-    cursors = {f: iter(q) for f, q in per_fold.items()}
-    return [next(cursors[i % folds]) for i in range(len(rows))]
 
 
 async def _cleanup(stub, tenants: list[str]) -> None:
