@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 log = logging.getLogger("infercache.engines")
 
 MANIFEST_FORMAT = 2
+CHECKSUM_MISMATCH = "artifact checksum mismatch"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.+-]+")
 
 
@@ -177,8 +178,8 @@ class EngineStore:
             return None, "manifest describes a different build"
         if not source.matches(manifest):
             return None, "the source model changed since the build"
-        if not path.is_file() or path.stat().st_size != manifest.size_bytes:
-            return None, "artifact missing or truncated"
+        if problem := _size_problem(path, manifest):
+            return None, problem
         return manifest, ""
 
     def _verified_load(self, path: Path, manifest: Manifest, load: Callable[[Path], object] | None):
@@ -191,7 +192,7 @@ class EngineStore:
             except Exception as exc:  # a damaged file may not even parse: the checksum decides
                 engine, failure = None, exc
             if digest.result() != manifest.sha256:
-                return None, "artifact checksum mismatch"
+                return None, CHECKSUM_MISMATCH
         if failure is not None:
             raise failure  # intact but not loadable here (wrong GPU, missing runtime): not fixed by a rebuild
         return engine, ""
@@ -205,12 +206,10 @@ class EngineStore:
         out = []
         for manifest in self.list():
             path = self.artifacts / manifest.artifact
-            if not path.is_file() or path.stat().st_size != manifest.size_bytes:
-                out.append((manifest.name, "artifact missing or truncated"))
-            elif sha256_file(path) != manifest.sha256:
-                out.append((manifest.name, "artifact checksum mismatch"))
-            else:
-                out.append((manifest.name, ""))
+            problem = _size_problem(path, manifest)
+            if not problem and sha256_file(path) != manifest.sha256:
+                problem = CHECKSUM_MISMATCH
+            out.append((manifest.name, problem))
         return out
 
     # ---- building ------------------------------------------------------------------------------------
@@ -297,6 +296,12 @@ class EngineStore:
                 if not dry_run:
                     path.unlink(missing_ok=True)
         return removed
+
+
+def _size_problem(path: Path, manifest: Manifest) -> str:
+    if not path.is_file() or path.stat().st_size != manifest.size_bytes:
+        return "artifact missing or truncated"
+    return ""
 
 
 def _build_in_progress(path: Path) -> bool:
