@@ -13,6 +13,7 @@ from cachestore.engines import EngineStore, Manifest
 from server.config import Config
 from server.engines.artifacts import artifact_key, get_runtime, prepare
 from server.engines.base import EngineBuildError, RuntimeUnavailable
+from server.errors import ModelNotFound
 from server.models import ModelRepository
 
 
@@ -28,7 +29,11 @@ def build(config: Config, *, model: str | None, force: bool) -> int:
     except RuntimeUnavailable as exc:
         _say(f"infercache: {exc}")
         return 2
-    specs = [repository.get(model)] if model else repository.servable()
+    try:
+        specs = [repository.get(model)] if model else repository.servable()
+    except ModelNotFound as exc:
+        _say(f"infercache: {exc}")
+        return 2
     jobs = [(spec, version) for spec in specs for version in spec.versions]
     if not jobs:
         _say("infercache: no model files to build (run `infercache prepare-model`)")

@@ -154,6 +154,8 @@ def test_engines_cli_list_verify_prune(tmp_path):
 
     built = cli("build")
     assert built.returncode == 0 and "[1/2] minilm 1" in built.stdout and "[2/2] retired 1" in built.stdout
+    unknown = cli("build", "--model", "no-such-model")
+    assert unknown.returncode == 2 and "unknown model 'no-such-model'" in unknown.stdout
     listed = cli("list").stdout
     assert "minilm_1_cpu-" in listed and "retired_1_cpu-" in listed
     assert cli("verify").returncode == 0
