@@ -99,23 +99,30 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_head(args: argparse.Namespace) -> int:
+    from server.labelled_csv import LabelledDataError
     from server.train_head import TrainError, train
 
     try:
         train(Path(args.csv), text_column=args.text_column, label_column=args.label_column,
               models_dir=Path(args.models_dir), encoder=args.encoder, name=args.name, version=args.version,
               epochs=args.epochs, limit=args.limit)
-    except TrainError as exc:
+    except (TrainError, LabelledDataError) as exc:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
 def _eval_semantic(args: argparse.Namespace) -> int:
+    from server.labelled_csv import LabelledDataError
     from server.semantic_eval import main as evaluate
 
-    evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column, label_column=args.label_column,
-             folds=args.folds, limit=args.limit, out=Path(args.out), png=Path(args.png) if args.png else None)
+    try:
+        evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,
+                 label_column=args.label_column, folds=args.folds, limit=args.limit, out=Path(args.out),
+                 png=Path(args.png) if args.png else None)
+    except LabelledDataError as exc:
+        print(f"infercache: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,7 +16,6 @@ hits-vs-fidelity curve of consensus policies beside a fixed-threshold baseline (
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import time
 import uuid
@@ -27,6 +26,7 @@ import grpc
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
+from server.labelled_csv import read_labelled_csv
 from server.match_policy import MatchPolicy, Neighbor
 
 THRESHOLDS = tuple(round(0.60 + 0.02 * i, 2) for i in range(20))  # 0.60 .. 0.98
@@ -45,12 +45,6 @@ class Query:
     exact: bool = False   # answered by an exact (normalized) match
     answer: str = ""      # the model's own answer for this query
     neighbors: tuple[tuple[float, str], ...] = ()
-
-
-def read_rows(path: Path, text_column: str, label_column: str, limit: int | None) -> list[tuple[str, str]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = [(r[text_column], r[label_column]) for r in csv.DictReader(f) if (r[text_column] or "").strip()]
-    return rows[:limit] if limit else rows
 
 
 async def _send_all(stub, requests: list[pb.InferRequest], concurrency: int) -> list[pb.InferResponse]:
@@ -262,7 +256,7 @@ def report(result: dict) -> str:
 
 def main(address: str, model: str, csv_path: Path, *, text_column: str, label_column: str, folds: int,
          limit: int | None, out: Path, png: Path | None) -> dict:
-    rows = read_rows(csv_path, text_column, label_column, limit)
+    rows = read_labelled_csv(csv_path, text_column, label_column, limit)
     print(f"infercache: evaluating {model} at {address} on {len(rows)} rows, {folds} folds ...", flush=True)
     result = asyncio.run(run(address, model, rows, folds, progress=lambda m: print(m, flush=True)))
     out.parent.mkdir(parents=True, exist_ok=True)

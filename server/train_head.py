@@ -9,7 +9,6 @@ Needs the `onnx` package (the prepare extra); serving never imports this module.
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 import time
@@ -19,27 +18,12 @@ import numpy as np
 
 from server.engines.onnxruntime import OrtEngine
 from server.models import LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, load_model
+from server.labelled_csv import read_labelled_csv
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder, pad_batch
 
 class TrainError(ValueError):
     pass
-
-
-def read_labelled_csv(path: Path, text_column: str, label_column: str, limit: int | None) -> tuple[list[str], list[str]]:
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in (text_column, label_column) if c not in (reader.fieldnames or [])]
-            if missing:
-                raise TrainError(f"{path}: no column {missing[0]!r} (columns: {', '.join(reader.fieldnames or [])})")
-            rows = [(r[text_column], r[label_column]) for r in reader if (r[text_column] or "").strip()]
-    except OSError as exc:
-        raise TrainError(f"cannot read {path}: {exc}") from None
-    rows = rows[:limit] if limit else rows
-    if len({label for _, label in rows}) < 2:
-        raise TrainError(f"{path}: need at least two distinct labels in {label_column!r}")
-    return [t for t, _ in rows], [l for _, l in rows]
 
 
 def embed(engine: OrtEngine, encoder: TextEncoder, texts: list[str], progress, batch: int = 64) -> np.ndarray:
@@ -119,7 +103,8 @@ def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Pa
           progress=print) -> Path:
     encoder_spec = load_model(models_dir / encoder)
     encoder_dir = encoder_spec.version_dir(encoder_spec.serving_version)
-    texts, labels = read_labelled_csv(csv_path, text_column, label_column, limit)
+    rows = read_labelled_csv(csv_path, text_column, label_column, limit)
+    texts, labels = [t for t, _ in rows], [label for _, label in rows]
     normalize = Normalizer()
     texts = [normalize(t) for t in texts]  # the server runs the model on normalized text
     classes = sorted(set(labels))

@@ -262,3 +262,7 @@ def test_train_head_names_a_missing_column(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no column 'category'" in result.stderr and "intent" in result.stderr
     assert not (REPO / "models" / "x").exists()
+    evaluated = subprocess.run([sys.executable, "-m", "server", "eval-semantic", str(FAQ), "--model", "faq",
+                                "--label-column", "category", "--out", str(tmp_path / "e.json")],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert evaluated.returncode == 2 and "no column 'category'" in evaluated.stderr
