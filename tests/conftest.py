@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from infercache.testing import REPO, ServerProcess
+from tests.helpers import link_model
 
 MODEL_VERSION_DIR = REPO / "models" / "minilm" / "1"
+MINILM_CONFIG = (REPO / "models" / "minilm" / "config.yaml").read_text()
 SHORT_TTL_S = 2
 
 SHORT_CONFIG = f"""
@@ -28,13 +30,8 @@ def models_dir(tmp_path_factory) -> Path:
     if not (MODEL_VERSION_DIR / "model.onnx").is_file():
         pytest.fail("default model missing: run `make model` (make test does it)")
     root = tmp_path_factory.mktemp("models")
-    (root / "minilm").mkdir()
-    (root / "minilm" / "config.yaml").write_text((REPO / "models" / "minilm" / "config.yaml").read_text())
-    (root / "minilm" / "1").symlink_to(MODEL_VERSION_DIR)
-    (root / "shortlived").mkdir()
-    (root / "shortlived" / "config.yaml").write_text(SHORT_CONFIG)
-    (root / "shortlived" / "1").symlink_to(MODEL_VERSION_DIR)
-    (root / "shortlived" / "2").symlink_to(MODEL_VERSION_DIR)
+    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    link_model(root, "shortlived", SHORT_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR})
     return root
 
 

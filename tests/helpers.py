@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 
@@ -34,3 +35,12 @@ def is_cached(client: Client, model: str, text: str, **kwargs) -> bool:
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
         return False
+
+
+def link_model(root: Path, name: str, config: str, versions: dict[str, Path]) -> Path:
+    """A model in a test repository: `config` as its config.yaml, each version a link to existing files."""
+    (root / name).mkdir(parents=True)
+    (root / name / "config.yaml").write_text(config)
+    for version, target in versions.items():
+        (root / name / version).symlink_to(target)
+    return root / name

@@ -23,7 +23,8 @@ from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine
 from server.models import load_model
 from server.tokenization import TextEncoder, pad_batch
-from tests.conftest import MODEL_VERSION_DIR, REPO
+from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
+from tests.helpers import link_model
 
 SPEC = load_model(REPO / "models" / "minilm")
 
@@ -144,9 +145,7 @@ def test_engines_cli_list_verify_prune(tmp_path):
     engines = tmp_path / "engines"
     models = tmp_path / "models"
     for name in ("minilm", "retired"):
-        (models / name).mkdir(parents=True)
-        shutil.copy(REPO / "models" / "minilm" / "config.yaml", models / name / "config.yaml")
-        (models / name / "1").symlink_to(MODEL_VERSION_DIR)
+        link_model(models, name, MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "server", "engines", *args, "--engines-dir", str(engines),

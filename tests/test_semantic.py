@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -16,8 +15,8 @@ from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.match_policy import MatchPolicy, Neighbor
 from server.semantic import INITIAL_CAPACITY, _Index
-from tests.conftest import MODEL_VERSION_DIR, REPO
-from tests.helpers import unique
+from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
+from tests.helpers import link_model, unique
 
 FAQ = REPO / "examples" / "faq.csv"
 
@@ -25,18 +24,14 @@ FAQ = REPO / "examples" / "faq.csv"
 @pytest.fixture(scope="module")
 def faq_models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("semantic-models")
-    (root / "minilm").mkdir()
-    shutil.copy(REPO / "models" / "minilm" / "config.yaml", root / "minilm" / "config.yaml")
-    (root / "minilm" / "1").symlink_to(MODEL_VERSION_DIR)
+    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
     trained = subprocess.run(
         [sys.executable, "-m", "server", "train-head", str(FAQ), "--name", "faq", "--label-column", "intent",
          "--models-dir", str(root)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "accuracy" in trained.stdout and (root / "faq" / "1" / "labels.json").is_file()
-    (root / "faq-short").mkdir()  # the same head, entries living 2 s
-    config = (root / "faq" / "config.yaml").read_text()
-    (root / "faq-short" / "config.yaml").write_text(config.replace("ttl_s: 604800", "ttl_s: 2"))
-    (root / "faq-short" / "1").symlink_to(root / "faq" / "1")
+    config = (root / "faq" / "config.yaml").read_text()  # the same head, entries living 2 s:
+    link_model(root, "faq-short", config.replace("ttl_s: 604800", "ttl_s: 2"), {"1": root / "faq" / "1"})
     return root
 
 
@@ -234,9 +229,7 @@ BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
 @pytest.mark.skipif(not BANKING77.is_file(), reason="../shared/data/banking77 is not beside this checkout")
 def test_train_head_on_banking77_writes_a_servable_version(tmp_path):
     models = tmp_path / "models"
-    (models / "minilm").mkdir(parents=True)
-    shutil.copy(REPO / "models" / "minilm" / "config.yaml", models / "minilm" / "config.yaml")
-    (models / "minilm" / "1").symlink_to(MODEL_VERSION_DIR)
+    link_model(models, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
     command = [sys.executable, "-m", "server", "train-head", str(BANKING77), "--name", "banking77",
                "--label-column", "category", "--models-dir", str(models), "--limit", "600", "--epochs", "200"]
     first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
