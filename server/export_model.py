@@ -1,8 +1,9 @@
-"""Export the default sentence encoder to the model repository as ONNX.
+"""Export the default sentence encoder to the model repository as ONNX (and as a torch source).
 
 Only `infercache prepare-model` imports this module: it needs torch and sentence-transformers, which
 serving never loads. The exported graph includes mean pooling and L2 normalization, so the engine's
-output is the sentence embedding itself.
+output is the sentence embedding itself. The same weights are also written as the version's torch
+source (torch.json + torch.safetensors, see server/engines/torch_bert.py) for the torch-cuda runtime.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def default_encoder_dir() -> Path:
 
 
 def export_sentence_encoder(source: Path, target: Path, max_tokens: int) -> Path:
-    """Writes `target/model.onnx` and `target/tokenizer.json`; returns the ONNX path.
+    """Writes `target/model.onnx`, `target/tokenizer.json` and the torch source; returns the ONNX path.
 
     Writes into a temporary sibling directory and renames it into place, so a crash never leaves a
     half-written version that the server would try to load.
@@ -34,6 +35,8 @@ def export_sentence_encoder(source: Path, target: Path, max_tokens: int) -> Path
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModel
+
+    from server.engines.torch_bert import architecture_from_hf_config, convert_hf_state_dict, write_torch_source
 
     started = time.monotonic()
     encoder = AutoModel.from_pretrained(str(source)).float().eval()  # fp32 graph even from fp16 weights
@@ -73,6 +76,8 @@ def export_sentence_encoder(source: Path, target: Path, max_tokens: int) -> Path
             dynamo=False,
         )
     shutil.copy(source / "tokenizer.json", staging / "tokenizer.json")
+    arch = architecture_from_hf_config(encoder.config.to_dict())  # the same fp32 weights as the graph
+    write_torch_source(staging, arch, convert_hf_state_dict(encoder.state_dict(), arch))
     if target.exists():
         shutil.rmtree(target)
     staging.rename(target)

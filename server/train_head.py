@@ -3,7 +3,9 @@
 Reads a labelled CSV, embeds the (normalized) texts with the encoder's ONNX model, fits a softmax
 regression in numpy, and writes a new model version whose single ONNX graph is encoder + head: the
 served artifact, with no Python model code at serve time. Outputs: "embedding" (the encoder's) and
-"scores" (class probabilities); labels.json maps score columns to labels.
+"scores" (class probabilities); labels.json maps score columns to labels. When the encoder's version has
+a torch source (torch.json + torch.safetensors), the new version gets one too: the same encoder weights
+plus the same head, for the torch-cuda runtime.
 Needs the `onnx` package (the prepare extra); serving never imports this module.
 """
 
@@ -82,6 +84,25 @@ def compose(encoder_onnx: Path, w: np.ndarray, b: np.ndarray, out: Path) -> None
     onnx.save(model, str(out))
 
 
+def torch_source_with_head(encoder_dir: Path, out: Path, w: np.ndarray, b: np.ndarray, progress) -> None:
+    """Writes the encoder's torch source plus the head into `out`; skipped (with a line) if there is none."""
+    try:
+        import torch
+        from safetensors.torch import load_file
+
+        from server.engines import torch_bert
+    except ImportError as exc:  # torch comes with the prepare extra, like onnx
+        progress(f"infercache: no torch source for the new version ({exc})")
+        return
+    if not (encoder_dir / torch_bert.TORCH_CONFIG_FILE).is_file():
+        progress(f"infercache: {encoder_dir} has no torch source; the new version gets none (ONNX only)")
+        return
+    arch, tensors = torch_bert.with_head(torch_bert.read_architecture(encoder_dir),
+                                         load_file(str(encoder_dir / torch_bert.TORCH_WEIGHTS_FILE)),
+                                         torch.tensor(w, dtype=torch.float32), torch.tensor(b, dtype=torch.float32))
+    torch_bert.write_torch_source(out, arch, tensors)
+
+
 def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
     lines = [f"# Classification head on {encoder_name}, written by `infercache train-head`.", "task: classification"]
     for line in encoder_config.splitlines():
@@ -129,7 +150,9 @@ def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Pa
     staging = root / f".{version}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    compose(encoder_dir / MODEL_FILE, w.astype(np.float32), b.astype(np.float32), staging / MODEL_FILE)
+    w, b = w.astype(np.float32), b.astype(np.float32)
+    compose(encoder_dir / MODEL_FILE, w, b, staging / MODEL_FILE)
+    torch_source_with_head(encoder_dir, staging, w, b, progress)
     shutil.copy(encoder_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     (staging / LABELS_FILE).write_text(json.dumps(classes, indent=0))
     (staging / "training.json").write_text(json.dumps({
