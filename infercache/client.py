@@ -35,6 +35,13 @@ def decode_outputs(response: pb.InferResponse) -> dict[str, np.ndarray]:
     return {t.name: np.frombuffer(t.data, dtype=t.dtype).reshape(tuple(t.shape)) for t in response.outputs}
 
 
+def to_result(response: pb.InferResponse) -> Result:
+    info = response.cache
+    return Result(decode_outputs(response), pb.CacheInfo.Source.Name(info.source), info.age_s,
+                  info.model_version, info.key, response.classification.label,
+                  response.classification.probability, info.similarity)
+
+
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout_s: float = 10.0) -> None:
         self.channel = grpc.insecure_channel(target)
@@ -48,11 +55,18 @@ class Client:
         matching = pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity)
         request = pb.InferRequest(model=model, version=version, tenant=tenant, text=text, cache=policy,
                                   semantic=matching)
-        response = self.stub.Infer(request, timeout=self.timeout_s)
-        info = response.cache
-        return Result(decode_outputs(response), pb.CacheInfo.Source.Name(info.source), info.age_s,
-                      info.model_version, info.key, response.classification.label,
-                      response.classification.probability, info.similarity)
+        return to_result(self.stub.Infer(request, timeout=self.timeout_s))
+
+    def infer_batch(self, model: str, texts: list[str], *, version: str = "", tenant: str = "",
+                    mode: str = "DEFAULT", max_age_s: int | None = None, semantic: bool | None = None,
+                    min_similarity: float | None = None) -> list[Result]:
+        """One Result per text, in order (hits and misses mixed); at most ListModels' max_batch_texts."""
+        request = pb.InferBatchRequest(
+            model=model, version=version, tenant=tenant, texts=texts,
+            cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s),
+            semantic=pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity),
+        )
+        return [to_result(r) for r in self.stub.InferBatch(request, timeout=self.timeout_s).results]
 
     def invalidate(self, **selector) -> int:
         return self.stub.Invalidate(pb.InvalidateRequest(**selector), timeout=self.timeout_s).removed

@@ -65,7 +65,9 @@ class Batcher:
         index = bisect.bisect_left(self.buckets, length)
         return self.buckets[min(index, len(self.buckets) - 1)]
 
-    async def submit(self, ids: list[int], deadline: float | None) -> Any:
+    def enqueue(self, ids: list[int], deadline: float | None) -> asyncio.Future:
+        """Admits one sequence; its future gets the engine's result for it. Cancelling the future
+        drops the sequence before it reaches the engine. Raises Overloaded when the queue is full."""
         if self._closed:
             raise WorkerUnavailable("inference worker is shutting down")
         if self._waiting >= self.max_queue:
@@ -76,7 +78,10 @@ class Batcher:
         self._waiting += 1
         self._incoming.append(request)
         self._wakeup.set()
-        return await request.future
+        return request.future
+
+    async def submit(self, ids: list[int], deadline: float | None) -> Any:
+        return await self.enqueue(ids, deadline)
 
     async def close(self) -> None:
         """Stops admitting, lets everything admitted run, then stops the owner task."""

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from cachestore.env import StoreSettings
+from server.devices import RUNTIMES
 
 
 class ConfigError(ValueError):
@@ -27,13 +28,15 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = 50051
     frontends: int = 0                 # 0 = one per CPU
+    workers: int = 0                   # inference workers; 0 = one per visible GPU (GPU runtime), else 1
     models_dir: str = "models"
     socket_dir: str = ""               # unix socket of the worker; "" = a fresh temporary directory
     worker_timeout_s: float = 30.0     # longest a frontend waits for the worker when the client sets no deadline
     worker_wait_s: float = 2.0         # how long a call waits for a restarting worker before UNAVAILABLE
     drain_s: float = 10.0              # grace for in-flight requests on SIGTERM
     max_queue: int = 1024              # requests admitted to the batcher before RESOURCE_EXHAUSTED
-    engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = one per CPU
+    max_batch_texts: int = 256         # most texts in one InferBatch call
+    engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     log_level: str = "INFO"
 
 
@@ -50,7 +53,7 @@ class CacheSection:
 @dataclass(frozen=True)
 class EnginesSection:
     dir: str = "var/engines"           # L3 engine store (may be shared by pods: NFS, a PVC)
-    runtime: str = "onnxruntime"       # onnxruntime (CPU) or tensorrt (GPU)
+    runtime: str = "auto"              # auto, onnxruntime (CPU), torch-cuda or tensorrt (GPU): server/devices.py
     precision: str = "fp16"            # requested; a runtime without FP16 builds fp32; config.yaml may override
     build_missing: bool = True         # build at start when the store lacks an engine (logged and counted)
 
@@ -126,6 +129,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"server.port must be 1..65535, got {config.server.port}")
     if config.server.frontends < 0:
         raise ConfigError("server.frontends must be >= 0 (0 = one per CPU)")
+    if config.server.workers < 0:
+        raise ConfigError("server.workers must be >= 0 (0 = one per GPU, or one on a CPU host)")
+    if config.server.max_batch_texts < 1:
+        raise ConfigError("server.max_batch_texts must be >= 1")
     if not 0 < config.cache.budget_mb < config.cache.map_size_mb:
         raise ConfigError(
             f"cache.budget_mb ({config.cache.budget_mb}) must be positive and below cache.map_size_mb "
@@ -133,8 +140,8 @@ def validate(config: Config) -> None:
         )
     if config.server.max_queue < 1:
         raise ConfigError("server.max_queue must be >= 1")
-    if config.engines.runtime not in ("onnxruntime", "tensorrt"):
-        raise ConfigError(f"engines.runtime must be onnxruntime or tensorrt, got {config.engines.runtime!r}")
+    if config.engines.runtime not in RUNTIMES:
+        raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):
         raise ConfigError(f"engines.precision must be fp16, fp32 or int8-qdq, got {config.engines.precision!r}")
 

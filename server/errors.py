@@ -62,6 +62,20 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error (logged on the server)"
 
 
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def to_wire(exc: BaseException) -> tuple[int, str]:
+    """(status code number, message) of an error, for results carried inside a stream message."""
+    code, message = status_of(exc)
+    return code.value[0], message
+
+
+def from_wire(number: int, details: str) -> InferCacheError:
+    """The domain error for a failed item of the worker stream (inverse of to_wire)."""
+    return from_worker_error(_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), details)
+
+
 def from_worker_error(code: grpc.StatusCode, details: str) -> InferCacheError:
     """The domain error for a failed internal call, so the client sees the worker's code."""
     cls = _FROM_CODE.get(code)

@@ -1,8 +1,9 @@
 """Frontend process: the public gRPC API.
 
 Several frontends listen on one port (SO_REUSEPORT) and do the per-request CPU work in parallel:
-validate, normalize, derive the key, read L1. A fresh hit is answered here; everything else goes to
-the inference worker over a unix socket. Frontends never write the store.
+validate, normalize, derive the key, read L1, and tokenize what missed. A fresh hit is answered here;
+misses go to the inference workers in micro-batches of token ids (server/worker_pool.py), so the
+workers only batch, launch and write behind. Frontends never write the store.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,15 +23,17 @@ from grpc_reflection.v1alpha import reflection
 
 from cachestore.env import Store
 from cachestore.errors import StoreError
-from cachestore.keys import entry_key, namespace_id, parse_hex_key
+from cachestore.keys import NS_ID_BYTES, entry_key, namespace_id, parse_hex_key
 from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
-from infercache.v1 import infercache_pb2_grpc, worker_pb2, worker_pb2_grpc
+from infercache.v1 import infercache_pb2_grpc
 from server import metrics, process
 from server.config import Config, store_settings
-from server.errors import InvalidArgument, NotCached, WorkerUnavailable, from_worker_error, grpc_errors
-from server.models import ModelRepository, ModelSpec
+from server.errors import InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors
+from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.normalize import Normalizer
+from server.tokenization import TextEncoder
+from server.worker_pool import WorkerPool
 
 log = logging.getLogger("infercache.frontend")
 
@@ -37,58 +41,50 @@ Mode = pb.CachePolicy.Mode
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 _ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per request saved on the hot path
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
+STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose stream is not open
+TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 
 
-class WorkerClient:
-    """The frontend's channel to the inference worker. Fails fast with UNAVAILABLE while it is down."""
+@dataclass(frozen=True)
+class _Served:
+    """What a frontend needs of one model version to send its misses: tokenizers and routing."""
 
-    def __init__(self, socket_path: Path, *, wait_s: float, default_timeout_s: float) -> None:
-        self.channel = grpc.aio.insecure_channel(
-            f"unix:{socket_path}",
-            options=[
-                # Reconnect quickly after a worker restart (gRPC's default backoff grows to minutes).
-                ("grpc.initial_reconnect_backoff_ms", 50),
-                ("grpc.min_reconnect_backoff_ms", 50),
-                ("grpc.max_reconnect_backoff_ms", 500),
-            ],
-        )
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.wait_s = wait_s
-        self.default_timeout_s = default_timeout_s
+    spec: ModelSpec
+    version: str
+    encoder: TextEncoder
+    embed_encoder: TextEncoder | None  # the semantic embedder's, when its ids differ from the model's
+    by_namespace: bool                 # semantic models: a namespace's index lives in one worker
 
-    async def _connected(self, budget: float) -> None:
-        if self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
-            return
-        try:
-            await asyncio.wait_for(self.channel.channel_ready(), max(0.0, min(self.wait_s, budget)))
-        except TimeoutError:
-            raise WorkerUnavailable("inference worker is not reachable (restarting?); retry") from None
+    def route(self, key: bytes) -> int:
+        return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
 
-    async def call(self, method: str, request, time_remaining: float | None):
-        timeout = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
-        # Keep a margin so the client hears UNAVAILABLE before its own deadline fires.
-        await self._connected(timeout - 0.05 if time_remaining is not None else timeout)
-        try:
-            return await getattr(self.stub, method)(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise from_worker_error(exc.code(), exc.details() or "") from None
 
-    async def close(self) -> None:
-        await self.channel.close()
+@dataclass(frozen=True)
+class _Plan:
+    """One call's model, version and cache policy, validated."""
+
+    served: _Served
+    tenant: str
+    mode: int
+    cached_ok: bool
+    store: bool
+    max_age_us: int | None
+    semantic: pb.SemanticPolicy | None
 
 
 class FrontendCore:
-    """Transport-free request handling: validation, normalization, keys, L1, forwarding misses."""
+    """Transport-free request handling: validation, normalization, keys, L1, tokenizing and sending misses."""
 
-    def __init__(self, config: Config, repository: ModelRepository, worker: WorkerClient) -> None:
+    def __init__(self, config: Config, repository: ModelRepository, workers: WorkerPool) -> None:
         self.config = config
         self.repository = repository
-        self.worker = worker
+        self.workers = workers
         self.normalize = Normalizer()
         self.counters: Counter[str] = Counter()
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
         self._cache_warn_at = 0.0
+        self._served: dict[tuple[str, str], _Served] = {}
 
     def l1(self) -> ResultCache | None:
         """The result cache, opened on first use and re-tried while the store is unavailable."""
@@ -103,16 +99,26 @@ class FrontendCore:
                     log.warning("result cache unavailable, serving misses until it opens: %s", exc)
         return self._cache
 
-    def _keyed(self, tenant: str, spec: ModelSpec, version: str, text: str) -> tuple[str, bytes]:
-        """(normalized text, cache key) of a request's text; INVALID_ARGUMENT when unusable."""
-        if len(text) > spec.max_text_chars:
-            raise InvalidArgument(f"text has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
-        normalized = self.normalize(text)
-        if not normalized:
-            raise InvalidArgument("text is empty (or only punctuation and whitespace); send the text to run")
-        return normalized, entry_key(_ns_id(tenant, spec.name, version), normalized)
+    def _encoder(self, spec: ModelSpec, version: str) -> TextEncoder:
+        try:
+            return TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
+        except (OSError, ValueError) as exc:
+            raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
 
-    async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> pb.InferResponse:
+    def served(self, spec: ModelSpec, version: str) -> _Served:
+        found = self._served.get((spec.name, version))
+        if found is None:
+            encoder = self._encoder(spec, version)
+            embed_encoder = None
+            if spec.semantic is not None and spec.semantic.embedder in self.repository.models:
+                embedder = self.repository.get(spec.semantic.embedder)
+                other = self._encoder(embedder, embedder.serving_version)
+                embed_encoder = None if other.fingerprint == encoder.fingerprint else other
+            found = self._served[(spec.name, version)] = _Served(spec, version, encoder, embed_encoder,
+                                                                  spec.semantic is not None)
+        return found
+
+    def _plan(self, request) -> _Plan:
         if not request.model:
             raise InvalidArgument("model is required; ListModels shows the served models")
         spec = self.repository.get(request.model)
@@ -122,26 +128,110 @@ class FrontendCore:
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         if request.semantic.HasField("min_similarity") and not 0.0 <= request.semantic.min_similarity <= 1.0:
             raise InvalidArgument(f"semantic.min_similarity must be within 0..1, got {request.semantic.min_similarity}")
-        text, key = self._keyed(request.tenant, spec, version, request.text)
         cached_at_all = spec.ttl_s > 0
+        return _Plan(
+            served=self.served(spec, version), tenant=request.tenant, mode=mode,
+            cached_ok=mode != Mode.BYPASS and cached_at_all, store=cached_at_all and mode != Mode.NO_STORE,
+            max_age_us=request.cache.max_age_s * 1_000_000 if request.cache.HasField("max_age_s") else None,
+            semantic=request.semantic if request.HasField("semantic") else None,
+        )
 
-        cached_ok = mode != Mode.BYPASS and cached_at_all
-        max_age = request.cache.max_age_s * 1_000_000 if request.cache.HasField("max_age_s") else None
-        if cached_ok and (cache := self.l1()) is not None:
-            response = cache.lookup(key, max_age)
+    def _keyed(self, tenant: str, spec: ModelSpec, version: str, text: str) -> tuple[str, bytes]:
+        """(normalized text, cache key) of a request's text; INVALID_ARGUMENT when unusable."""
+        if len(text) > spec.max_text_chars:
+            raise InvalidArgument(f"text has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
+        normalized = self.normalize(text)
+        if not normalized:
+            raise InvalidArgument("text is empty (or only punctuation and whitespace); send the text to run")
+        return normalized, entry_key(_ns_id(tenant, spec.name, version), normalized)
+
+    def _hit(self, plan: _Plan, key: bytes) -> pb.InferResponse | None:
+        if plan.cached_ok and (cache := self.l1()) is not None:
+            response = cache.lookup(key, plan.max_age_us)
             if response is not None:
                 self.counters["hit_exact"] += 1
                 return response
-        if mode == Mode.ONLY_IF_CACHED:
+        return None
+
+    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes]]) -> list[tuple[int, object]]:
+        """(route, fill) for each missed (text, key): token ids here, in this process."""
+        served = plan.served
+        texts = [text for text, _ in keyed]
+        ids = served.encoder.encode_batch(texts) if len(texts) > 1 else [served.encoder.encode(texts[0])]
+        embed_ids = served.embed_encoder.encode_batch(texts) if served.embed_encoder is not None else None
+        spec, version = served.spec, served.version
+
+        def fill(item, n: int, key: bytes) -> None:
+            item.model, item.version, item.tenant, item.key = spec.name, version, plan.tenant, key
+            item.ids.extend(ids[n])
+            if embed_ids is not None:
+                item.embed_ids.extend(embed_ids[n])
+            item.store, item.cached_ok = plan.store, plan.cached_ok
+            if plan.max_age_us is not None:
+                item.max_age_us = plan.max_age_us
+            if plan.semantic is not None:
+                item.semantic.CopyFrom(plan.semantic)
+
+        self.counters["forwarded"] += len(keyed)
+        return [(served.route(key), functools.partial(fill, n=n, key=key)) for n, (_, key) in enumerate(keyed)]
+
+    @staticmethod
+    def _answer(result, into: pb.InferResponse) -> pb.InferResponse:
+        into.MergeFromString(result.response)
+        into.cache.source = result.source
+        return into
+
+    async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> pb.InferResponse:
+        plan = self._plan(request)
+        spec = plan.served.spec
+        text, key = self._keyed(request.tenant, spec, plan.served.version, request.text)
+        if (hit := self._hit(plan, key)) is not None:
+            return hit
+        if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
-        self.counters["forwarded"] += 1
-        compute = worker_pb2.ComputeRequest(
-            model=spec.name, version=version, tenant=request.tenant, text=text, key=key,
-            store=cached_at_all and mode != Mode.NO_STORE, cached_ok=cached_ok, max_age_us=max_age,
-            semantic=request.semantic,
-        )
-        return await self.worker.call("Compute", compute, time_remaining)
+        [result] = await self.workers.compute(self._items(plan, [(text, key)]), time_remaining)
+        return self._answer(result, pb.InferResponse())
+
+    async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None) -> pb.InferBatchResponse:
+        plan = self._plan(request)
+        spec, version = plan.served.spec, plan.served.version
+        limit = self.config.server.max_batch_texts
+        if not request.texts:
+            raise InvalidArgument("texts is empty; send at least one text")
+        if len(request.texts) > limit:
+            raise InvalidArgument(f"texts has {len(request.texts)} items; at most {limit} per call (server.max_batch_texts)")
+        keyed, answers, missed = [], [], []
+        for n, text in enumerate(request.texts):
+            try:
+                keyed.append(self._keyed(request.tenant, spec, version, text))
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"texts[{n}]: {exc}") from None
+            answers.append(self._hit(plan, keyed[-1][1]))
+            if answers[-1] is None:
+                missed.append(n)
+        self.counters["batch_calls"] += 1
+        self.counters["batch_texts"] += len(keyed)
+        if missed and plan.mode == Mode.ONLY_IF_CACHED:
+            self.counters["not_cached"] += len(missed)
+            raise NotCached(f"texts[{missed[0]}]: no fresh cached entry ({len(missed)} of {len(keyed)} texts have "
+                            "none; cache.mode is ONLY_IF_CACHED)")
+        results = []
+        if missed:
+            miss_keyed = [keyed[n] for n in missed]
+            if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
+                items = await asyncio.to_thread(self._items, plan, miss_keyed)
+            else:
+                items = self._items(plan, miss_keyed)
+            results = await self.workers.compute(items, time_remaining)
+        response = pb.InferBatchResponse()
+        computed = iter(results)
+        for answer in answers:
+            if answer is None:
+                self._answer(next(computed), response.results.add())
+            else:
+                response.results.append(answer)
+        return response
 
     async def invalidate(self, request: pb.InvalidateRequest, time_remaining: float | None) -> pb.InvalidateResponse:
         if not (request.model or request.version or request.tenant or request.match_empty_tenant
@@ -163,24 +253,43 @@ class FrontendCore:
             if request.key and request.key != key.hex():
                 raise InvalidArgument("text and key name different entries; set one of them")
             forwarded.key, forwarded.text = key.hex(), ""
-        return await self.worker.call("Invalidate", forwarded, time_remaining)
+        return await self.workers.call("Invalidate", forwarded, time_remaining)
+
+    async def _worker_stats(self) -> list[pb.ProcessStats]:
+        async def one(link):
+            try:
+                return await self.workers.call("Stats", pb.GetStatsRequest(), 1.0, link=link)
+            except WorkerUnavailable as exc:
+                log.info("worker %d stats unavailable: %s", link.index, exc)
+                return None
+        # A stream opens a moment after its worker is ready (or is down while it restarts): wait a little.
+        await self.workers.all_up(timeout=min(STATS_WAIT_S, self.config.server.worker_wait_s))
+        found = await asyncio.gather(*(one(link) for link in self.workers.links if link.up))
+        return [stats for stats in found if stats is not None]
 
     async def stats(self) -> pb.GetStatsResponse:
         response = pb.GetStatsResponse(frontend=metrics.process_stats("frontend", ("frontend", self.counters)))
-        try:
-            response.worker.CopyFrom(await self.worker.call("Stats", pb.GetStatsRequest(), 1.0))
-        except WorkerUnavailable as exc:
-            log.info("worker stats unavailable: %s", exc)
+        workers = await self._worker_stats()
+        response.workers.extend(workers)
+        if workers:
+            response.worker.CopyFrom(workers[0])
         cache = self.l1()
         if cache is not None:
             response.store.CopyFrom(pb.StoreStats(**cache.store.stats()))
         return response
 
-    def list_models(self) -> pb.ListModelsResponse:
+    async def list_models(self) -> pb.ListModelsResponse:
+        engines: dict[str, list[pb.EngineInfo]] = {}
+        for stats in await self._worker_stats():
+            for info in stats.engines:
+                engines.setdefault(info.model, []).append(pb.EngineInfo(
+                    model=info.model, version=info.version, runtime=info.runtime, precision=info.precision,
+                    device=info.device, worker=stats.index))
         return pb.ListModelsResponse(models=[
             pb.ModelInfo(
                 name=m.name, serving_version=m.serving_version, versions=m.versions, task=m.task,
                 outputs=m.outputs, max_text_chars=m.max_text_chars, buckets=m.buckets, ttl_s=m.ttl_s,
+                engines=engines.get(m.name, []), max_batch_texts=self.config.server.max_batch_texts,
             )
             for m in self.repository.servable()
         ])
@@ -195,6 +304,10 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         return await self.core.infer(request, context.time_remaining())
 
     @grpc_errors
+    async def InferBatch(self, request, context):
+        return await self.core.infer_batch(request, context.time_remaining())
+
+    @grpc_errors
     async def Invalidate(self, request, context):
         return await self.core.invalidate(request, context.time_remaining())
 
@@ -204,14 +317,14 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
 
     @grpc_errors
     async def ListModels(self, request, context):
-        return self.core.list_models()
+        return await self.core.list_models()
 
 
-async def _serve(config: Config, index: int, socket_path: Path, ready, stop: asyncio.Event) -> None:
+async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event) -> None:
     repository = ModelRepository(Path(config.server.models_dir))
-    worker = WorkerClient(socket_path, wait_s=config.server.worker_wait_s,
-                          default_timeout_s=config.server.worker_timeout_s)
-    core = FrontendCore(config, repository, worker)
+    workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
+                         default_timeout_s=config.server.worker_timeout_s)
+    core = FrontendCore(config, repository, workers)
     core.l1()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     infercache_pb2_grpc.add_InferenceCacheServicer_to_server(FrontendServicer(core), server)
@@ -225,8 +338,8 @@ async def _serve(config: Config, index: int, socket_path: Path, ready, stop: asy
 
     async def serving_once_worker_is_up() -> None:
         # Hits are answered from the start; health says SERVING once misses can be computed too
-        # (the worker opens its socket only after loading and warming up every engine).
-        await worker.channel.channel_ready()
+        # (a worker opens its socket only after loading and warming up every engine).
+        await workers.all_up()
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
@@ -240,11 +353,13 @@ async def _serve(config: Config, index: int, socket_path: Path, ready, stop: asy
     health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.server.drain_s)
-    await worker.close()
+    await workers.close()
     log.info("frontend stopped")
 
 
-def main(config: Config, index: int, socket_path: str, ready) -> None:
+def main(config: Config, index: int, socket_paths: list[str], ready) -> None:
     """Entry point of a spawned frontend process."""
+    # The frontends are the parallelism: each tokenizes on its own thread, not on a pool per process.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     process.setup_logging(config.server.log_level, f"frontend-{index}")
-    process.run(lambda stop: _serve(config, index, Path(socket_path), ready, stop))
+    process.run(lambda stop: _serve(config, index, [Path(p) for p in socket_paths], ready, stop))

@@ -16,6 +16,7 @@ from server.errors import ModelNotFound
 from server.match_policy import MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
+TORCH_SOURCE_FILE = "torch.safetensors"  # the torch form (server/engines/torch_bert.py): GPU runtime source
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.json"       # classification models: score column -> label
 
@@ -83,7 +84,8 @@ def load_model(root: Path) -> ModelSpec:
             root=root,
             task=_get(data, "task", str),
             serving_version=str(_get(data, "serving_version", str)),
-            versions=tuple(sorted(p.name for p in root.iterdir() if (p / MODEL_FILE).is_file())),
+            versions=tuple(sorted(p.name for p in root.iterdir()
+                                  if (p / MODEL_FILE).is_file() or (p / TORCH_SOURCE_FILE).is_file())),
             outputs=tuple(_get(data, "outputs", list)),
             max_text_chars=_get(data, "input.max_text_chars", int),
             max_tokens=max_tokens,

@@ -1,4 +1,5 @@
-"""Supervisor: spawns the inference worker and the frontends, restarts them, drains them on SIGTERM.
+"""Supervisor: spawns the inference workers (one per GPU, or one on a CPU host) and the frontends,
+restarts them, drains them on SIGTERM.
 
 It opens no gRPC server, no LMDB environment and no CUDA context itself, and starts children with
 `spawn`, so no child inherits such state through fork.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from server import frontend, process, worker
+from server import devices, frontend, process, worker
 from server.config import Config
 
 log = logging.getLogger("infercache.supervisor")
@@ -41,7 +42,7 @@ class _Child:
 
     @property
     def name(self) -> str:
-        return self.role if self.role == "worker" else f"{self.role}-{self.index}"
+        return f"{self.role}-{self.index}"
 
 
 class Supervisor:
@@ -51,10 +52,14 @@ class Supervisor:
         self.ready = self.ctx.Queue()
         socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))
         socket_dir.mkdir(parents=True, exist_ok=True)
-        self.socket_path = str(socket_dir / "worker.sock")
-        self.worker = _Child("worker", 0, worker.main, (config, self.socket_path, self.ready))
+        # Decided here, before any child exists, without importing torch or touching CUDA.
+        self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus())
+        cpu_workers = sum(1 for p in self.placements if p.gpu is None)
+        sockets = [str(socket_dir / f"worker-{p.index}.sock") for p in self.placements]
+        self.workers = [_Child("worker", p.index, worker.main, (config, p, cpu_workers, sockets[p.index], self.ready))
+                        for p in self.placements]
         self.frontends = [
-            _Child("frontend", i, frontend.main, (config, i, self.socket_path, self.ready))
+            _Child("frontend", i, frontend.main, (config, i, sockets, self.ready))
             for i in range(config.frontend_count)
         ]
         self._stopping = False
@@ -87,17 +92,19 @@ class Supervisor:
         started = time.monotonic()
         # All at once: frontends answer L1 hits without the worker, so a warm pod serves hits while the
         # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
-        for child in (self.worker, *self.frontends):
+        for child in (*self.workers, *self.frontends):
             self._start(child)
         try:
-            self._await_ready([self.worker, *self.frontends])
+            self._await_ready([*self.workers, *self.frontends])
         except SystemExit:
-            self._stop([*self.frontends, self.worker])  # or exiting would wait for them forever
+            self._stop([*self.frontends, *self.workers])  # or exiting would wait for them forever
             raise
         server = self.config.server
+        workers = ", ".join(f"{p.device} {p.runtime}" for p in self.placements)
         print(
             f"infercache: listening on {server.host}:{server.port} ({len(self.frontends)} frontends, "
-            f"worker pid {self.worker.process.pid}, models from {server.models_dir}, cache in {self.config.cache.dir})",
+            f"{len(self.workers)} worker{'s' if len(self.workers) > 1 else ''}: {workers}; models from "
+            f"{server.models_dir}, cache in {self.config.cache.dir})",
             flush=True,
         )
         print(f"infercache: ready in {time.monotonic() - started:.1f} s", flush=True)
@@ -109,7 +116,7 @@ class Supervisor:
         self._stopping = True
 
     def _watch(self) -> None:
-        children = [self.worker, *self.frontends]
+        children = [*self.workers, *self.frontends]
         sentinels = [c.process.sentinel for c in children if c.process is not None and c.process.is_alive()]
         wait(sentinels, timeout=0.2)
         while True:
@@ -151,7 +158,7 @@ class Supervisor:
         """Frontends first (they finish in-flight calls, which may still need the worker), then the worker."""
         log.info("draining")
         self._stop(self.frontends)
-        self._stop([self.worker])
+        self._stop(self.workers)
         print("infercache: stopped", flush=True)
         return 0
 

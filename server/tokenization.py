@@ -19,6 +19,14 @@ class TextEncoder:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts)]
+
+    @property
+    def fingerprint(self) -> tuple[int, int]:
+        """Equal for encoders that produce the same ids (same vocabulary and rules, same truncation)."""
+        return hash(self.tokenizer.to_str()), self.tokenizer.truncation["max_length"]
+
 
 def pad_batch(sequences: list[list[int]], length: int) -> dict[str, np.ndarray]:
     """Right-pads with id 0 to `length` (the longest in the batch, never beyond its bucket)."""

@@ -224,4 +224,4 @@ def test_a_worker_that_fails_at_startup_stops_the_server_promptly(start_server, 
     with pytest.raises(RuntimeError, match="exited with 1") as err:
         start_server(models=models)
     assert time.monotonic() - started < 60  # the supervisor stopped its frontends instead of waiting on them
-    assert "worker exited during startup" in str(err.value) and "tokenizer.json" in str(err.value)
+    assert "worker-0 exited during startup" in str(err.value) and "tokenizer.json" in str(err.value)

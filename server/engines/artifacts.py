@@ -6,27 +6,40 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from cachestore.engines import ArtifactKey, EngineStore, Loaded
 from server.config import Config
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
-from server.models import MODEL_FILE, ModelRepository, ModelSpec
+from server.devices import resolve_runtime, visible_gpus
+from server.models import ModelRepository, ModelSpec
 
 log = logging.getLogger("infercache.engines")
 
-RUNTIMES = ("onnxruntime", "tensorrt")
+RUNTIMES = ("onnxruntime", "torch-cuda", "tensorrt", "null")
 
 
 def get_runtime(name: str) -> Runtime:
+    """The runtime named (`auto` resolved for this host); each module is imported only here, lazily."""
+    if name == "auto":
+        name = resolve_runtime(name, visible_gpus())
     if name == "onnxruntime":
         from server.engines.onnxruntime import OrtRuntime
 
         return OrtRuntime()
+    if name == "torch-cuda":
+        from server.engines.torch_cuda import TorchCudaRuntime
+
+        return TorchCudaRuntime()
     if name == "tensorrt":
         from server.engines.tensorrt import TensorRTRuntime
 
         return TensorRTRuntime()
+    if name == "null":
+        from server.engines.null import NullRuntime
+
+        return NullRuntime()
     raise RuntimeUnavailable(f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
 
 
@@ -48,7 +61,7 @@ def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str,
     """The stored artifact for this model version on this host (built first if need be), and with
     load=True the engine loaded from it."""
     key = artifact_key(runtime, spec, version, precision)
-    source = spec.version_dir(version) / MODEL_FILE
+    source = spec.version_dir(version) / runtime.source_file
     timing = store.timing_cache_path(key.device, runtime.name, runtime.version)
     profiles = model_profiles(spec)
     return store.get_or_build(
@@ -58,16 +71,36 @@ def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str,
     )
 
 
-def load_engines(config: Config, repository: ModelRepository, counters: Counter) -> dict[tuple[str, str], Engine]:
-    """An engine for every servable model version, from the L3 store (built there if missing)."""
+@dataclass(frozen=True)
+class LoadedEngine:
+    engine: Engine
+    runtime: str
+    precision: str
+    device: str
+
+
+def load_engines(config: Config, repository: ModelRepository, counters: Counter, runtime_name: str, *,
+                 threads: int) -> dict[tuple[str, str], LoadedEngine]:
+    """An engine for every servable model version, from the L3 store (built there if missing). A model
+    version the runtime cannot serve (a GPU runtime and a model without its source form) runs on
+    ONNX Runtime instead, with a warning."""
     store = EngineStore(Path(config.engines.dir))
-    runtime = get_runtime(config.engines.runtime)
+    runtime = get_runtime(runtime_name)
+    fallback: Runtime | None = None
     engines = {}
     for spec in repository.servable():
         for version in spec.versions:
             started = time.monotonic()
-            artifact, engine = prepare(store, runtime, spec, version, config.engines.precision, load=True,
-                                       threads=config.server.engine_threads, allow_build=config.engines.build_missing)
+            chosen = runtime
+            reason = runtime.cannot_serve(spec.version_dir(version))
+            if reason is not None:
+                fallback = fallback or get_runtime("onnxruntime")
+                log.warning("%s version %s runs on %s instead of %s: %s", spec.name, version, fallback.name,
+                            runtime.name, reason)
+                counters["engines_fallback"] += 1
+                chosen = fallback
+            artifact, engine = prepare(store, chosen, spec, version, config.engines.precision, load=True,
+                                       threads=threads, allow_build=config.engines.build_missing)
             if artifact.built:
                 counters["engines_built_at_start"] += 1
                 counters["engine_build_ms"] += int(artifact.manifest.build_seconds * 1000)
@@ -75,7 +108,8 @@ def load_engines(config: Config, repository: ModelRepository, counters: Counter)
                             "build` so pods only load", artifact.manifest.name, artifact.manifest.build_seconds,
                             f" (stored one not trusted: {artifact.rebuilt_reason})" if artifact.rebuilt_reason else "")
             counters["engines_loaded"] += 1
-            engines[(spec.name, version)] = engine
+            engines[(spec.name, version)] = LoadedEngine(engine, chosen.name, artifact.manifest.key["precision"],
+                                                         chosen.device_label())
             log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name,
                      time.monotonic() - started)
     return engines

@@ -47,7 +47,10 @@ def profiles_for(buckets: tuple[int, ...], max_batch: int) -> tuple[Profile, ...
 
 
 class Engine(ABC):
-    """Runs padded batches. One caller at a time; the worker calls it off the event loop."""
+    """Runs padded batches; the worker calls it off the event loop, from `slots` threads at most (a
+    GPU engine with two slots prepares batch n+1 on the host while the device runs batch n)."""
+
+    slots: int = 1
 
     @abstractmethod
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -57,11 +60,26 @@ class Engine(ABC):
     def device_memory_bytes(self) -> int:
         """Memory the engine holds on its device (0 where that is host memory)."""
 
+    def counters(self) -> dict[str, int]:
+        """The engine's own figures (padding, graph replays, ...) for GetStats; written by its run threads."""
+        return {}
+
 
 class Runtime(ABC):
     name: str
     version: str
     suffix: str  # artifact file extension
+    source_file: str = "model.onnx"  # what a build reads from the model version directory
+
+    def cannot_serve(self, version_dir: Path) -> str | None:
+        """Why this runtime cannot serve the model version in version_dir; None when it can."""
+        if not (version_dir / self.source_file).is_file():
+            return f"{version_dir / self.source_file} is missing"
+        return None
+
+    def device_label(self) -> str:
+        """The device it runs on, for ListModels and GetStats ("cpu", "cuda:0 (NVIDIA H200)")."""
+        return "cpu"
 
     @abstractmethod
     def device(self) -> tuple[str, dict]:

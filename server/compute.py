@@ -1,0 +1,273 @@
+"""What an inference worker does with each item a frontend sends: the transport-free core.
+
+Items arrive already normalized, keyed and tokenized. For each, on the event loop and without
+awaiting: join the identical computation in flight (coalescing), else answer from L1 if the entry was
+committed since the frontend looked, else start one computation: straight into the model's batcher, or,
+for a model with semantic matching, the embed -> search -> match-or-compute coroutine. When it finishes,
+every waiter gets its answer through its stream, then the result is written behind. A flight stays
+joinable until its entry is committed, so a request that missed L1 meanwhile joins it instead of
+computing the same thing again.
+
+The event loop is the only writer of the flights and of `counters`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from cachestore import records
+from cachestore.keys import NS_ID_BYTES, Namespace, parse_hex_key
+from cachestore.results import ResultCache, now_us
+from cachestore.semantic import SemanticEntry
+from cachestore.writer import Selector, WriteBehind
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import worker_pb2
+from server.errors import InferCacheError, ModelNotFound, WorkerUnavailable
+from server.match_policy import Neighbor
+from server.model_runtime import ModelRuntime
+from server.models import ModelRepository
+
+log = logging.getLogger("infercache.compute")
+
+Source = pb.CacheInfo.Source
+
+
+class Replies(Protocol):
+    """Where a stream's answers go (the worker's servicer implements it per frontend stream)."""
+
+    waiting: dict[int, "_Flight"]
+
+    def ok(self, item_id: int, source: int, payload: bytes) -> None: ...
+
+    def fail(self, item_id: int, exc: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a flight produced: the answer's serialized response, and what to store."""
+
+    payload: bytes
+    source: int = Source.MISS
+    stored: bytes | None = None               # when it differs from payload (explain adds neighbours)
+    embedding: np.ndarray | None = None       # the query's embedding (semantic models)
+    label: str = ""
+    matched: records.Record | None = None     # a near-duplicate's record (RESULT_SEMANTIC)
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One computation that identical concurrent items share."""
+
+    key: bytes
+    runtime: ModelRuntime
+    item: worker_pb2.ComputeItem
+    future: asyncio.Future | None = None
+    waiters: dict[tuple[Replies, int], bool] = field(default_factory=dict)  # (stream, item id) -> joined
+    store: bool = False
+    outcome: _Outcome | None = None
+    created_us: int = field(default_factory=now_us)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """From another thread; a loop that already closed (shutdown) has nothing left to update."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+class WorkerCore:
+    def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
+                 writer: WriteBehind | None, semantic=None) -> None:
+        self.repository = repository
+        self.runtimes = runtimes
+        self.writer = writer
+        self.semantic = semantic
+        self.cache = ResultCache(writer.store) if writer is not None else None
+        self.counters: Counter[str] = Counter()
+        self._inflight: dict[bytes, _Flight] = {}
+
+    def runtime(self, model: str, version: str) -> ModelRuntime:
+        runtime = self.runtimes.get((model, version))
+        if runtime is None:
+            self.repository.get(model).resolve_version(version)  # the precise NOT_FOUND message
+            raise ModelNotFound(f"model {model!r} version {version!r} is not loaded by this worker")
+        return runtime
+
+    # ---- items in ----------------------------------------------------------------------------------
+
+    def submit(self, replies: Replies, item: worker_pb2.ComputeItem, deadline: float | None) -> None:
+        """Takes one item; its answer (or error) reaches `replies` later, or at once."""
+        try:
+            flight = self._inflight.get(item.key)
+            joined = flight is not None
+            if flight is None:
+                runtime = self.runtime(item.model, item.version)
+                if item.cached_ok and self.cache is not None:
+                    max_age = item.max_age_us if item.HasField("max_age_us") else None
+                    if (cached := self.cache.lookup(item.key, max_age)) is not None:
+                        self.counters["late_hit"] += 1  # committed after the frontend looked
+                        replies.ok(item.id, Source.RESULT_EXACT, cached.SerializeToString())
+                        return
+                flight = self._start(runtime, item, deadline)
+        except InferCacheError as exc:
+            replies.fail(item.id, exc)
+            return
+        flight.store = flight.store or item.store
+        if flight.outcome is not None:  # finished, entry not committed yet
+            self.counters["coalesced"] += 1
+            self._reply(replies, item.id, flight.outcome, joined=True)
+            return
+        flight.waiters[(replies, item.id)] = joined
+        replies.waiting[item.id] = flight
+
+    def cancel(self, replies: Replies, item_id: int) -> None:
+        """The item's caller went away; the computation is dropped when nobody else waits for it."""
+        flight = replies.waiting.pop(item_id, None)
+        if flight is None:
+            return
+        flight.waiters.pop((replies, item_id), None)
+        if not flight.waiters and flight.outcome is None:
+            flight.future.cancel()  # the batcher drops it before the engine
+
+    def _start(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Flight:
+        flight = _Flight(item.key, runtime, item)
+        if runtime.spec.semantic is not None and self.semantic is not None:
+            flight.future = asyncio.get_running_loop().create_task(self._semantic(runtime, item, deadline))
+        else:
+            flight.future = runtime.batcher.enqueue(list(item.ids), deadline)  # Overloaded when full
+        flight.future.add_done_callback(lambda future: self._finished(flight, future))
+        self._inflight[item.key] = flight
+        return flight
+
+    # ---- answers out -------------------------------------------------------------------------------
+
+    def _finished(self, flight: _Flight, future: asyncio.Future) -> None:
+        if future.cancelled():
+            self._forget(flight)
+            return
+        if (exc := future.exception()) is not None:
+            self._forget(flight)
+            for (replies, item_id) in flight.waiters:
+                replies.waiting.pop(item_id, None)
+                replies.fail(item_id, exc)
+            return
+        result = future.result()
+        outcome = result if isinstance(result, _Outcome) else _Outcome(
+            flight.runtime.response(result, flight.key).SerializeToString())
+        flight.outcome = outcome
+        joined = 0
+        for (replies, item_id), was_joined in flight.waiters.items():
+            joined += was_joined
+            self._reply(replies, item_id, outcome, was_joined)
+        flight.waiters.clear()
+        self.counters["semantic_hits" if outcome.matched is not None else "computed"] += 1
+        self.counters["coalesced"] += joined
+        if flight.store and self.writer is not None:
+            self._store(flight, outcome)
+        else:
+            self._forget(flight)
+
+    def _reply(self, replies: Replies, item_id: int, outcome: _Outcome, joined: bool) -> None:
+        replies.waiting.pop(item_id, None)
+        source = Source.COALESCED if joined and outcome.source == Source.MISS else outcome.source
+        replies.ok(item_id, source, outcome.payload)
+
+    def _store(self, flight: _Flight, outcome: _Outcome) -> None:
+        item, loop = flight.item, asyncio.get_running_loop()
+        ns = Namespace(item.tenant, item.model, item.version)
+        done = lambda: _call_soon(loop, self._forget, flight)  # noqa: E731
+        if outcome.matched is not None:
+            # An exact alias of the matched entry: the same text next time is a frontend RESULT_EXACT.
+            self.writer.put(flight.key, ns, outcome.matched, on_done=done)
+            return
+        ttl_us = flight.runtime.spec.ttl_s * 1_000_000
+        record = records.Record(flight.created_us, flight.created_us + ttl_us, outcome.stored or outcome.payload)
+        entry = None
+        if outcome.embedding is not None:
+            entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
+        self.writer.put(flight.key, ns, record, on_done=done, semantic=entry)
+
+    def _forget(self, flight: _Flight) -> None:
+        if self._inflight.get(flight.key) is flight:
+            del self._inflight[flight.key]
+
+    # ---- semantic models ---------------------------------------------------------------------------
+
+    async def _semantic(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Outcome:
+        policy, overrides = runtime.spec.semantic, item.semantic
+        lookup = not overrides.HasField("enabled") or overrides.enabled
+        embedding, neighbors = None, []
+        if lookup or item.store:
+            # Stored results join the index even when this request does not look it up.
+            embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
+            ids = list(item.embed_ids) or list(item.ids)
+            embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
+        if embedding is not None and lookup:
+            neighbors = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
+            floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
+            chosen = policy.decide(neighbors, floor) if item.cached_ok else None
+            if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
+                return matched
+        response = runtime.response(await runtime.batcher.submit(list(item.ids), deadline), item.key)
+        stored = response.SerializeToString()
+        payload = stored
+        if self._explain(response, item, neighbors):
+            payload = response.SerializeToString()
+        return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label)
+
+    def _matched(self, chosen: Neighbor, item: worker_pb2.ComputeItem, neighbors: list[Neighbor]) -> _Outcome | None:
+        """The chosen neighbour's entry as a RESULT_SEMANTIC answer, if it is still fresh."""
+        max_age = item.max_age_us if item.HasField("max_age_us") else None
+        found = self.cache.answer(chosen.key, max_age, Source.RESULT_SEMANTIC) if self.cache is not None else None
+        if found is None:
+            return None  # expired or gone since it was indexed: compute instead
+        record, response = found
+        response.cache.similarity = chosen.similarity
+        self._explain(response, item, neighbors)
+        return _Outcome(response.SerializeToString(), Source.RESULT_SEMANTIC, matched=record)
+
+    @staticmethod
+    def _explain(response: pb.InferResponse, item: worker_pb2.ComputeItem, neighbors: list[Neighbor]) -> bool:
+        if not item.semantic.explain:
+            return False
+        response.cache.neighbors.extend(pb.Neighbor(similarity=n.similarity, answer=n.answer) for n in neighbors)
+        return True
+
+    # ---- the rest of the API -----------------------------------------------------------------------
+
+    async def invalidate(self, request: pb.InvalidateRequest) -> int:
+        if self.writer is None:
+            raise WorkerUnavailable("the result store is unavailable on this host; nothing to invalidate")
+        selector = Selector(
+            tenant=request.tenant if (request.tenant or request.match_empty_tenant) else None,
+            model=request.model or None,
+            version=request.version or None,
+            key=parse_hex_key(request.key) if request.key else None,
+        )
+        return await asyncio.wrap_future(self.writer.invalidate(selector))
+
+    def stat_groups(self) -> list[tuple[str, dict]]:
+        groups: list[tuple[str, dict]] = [("worker", self.counters)]
+        for (model, version), runtime in self.runtimes.items():
+            batcher = runtime.batcher
+            groups.append((f"batcher.{model}.{version}", batcher.counters + Counter(queue_depth=batcher.depth)))
+            if engine_counters := runtime.engine.counters():
+                groups.append((f"engine.{model}.{version}", engine_counters))
+        if self.writer is not None:
+            groups.append(("writer", self.writer.counters))
+        if self.semantic is not None:
+            groups.append(("semantic", self.semantic.counters))
+        return groups
+
+    async def close(self) -> None:
+        for runtime in self.runtimes.values():
+            await runtime.batcher.close()
+        pending = [f.future for f in list(self._inflight.values()) if f.future is not None and f.outcome is None]
+        await asyncio.gather(*pending, return_exceptions=True)

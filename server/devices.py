@@ -1,0 +1,80 @@
+"""Which devices this host has and which runtime serves on them, decided without a CUDA context.
+
+The supervisor calls this before it spawns anything: it must not import torch or create a CUDA
+context (children could inherit neither through spawn anyway, but the CPU path must never pay for
+torch's import). GPUs are counted from CUDA_VISIBLE_DEVICES, the driver's /proc entries or
+`nvidia-smi -L`; runtimes are looked up with importlib.util.find_spec, which imports nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_RUNTIMES = ("torch-cuda", "tensorrt")
+RUNTIMES = ("auto", "onnxruntime", *GPU_RUNTIMES, "null")  # null: benchmarks only (server/engines/null.py)
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
+    """Ids of the GPUs this process may use, as CUDA_VISIBLE_DEVICES would name them."""
+    environ = os.environ if environ is None else environ
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return [str(i) for i in range(len(list(proc.iterdir())))]
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+    return []
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_runtime(requested: str, gpus: list[str]) -> str:
+    """The runtime `engines.runtime` names, with `auto` decided for this host: full TensorRT where it
+    is installed and a GPU is visible, else the CUDA runtime on torch, else ONNX Runtime on CPU.
+    (TensorRT-RTX is never picked by auto: its engines do not run on data-center GPUs such as the
+    H200; name `tensorrt` explicitly to use it.)"""
+    if requested != "auto":
+        return requested
+    if gpus and _installed("tensorrt"):
+        return "tensorrt"
+    if gpus and _installed("torch"):
+        return "torch-cuda"
+    return "onnxruntime"
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """One inference worker: its index, its runtime and the GPU it is pinned to (None on CPU)."""
+
+    index: int
+    runtime: str
+    gpu: str | None
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu is None else f"cuda:{self.gpu}"
+
+
+def plan_workers(requested_runtime: str, workers: int, gpus: list[str]) -> list[WorkerPlacement]:
+    """workers = 0: one per visible GPU for a GPU runtime, else one. More workers than GPUs share
+    them round-robin (two workers on one GPU exercise the multi-worker path on a one-GPU host)."""
+    runtime = resolve_runtime(requested_runtime, gpus)
+    on_gpu = runtime in GPU_RUNTIMES and bool(gpus)
+    count = workers or (len(gpus) if on_gpu else 1)
+    return [WorkerPlacement(i, runtime, gpus[i % len(gpus)] if on_gpu else None) for i in range(count)]

@@ -1,0 +1,224 @@
+"""The CUDA runtime on torch: encoder models in FP16 on an NVIDIA GPU, one CUDA graph per
+(optimization profile, batch class).
+
+Source: the model version's torch form (`torch.json` + `torch.safetensors`, written by prepare-model
+and train-head from the same checkpoint as model.onnx; server/engines/torch_bert.py). Artifact in the
+L3 store: the module's weights cast to the serving precision (a safetensors file carrying its
+architecture), named and checked like any other artifact (device, torch + CUDA version, precision,
+profile set).
+
+Load: weights onto the GPU, then, before the worker reports ready, one CUDA graph per profile (padded
+to the bucket's length) and batch class (1, 2, 3, 4, 6, 8, 12, ... up to max_batch: a batch is padded up
+to its class, at most a third more rows). The graphs share one memory pool; they replay on one stream,
+so they never run at the same time.
+
+Run: two slots, each with pinned host staging buffers sized for the largest profile. A caller fills its
+slot's pinned inputs (host work), enqueues copy-in, replay and copy-out on the stream under a short
+lock, and waits on its slot's event: while the GPU runs batch n, the next caller prepares batch n+1.
+Nothing is allocated on this path. Only this module (and torch_bert) import torch, lazily, through
+artifacts.get_runtime: the CPU path never does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable
+
+log = logging.getLogger("infercache.torch_cuda")
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - a GPU host without torch: auto never picks this runtime
+    torch = None
+
+
+def batch_classes(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and 1.5x powers of two) up to and with max_batch."""
+    sizes = {max_batch}
+    power = 1
+    while power < max_batch:
+        sizes.update(s for s in (power, power * 3 // 2) if 0 < s < max_batch)
+        power *= 2
+    return tuple(sorted(sizes))
+
+
+class _Graph:
+    """One captured forward pass for a fixed [batch class, sequence length] input shape."""
+
+    def __init__(self, module, rows: int, seq: int, pool, stream) -> None:
+        device = torch.device("cuda")
+        self.rows, self.seq = rows, seq
+        self.ids = torch.full((rows, seq), 100, dtype=torch.int64, device=device)  # [UNK]: any valid id
+        self.mask = torch.ones((rows, seq), dtype=torch.int64, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.outputs = module(self.ids, self.mask)
+
+
+class _Slot:
+    """Pinned host buffers of one caller: inputs for the largest shape, outputs for the largest batch."""
+
+    def __init__(self, max_rows: int, max_seq: int, output_dims: dict[str, int]) -> None:
+        self.ids = torch.zeros(max_rows * max_seq, dtype=torch.int64, pin_memory=True)
+        self.mask = torch.zeros(max_rows * max_seq, dtype=torch.int64, pin_memory=True)
+        self.ids_np, self.mask_np = self.ids.numpy(), self.mask.numpy()
+        self.outputs = {name: torch.zeros((max_rows, dim), dtype=torch.float32, pin_memory=True)
+                        for name, dim in output_dims.items()}
+        self.done = torch.cuda.Event()
+
+
+class TorchCudaEngine(Engine):
+    slots = 2
+
+    def __init__(self, module, profiles: tuple[Profile, ...]) -> None:
+        self.module = module
+        self.output_names: tuple[str, ...] = module.output_names
+        self.seqs = tuple(p.max_seq for p in profiles)
+        max_batch = max(p.max_batch for p in profiles)
+        self.classes = batch_classes(max_batch)
+        self.stream = torch.cuda.Stream()
+        self._lock = threading.Lock()       # orders enqueueing on the one stream; held for microseconds
+        self._counters: Counter[str] = Counter()
+        before = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            warm = torch.full((max_batch, self.seqs[-1]), 100, dtype=torch.int64, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # library handles and workspaces exist before capture
+                for _ in range(2):
+                    outputs = module(warm, torch.ones_like(warm))
+            torch.cuda.current_stream().wait_stream(side)
+            dims = {name: int(t.shape[-1]) for name, t in zip(self.output_names, outputs)}
+            del warm, outputs
+            pool = torch.cuda.graph_pool_handle()
+            # Largest first: later (smaller) captures reuse the pool's blocks.
+            self.graphs = {(seq, rows): _Graph(module, rows, seq, pool, self.stream)
+                           for seq in reversed(self.seqs) for rows in reversed(self.classes)}
+        torch.cuda.synchronize()
+        self._memory = torch.cuda.memory_allocated() - before
+        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for _ in range(self.slots):
+            self._free.put(_Slot(max_batch, self.seqs[-1], dims))
+
+    def _shape_for(self, rows: int, seq: int) -> tuple[int, int]:
+        padded_seq = next((s for s in self.seqs if s >= seq), None)
+        padded_rows = next((c for c in self.classes if c >= rows), None)
+        if padded_seq is None or padded_rows is None:
+            raise ValueError(f"batch {rows} x {seq} tokens exceeds the largest profile "
+                             f"({self.classes[-1]} x {self.seqs[-1]})")
+        return padded_rows, padded_seq
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        rows, seq = ids.shape
+        padded_rows, padded_seq = self._shape_for(rows, seq)
+        graph = self.graphs[(padded_seq, padded_rows)]
+        slot = self._free.get()
+        try:
+            size = padded_rows * padded_seq
+            host_ids = slot.ids_np[:size].reshape(padded_rows, padded_seq)
+            host_mask = slot.mask_np[:size].reshape(padded_rows, padded_seq)
+            host_ids.fill(0)
+            host_mask.fill(0)
+            host_ids[:rows, :seq] = ids
+            host_mask[:rows, :seq] = mask
+            with self._lock, torch.inference_mode(), torch.cuda.stream(self.stream):
+                graph.ids.copy_(slot.ids[:size].view(padded_rows, padded_seq), non_blocking=True)
+                graph.mask.copy_(slot.mask[:size].view(padded_rows, padded_seq), non_blocking=True)
+                graph.graph.replay()
+                for name, out in zip(self.output_names, graph.outputs):
+                    slot.outputs[name][:rows].copy_(out[:rows], non_blocking=True)
+                slot.done.record(self.stream)
+                self._count(rows, seq, padded_rows, padded_seq, int(mask.sum()))
+            slot.done.synchronize()         # waits without the GIL; the other slot's caller runs meanwhile
+            return {name: slot.outputs[name][:rows].numpy().copy() for name in self.output_names}
+        finally:
+            self._free.put(slot)
+
+    def _count(self, rows: int, seq: int, padded_rows: int, padded_seq: int, tokens: int) -> None:
+        c = self._counters
+        c["replays"] += 1
+        c["rows"] += rows
+        c["padded_rows"] += padded_rows - rows
+        c["tokens"] += tokens
+        c["computed_tokens"] += padded_rows * padded_seq
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def device_memory_bytes(self) -> int:
+        return self._memory
+
+
+class TorchCudaRuntime(Runtime):
+    name = "torch-cuda"
+    suffix = ".safetensors"
+    source_file = "torch.safetensors"
+
+    def __init__(self) -> None:
+        if torch is None:
+            raise RuntimeUnavailable("the torch-cuda runtime needs torch (pip install torch)")
+        self.version = f"{torch.__version__.split('+')[0]}-cu{torch.version.cuda or 'none'}"
+
+    def _gpu(self) -> tuple[str, int, int]:
+        if not torch.cuda.is_available():
+            raise RuntimeUnavailable("the torch-cuda runtime needs a CUDA GPU; torch sees none")
+        major, minor = torch.cuda.get_device_capability()
+        return torch.cuda.get_device_name(), major, minor
+
+    def device(self) -> tuple[str, dict]:
+        name, major, minor = self._gpu()
+        return (f"sm{major}{minor}-{name.lower().replace(' ', '-')}",
+                {"gpu": name, "compute_capability": f"{major}.{minor}"})
+
+    def device_label(self) -> str:
+        return f"cuda:{torch.cuda.current_device()} ({self._gpu()[0]})"
+
+    def precision(self, requested: str) -> str:
+        return "fp32" if requested == "fp32" else "fp16"  # int8-qdq is a TensorRT (Q/DQ graph) feature
+
+    def cannot_serve(self, version_dir: Path) -> str | None:
+        from server.engines.torch_bert import TORCH_CONFIG_FILE
+
+        missing = super().cannot_serve(version_dir)
+        if missing is None and not (version_dir / TORCH_CONFIG_FILE).is_file():
+            missing = f"{version_dir / TORCH_CONFIG_FILE} is missing"
+        return None if missing is None else f"{missing} (no torch form; run prepare-model / train-head again)"
+
+    def build(self, source: Path, profiles: tuple[Profile, ...], precision: str, out: Path,
+              timing_cache: Path) -> dict:
+        from safetensors.torch import save_file
+
+        from server.engines.torch_bert import load_torch_source, read_architecture
+
+        dtype = torch.float16 if precision == "fp16" else torch.float32
+        arch = read_architecture(source.parent)
+        module = load_torch_source(source.parent, device="cpu", dtype=dtype)
+        state = {name: t.contiguous() for name, t in module.state_dict().items()}
+        save_file(state, str(out), metadata={"architecture": json.dumps(arch.to_json())})
+        name, major, minor = self._gpu()
+        return {"gpu": name, "compute_capability": f"{major}.{minor}", "torch": torch.__version__,
+                "cuda": torch.version.cuda, "parameters": sum(t.numel() for t in state.values())}
+
+    def load(self, artifact: Path, profiles: tuple[Profile, ...], *, threads: int) -> Engine:
+        from safetensors import safe_open
+
+        from server.engines.torch_bert import BertArchitecture, TorchBert
+
+        self._gpu()
+        with safe_open(str(artifact), framework="pt", device="cuda") as f:
+            arch = BertArchitecture.from_json(json.loads(f.metadata()["architecture"]))
+            state = {name: f.get_tensor(name) for name in f.keys()}
+        with torch.device("meta"):
+            module = TorchBert(arch)
+        module.load_state_dict(state, strict=True, assign=True)
+        return TorchCudaEngine(module.eval().requires_grad_(False), profiles)

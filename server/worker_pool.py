@@ -1,0 +1,251 @@
+"""A frontend's connections to the inference workers: one long-lived Compute stream per worker,
+items routed by key, failover while a worker is down.
+
+Each WorkerLink has one task that owns its stream: it (re)connects, writes everything that queued up
+since its last write as one message, and a reader resolves each item's future by id. Routing: an item
+goes to worker `route % n` (route = the key's hash, or the namespace's for semantic models, so identical
+requests meet in one worker and a namespace's semantic index lives in one worker); while that worker is
+down, the next live one takes it; items in flight on a worker that dies are sent again elsewhere
+(computing a miss twice is harmless), within the caller's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from pathlib import Path
+
+import grpc
+
+from infercache.v1 import worker_pb2, worker_pb2_grpc
+from server.errors import DeadlineExceeded, WorkerUnavailable, from_worker_error, from_wire
+
+log = logging.getLogger("infercache.workers")
+
+MARGIN_S = 0.05        # answer UNAVAILABLE this long before the caller's own deadline fires
+RECONNECT_S = 0.05     # first retry of a lost stream; doubles up to MAX_RECONNECT_S
+MAX_RECONNECT_S = 0.5
+
+
+class LinkLost(Exception):
+    """The stream to a worker broke while the item was in flight: send it elsewhere."""
+
+
+def _channel(socket_path: Path) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        f"unix:{socket_path}",
+        options=[
+            # Reconnect quickly after a worker restart (gRPC's default backoff grows to minutes).
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 500),
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+        ],
+    )
+
+
+class WorkerLink:
+    def __init__(self, index: int, socket_path: Path, on_change) -> None:
+        self.index = index
+        self.channel = _channel(socket_path)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.up = False
+        self._on_change = on_change          # called when `up` flips
+        self._pending: dict[int, asyncio.Future] = {}
+        self._out = worker_pb2.ComputeBatch()
+        self._wake = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-link-{index}")
+
+    def submit(self, fill) -> asyncio.Future:
+        """Queues one item (`fill(item)` sets its fields); the future gets its ComputeResult."""
+        if not self.up:
+            raise LinkLost()
+        item = self._out.items.add()
+        fill(item)
+        item.id = item_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[item_id] = future
+        future.add_done_callback(lambda f: self._cancelled(item_id) if f.cancelled() else None)
+        self._wake.set()
+        return future
+
+    def _cancelled(self, item_id: int) -> None:
+        if self._pending.pop(item_id, None) is not None and self.up:
+            self._out.cancel.append(item_id)
+            self._wake.set()
+
+    async def _run(self) -> None:
+        delay = RECONNECT_S
+        while not self._closing:
+            try:
+                await self.channel.channel_ready()
+                call = self.stub.Compute()
+                await self._serve(call)
+                delay = RECONNECT_S
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a dead worker; the next connection attempt follows
+                log.debug("worker %d stream ended: %r", self.index, exc)
+            self._set_up(False)
+            if not self._closing:
+                await asyncio.sleep(delay)
+                delay = min(MAX_RECONNECT_S, delay * 2)
+
+    async def _serve(self, call) -> None:
+        reader = asyncio.get_running_loop().create_task(self._read(call))
+        self._set_up(True)
+        try:
+            while not reader.done():
+                await self._wake.wait()
+                self._wake.clear()
+                if len(self._out.items) or len(self._out.cancel):
+                    out, self._out = self._out, worker_pb2.ComputeBatch()
+                    await call.write(out)
+            await reader  # its error ends the stream
+        finally:
+            reader.cancel()
+            call.cancel()
+
+    async def _read(self, call) -> None:
+        try:
+            while True:
+                batch = await call.read()
+                if batch is grpc.aio.EOF:
+                    raise LinkLost()
+                for result in batch.results:
+                    future = self._pending.pop(result.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+        finally:
+            self._wake.set()  # the writer loop sees the reader finished
+
+    def _set_up(self, up: bool) -> None:
+        if up == self.up:
+            return
+        self.up = up
+        if not up:
+            self._out = worker_pb2.ComputeBatch()  # unsent items fail below like sent ones
+            pending, self._pending = self._pending, {}
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(LinkLost())
+            log.warning("worker %d unreachable; its keys go to the other workers meanwhile", self.index)
+        else:
+            log.info("worker %d connected", self.index)
+        self._on_change()
+
+    async def close(self) -> None:
+        """Closes the stream once nothing is pending (the frontend drained its calls first)."""
+        self._closing = True
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self.channel.close()
+
+
+class WorkerPool:
+    def __init__(self, socket_paths: list[Path], *, wait_s: float, default_timeout_s: float) -> None:
+        self.wait_s = wait_s
+        self.default_timeout_s = default_timeout_s
+        self._changed = asyncio.Event()
+        self.links = [WorkerLink(i, path, self._changed.set) for i, path in enumerate(socket_paths)]
+
+    @property
+    def any_up(self) -> bool:
+        return any(link.up for link in self.links)
+
+    async def all_up(self, timeout: float | None = None) -> bool:
+        """Waits until every worker's stream is open (at most `timeout` seconds); True if they are."""
+        loop = asyncio.get_running_loop()
+        give_up = None if timeout is None else loop.time() + timeout
+        while not all(link.up for link in self.links):
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), None if give_up is None else give_up - loop.time())
+            except TimeoutError:
+                return False
+        return True
+
+    async def _link_for(self, route: int, avoid: set[WorkerLink], deadline: float) -> WorkerLink:
+        """The item's own worker if it is up, else the next live one; waits (up to worker_wait_s, within
+        the deadline) while none is. Workers in `avoid` lost this item already; they are taken last."""
+        loop = asyncio.get_running_loop()
+        give_up = min(loop.time() + self.wait_s, deadline - MARGIN_S)
+        n = len(self.links)
+        while True:
+            candidates = [self.links[(route + k) % n] for k in range(n)]
+            live = [link for link in candidates if link.up]
+            if live:
+                return next((link for link in live if link not in avoid), live[0])
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                raise WorkerUnavailable("no inference worker is reachable (restarting?); retry")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def compute(self, items: list[tuple[int, object]], time_remaining: float | None) -> list:
+        """ComputeResults of items [(route, fill)], in order; fails with the first item's error."""
+        loop = asyncio.get_running_loop()
+        budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
+        deadline = loop.time() + budget
+        results: list = [None] * len(items)
+        avoid: list[set[WorkerLink]] = [set() for _ in items]
+        todo = list(range(len(items)))
+        futures: dict[int, asyncio.Future] = {}
+        attempts = 0
+        try:
+            while todo:
+                attempts += 1
+                if attempts > len(self.links) + 1:  # a request that takes every worker down is not retried forever
+                    raise WorkerUnavailable(f"lost the inference worker {attempts - 1} times while computing; retry")
+                futures.clear()
+                for i in todo:
+                    route, fill = items[i]
+                    link = await self._link_for(route, avoid[i], deadline)
+                    try:
+                        futures[i] = link.submit(lambda item, fill=fill: _filled(item, fill, deadline - loop.time()))
+                    except LinkLost:
+                        avoid[i].add(link)
+                        continue
+                    avoid[i].add(link)
+                if futures:
+                    done, _ = await asyncio.wait(futures.values(), timeout=max(0.0, deadline - loop.time()))
+                    if len(done) < len(futures):
+                        raise DeadlineExceeded("deadline passed while the worker computed")
+                todo = [i for i in todo if i not in futures or isinstance(futures[i].exception(), LinkLost)]
+                for i, future in futures.items():
+                    if (exc := future.exception()) is not None and not isinstance(exc, LinkLost):
+                        raise exc
+                    if exc is None:
+                        result = future.result()
+                        if result.code:
+                            raise from_wire(result.code, result.error)
+                        results[i] = result
+            return results
+        finally:
+            for future in futures.values():
+                future.cancel()  # no-op for finished ones; a cancelled one tells its worker
+
+    async def call(self, method: str, request, time_remaining: float | None, *, link: WorkerLink | None = None):
+        """A unary call (Invalidate, Stats) on one worker (the first live one by default)."""
+        budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
+        loop = asyncio.get_running_loop()
+        link = link or await self._link_for(0, set(), loop.time() + budget)
+        try:
+            return await getattr(link.stub, method)(request, timeout=budget)
+        except grpc.aio.AioRpcError as exc:
+            raise from_worker_error(exc.code(), exc.details() or "") from None
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links))
+
+
+def _filled(item, fill, remaining: float):
+    fill(item)
+    item.timeout_s = max(0.001, remaining)
