@@ -28,6 +28,7 @@ import grpc
 
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
+from bench.gpu import bench_gpu, print_gpu
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
 from infercache.testing import REPO, ServerProcess, free_port
@@ -169,10 +170,13 @@ def bench_engine(texts: list[str], scale: float) -> dict:
     return out
 
 
-def first_success(address: str, request: pb.InferRequest, started: float, timeout: float = 120) -> float:
+def first_success(address: str, request: pb.InferRequest, started: float, timeout: float = 120,
+                  server: ServerProcess | None = None) -> float:
     """Seconds from `started` until `request` succeeds (polling every 5 ms on fresh connections)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server is not None and server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_text()[-3000:]}")
         with grpc.insecure_channel(address) as channel:
             try:
                 infercache_pb2_grpc.InferenceCacheStub(channel).Infer(request, timeout=5)
@@ -249,7 +253,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic")
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, gpu (the lent GPU "
+                             "host: bench/device.sh; elsewhere a dry run on ONNX Runtime)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -271,6 +276,12 @@ def main() -> None:
                                    limit=None if not args.quick else 2000),
                 "rebuild": bench_rebuild(models, workdir, 100_000 if not args.quick else 10_000),
             }
+        if "gpu" in sections:
+            print("benchmarking the GPU path ...", flush=True)
+            # Written after each step too: a run cut short by the device's time limit keeps what it measured.
+            report["gpu"] = {}
+            bench_gpu(workdir, texts, report["gpu"], quick=args.quick,
+                      checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -280,6 +291,8 @@ def main() -> None:
         print_l3(report["l3_engines"])
     if "semantic" in report:
         print_semantic(report["semantic"])
+    if "gpu" in report:
+        print_gpu(report["gpu"])
     print(f"\nwrote {out}")
 
 

@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# `make bench` on the lent H200 machine (no network there). Run from the repository root through the
-# device tool, carrying .whl (wheels the image lacks), .devcarry (fp16 weights: the fp32 file is over
-# the carry limit; exported back to an fp32 ONNX graph here) and infercache/v1 (generated stubs).
+# Runs on the lent GPU machine (no network there), from the repository root, through the device tool,
+# carrying .whl (wheels the image lacks, and the hnswlib sdist, built there), .devcarry (all-MiniLM-L6-v2
+# in fp16: the fp32 file is over the carry limit; exported back to the fp32 ONNX graph and the torch form
+# here; and a copy of Banking77) and infercache/v1 (generated stubs).
+#   bash bench/device.sh --sections gpu      # GPU tests, then `python -m bench` with these arguments
+# Each step has a time limit, so one call (10 minutes at most) always returns what was measured.
 # Notes of each run: bench/DEVICE_NOTES.md.
 set -euo pipefail
+OUT=${OUT:-bench/results}
+TEST_LIMIT_S=${TEST_LIMIT_S:-150}
+BENCH_LIMIT_S=${BENCH_LIMIT_S:-380}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+    .whl/hnswlib-*.tar.gz
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_BANKING77=$PWD/.devcarry/banking77.csv
 python3 - <<'PY'
 from pathlib import Path
 from server.export_model import export_sentence_encoder
 export_sentence_encoder(Path(".devcarry/minilm-fp16"), Path("models/minilm/1"), 256)
 PY
-echo "cores: $(nproc)"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-python3 -m bench --out "${OUT:-bench/results}/foundation-device.json" "$@"
+echo "cores: $(nproc)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+timeout "$TEST_LIMIT_S" python3 -m pytest -q -rs -p no:cacheprovider tests/test_torch_cuda.py tests/test_torch_bert.py \
+    tests/test_cuda.py 2>&1 | tee "$OUT/device-tests.txt" || true
+timeout "$BENCH_LIMIT_S" python3 -m bench --out "$OUT/bench-device.json" "$@" 2>&1 | tee "$OUT/bench-device.txt"

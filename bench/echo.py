@@ -40,3 +40,24 @@ def main(port: int, ready) -> None:
         await server.stop(1)
 
     process.run(serve)
+
+
+def raw_main(port: int, ready, method: str, payload: bytes) -> None:
+    """The floor of gRPC itself: `method` answered with fixed bytes, no protobuf parsing or serializing."""
+    async def serve(stop: asyncio.Event) -> None:
+        async def answer(request: bytes, context) -> bytes:
+            return payload
+
+        service, name = method.strip("/").split("/")
+        handler = grpc.method_handlers_generic_handler(service, {
+            name: grpc.unary_unary_rpc_method_handler(answer, request_deserializer=None, response_serializer=None),
+        })
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.put(os.getpid())
+        await stop.wait()
+        await server.stop(1)
+
+    process.run(serve)

@@ -71,3 +71,101 @@ async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency
     for channel in opened:
         await channel.close()
     return LoadResult(len(latencies), errors, seconds, np.array(latencies), sources)
+
+
+# ---- several load processes, raw bytes ----------------------------------------------------------------
+
+@dataclass
+class ProcessLoad:
+    """What one call shape costs at a fixed number of callers, summed over load processes."""
+
+    calls: int
+    errors: int
+    seconds: float
+    latencies_ms: np.ndarray
+    items_per_call: int
+    error_codes: dict[str, int]
+
+    def summary(self) -> dict:
+        lat = self.latencies_ms
+        return {
+            "calls": self.calls, "errors": self.errors, "error_codes": self.error_codes,
+            "seconds": round(self.seconds, 3),
+            "calls_per_s": round(self.calls / self.seconds, 1),
+            "items_per_s": round(self.calls * self.items_per_call / self.seconds, 1),
+            "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
+            "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
+        }
+
+
+async def _raw_callers(address: str, method: str, payloads: list[bytes], concurrency: int, seconds: float,
+                       warmup_s: float, timeout: float, start: int) -> tuple[int, int, list[float], dict]:
+    """Callers sending pre-serialized requests and taking raw response bytes: the generator itself does
+    no protobuf work, so it is not what a run measures."""
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, min(4, concurrency)))]
+    calls = [c.unary_unary(method, request_serializer=None, response_deserializer=None) for c in channels]
+    for channel in channels:
+        await channel.channel_ready()
+    latencies: list[float] = []
+    codes: dict[str, int] = {}
+    counter = itertools.count(start)
+    loop = asyncio.get_running_loop()
+    measure_from = loop.time() + warmup_s
+    stop_at = measure_from + seconds
+
+    async def caller(call) -> None:
+        while (now := loop.time()) < stop_at:
+            payload = payloads[next(counter) % len(payloads)]
+            started = time.perf_counter()
+            try:
+                await call(payload, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if now >= measure_from:
+                    codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
+                continue
+            if now >= measure_from:
+                latencies.append((time.perf_counter() - started) * 1000)
+
+    await asyncio.gather(*(caller(calls[i % len(calls)]) for i in range(concurrency)))
+    for channel in channels:
+        await channel.close()
+    return len(latencies), sum(codes.values()), latencies, codes
+
+
+def _load_process(args, out) -> None:
+    try:
+        from uvloop import run  # the same event loop as the servers: a lighter load generator
+    except ImportError:  # pragma: no cover
+        run = asyncio.run
+    address, method, payloads, concurrency, seconds, warmup_s, timeout, start = args
+    calls, errors, latencies, codes = run(
+        _raw_callers(address, method, payloads, concurrency, seconds, warmup_s, timeout, start))
+    out.put((calls, errors, np.array(latencies, dtype=np.float64).tobytes(), codes))
+
+
+def run_load_processes(address: str, method: str, payloads: list[bytes], *, processes: int, concurrency: int,
+                       seconds: float, items_per_call: int = 1, warmup_s: float = 1.0,
+                       timeout: float = 30.0) -> ProcessLoad:
+    """`processes` load processes with `concurrency` callers each, for `seconds` after `warmup_s`;
+    each process cycles through its own share of `payloads`, so no two callers send the same request
+    until a share is used up."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    shares = [payloads[i::processes] or payloads for i in range(processes)]
+    procs = [ctx.Process(target=_load_process, daemon=True,
+                         args=((address, method, shares[i], concurrency, seconds, warmup_s, timeout, 0), out))
+             for i in range(processes)]
+    for proc in procs:
+        proc.start()
+    parts = [out.get(timeout=seconds + warmup_s + timeout + 120) for _ in procs]
+    for proc in procs:
+        proc.join(10)
+    codes: dict[str, int] = {}
+    for part in parts:
+        for code, n in part[3].items():
+            codes[code] = codes.get(code, 0) + n
+    latencies = np.concatenate([np.frombuffer(p[2], dtype=np.float64) for p in parts])
+    return ProcessLoad(sum(p[0] for p in parts), sum(p[1] for p in parts), seconds, latencies, items_per_call, codes)

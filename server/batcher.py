@@ -15,18 +15,18 @@ import logging
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
 
 log = logging.getLogger("infercache.batcher")
 
-RunBatch = Callable[[list[list[int]]], list[Any]]
+RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arrays) -> one result each
 
 
 @dataclass(eq=False)
 class _Request:
-    ids: list[int]
+    ids: Sequence[int]
     deadline: float | None  # loop time
     enqueued: float
     future: asyncio.Future = field(repr=False)
@@ -65,7 +65,7 @@ class Batcher:
         index = bisect.bisect_left(self.buckets, length)
         return self.buckets[min(index, len(self.buckets) - 1)]
 
-    def enqueue(self, ids: list[int], deadline: float | None) -> asyncio.Future:
+    def enqueue(self, ids, deadline: float | None) -> asyncio.Future:
         """Admits one sequence; its future gets the engine's result for it. Cancelling the future
         drops the sequence before it reaches the engine. Raises Overloaded when the queue is full."""
         if self._closed:
@@ -80,7 +80,7 @@ class Batcher:
         self._wakeup.set()
         return request.future
 
-    async def submit(self, ids: list[int], deadline: float | None) -> Any:
+    async def submit(self, ids, deadline: float | None) -> Any:
         return await self.enqueue(ids, deadline)
 
     async def close(self) -> None:

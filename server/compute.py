@@ -74,6 +74,11 @@ class _Flight:
     created_us: int = field(default_factory=now_us)
 
 
+def token_ids(packed: bytes) -> np.ndarray:
+    """An item's token ids (int32 little-endian bytes, see worker.proto)."""
+    return np.frombuffer(packed, dtype="<i4")
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     """From another thread; a loop that already closed (shutdown) has nothing left to update."""
     try:
@@ -141,7 +146,7 @@ class WorkerCore:
         if runtime.spec.semantic is not None and self.semantic is not None:
             flight.future = asyncio.get_running_loop().create_task(self._semantic(runtime, item, deadline))
         else:
-            flight.future = runtime.batcher.enqueue(list(item.ids), deadline)  # Overloaded when full
+            flight.future = runtime.batcher.enqueue(token_ids(item.ids), deadline)  # Overloaded when full
         flight.future.add_done_callback(lambda future: self._finished(flight, future))
         self._inflight[item.key] = flight
         return flight
@@ -207,15 +212,14 @@ class WorkerCore:
         if lookup or item.store:
             # Stored results join the index even when this request does not look it up.
             embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
-            ids = list(item.embed_ids) or list(item.ids)
-            embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
+            embedding = (await embedder.batcher.submit(token_ids(item.embed_ids or item.ids), deadline))["embedding"]
         if embedding is not None and lookup:
             neighbors = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
             floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
             chosen = policy.decide(neighbors, floor) if item.cached_ok else None
             if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
                 return matched
-        response = runtime.response(await runtime.batcher.submit(list(item.ids), deadline), item.key)
+        response = runtime.response(await runtime.batcher.submit(token_ids(item.ids), deadline), item.key)
         stored = response.SerializeToString()
         payload = stored
         if self._explain(response, item, neighbors):

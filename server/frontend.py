@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -75,12 +76,12 @@ class _Plan:
 class FrontendCore:
     """Transport-free request handling: validation, normalization, keys, L1, tokenizing and sending misses."""
 
-    def __init__(self, config: Config, repository: ModelRepository, workers: WorkerPool) -> None:
+    def __init__(self, config: Config, repository: ModelRepository, workers: WorkerPool, counters: Counter) -> None:
         self.config = config
         self.repository = repository
         self.workers = workers
         self.normalize = Normalizer()
-        self.counters: Counter[str] = Counter()
+        self.counters = counters  # the process's counters, written on its event loop only
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
         self._cache_warn_at = 0.0
@@ -163,16 +164,15 @@ class FrontendCore:
 
         def fill(item, n: int, key: bytes) -> None:
             item.model, item.version, item.tenant, item.key = spec.name, version, plan.tenant, key
-            item.ids.extend(ids[n])
+            item.ids = np.asarray(ids[n], dtype="<i4").tobytes()
             if embed_ids is not None:
-                item.embed_ids.extend(embed_ids[n])
+                item.embed_ids = np.asarray(embed_ids[n], dtype="<i4").tobytes()
             item.store, item.cached_ok = plan.store, plan.cached_ok
             if plan.max_age_us is not None:
                 item.max_age_us = plan.max_age_us
             if plan.semantic is not None:
                 item.semantic.CopyFrom(plan.semantic)
 
-        self.counters["forwarded"] += len(keyed)
         return [(served.route(key), functools.partial(fill, n=n, key=key)) for n, (_, key) in enumerate(keyed)]
 
     @staticmethod
@@ -190,6 +190,7 @@ class FrontendCore:
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
+        self.counters["forwarded"] += 1
         [result] = await self.workers.compute(self._items(plan, [(text, key)]), time_remaining)
         return self._answer(result, pb.InferResponse())
 
@@ -219,6 +220,7 @@ class FrontendCore:
         results = []
         if missed:
             miss_keyed = [keyed[n] for n in missed]
+            self.counters["forwarded"] += len(missed)
             if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
                 items = await asyncio.to_thread(self._items, plan, miss_keyed)
             else:
@@ -322,9 +324,10 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
 
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event) -> None:
     repository = ModelRepository(Path(config.server.models_dir))
+    counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
-                         default_timeout_s=config.server.worker_timeout_s)
-    core = FrontendCore(config, repository, workers)
+                         default_timeout_s=config.server.worker_timeout_s, counters=counters)
+    core = FrontendCore(config, repository, workers, counters)
     core.l1()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     infercache_pb2_grpc.add_InferenceCacheServicer_to_server(FrontendServicer(core), server)

@@ -15,11 +15,15 @@ from server.models import LABELS_FILE, TOKENIZER_FILE, ModelSpec
 from server.tokenization import TextEncoder, pad_batch
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}  # str(dtype) is slow Python code; it runs once per answer
+
+
 def to_tensors(outputs: dict[str, np.ndarray]) -> list[pb.Tensor]:
-    return [
-        pb.Tensor(name=name, dtype=str(array.dtype), shape=array.shape, data=np.ascontiguousarray(array).tobytes())
-        for name, array in outputs.items()
-    ]
+    tensors = []
+    for name, array in outputs.items():
+        dtype = _DTYPE_NAMES.get(array.dtype) or _DTYPE_NAMES.setdefault(array.dtype, str(array.dtype))
+        tensors.append(pb.Tensor(name=name, dtype=dtype, shape=array.shape, data=array.tobytes()))
+    return tensors
 
 
 class ModelRuntime:

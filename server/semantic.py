@@ -20,8 +20,11 @@ from pathlib import Path
 import hnswlib
 import numpy as np
 
+from cachestore import records
 from cachestore import semantic as log_rows
-from cachestore.env import Store
+from cachestore.env import DB_RESULTS, Store
+from cachestore.errors import CorruptRecord
+from cachestore.results import now_us
 from cachestore.semantic import Row
 from server.match_policy import Neighbor
 
@@ -54,11 +57,15 @@ class _Index:
         for row in rows:
             self.rows[row.label] = (row.key, row.answer)
 
-    def remove(self, label: int) -> None:
-        if self.rows.pop(label, None) is not None:
-            self.graph.mark_deleted(label)
+    def remove(self, label: int) -> bool:
+        if self.rows.pop(label, None) is None:
+            return False
+        self.graph.mark_deleted(label)
+        return True
 
-    def search(self, vector: np.ndarray, k: int) -> list[Neighbor]:
+    def search(self, vector: np.ndarray, k: int, alive) -> list[Neighbor]:
+        """The k nearest live entries; entries whose record is gone or expired (another worker swept,
+        evicted or invalidated them: only the worker that deletes hears of it) leave the index here."""
         k = min(k, len(self.rows))
         while k > 0:
             try:
@@ -72,6 +79,9 @@ class _Index:
         for label, distance in zip(labels[0], distances[0]):
             if int(label) in self.rows:
                 key, answer = self.rows[int(label)]
+                if not alive(key):
+                    self.remove(int(label))
+                    continue
                 out.append(Neighbor(float(1.0 - distance), key, answer))
         return out
 
@@ -132,20 +142,39 @@ class SemanticTier:
 
     def _search(self, ns_id: bytes, vector: np.ndarray, k: int) -> list[Neighbor]:
         index = self._indexes.get(ns_id)
-        return [] if index is None else index.search(vector, k)
+        if index is None:
+            return []
+        now = now_us()
+        results_db = self.store.dbs[DB_RESULTS]
+        with self.store.begin(buffers=True) as txn:
+            def alive(key: bytes) -> bool:
+                raw = txn.get(key, db=results_db)
+                if raw is None:
+                    return False
+                try:
+                    _, expires = records.decode_times(raw)
+                except CorruptRecord:
+                    return False
+                return not expires or expires > now
+
+            before = len(index.rows)
+            found = index.search(vector, k, alive)
+            self.counters["stale_dropped"] += before - len(index.rows)
+        return found
 
     def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         try:
+            unindexed = 0
             for ns_id, label in removed:
                 if ns_id in self._indexes:
-                    self._indexes[ns_id].remove(label)
+                    unindexed += self._indexes[ns_id].remove(label)
             by_ns: dict[bytes, list[Row]] = {}
             for row in added:
                 by_ns.setdefault(row.ns_id, []).append(row)
             for ns_id, rows in by_ns.items():
                 self._index(ns_id).add(rows)
             self.counters["indexed"] += len(added)
-            self.counters["unindexed"] += len(removed)
+            self.counters["unindexed"] += unindexed
         except Exception:  # a failed index update loses matches, never answers
             self.counters["index_errors"] += 1
             log.exception("semantic index update failed")

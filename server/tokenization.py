@@ -28,8 +28,9 @@ class TextEncoder:
         return hash(self.tokenizer.to_str()), self.tokenizer.truncation["max_length"]
 
 
-def pad_batch(sequences: list[list[int]], length: int) -> dict[str, np.ndarray]:
-    """Right-pads with id 0 to `length` (the longest in the batch, never beyond its bucket)."""
+def pad_batch(sequences: list, length: int) -> dict[str, np.ndarray]:
+    """Right-pads with id 0 to `length` (the longest in the batch, never beyond its bucket). Sequences
+    are lists or int32 arrays of token ids."""
     ids = np.zeros((len(sequences), length), dtype=np.int64)
     mask = np.zeros((len(sequences), length), dtype=np.int64)
     for row, seq in enumerate(sequences):

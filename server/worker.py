@@ -1,9 +1,10 @@
 """Inference worker process: one per device (each GPU, or the CPU).
 
-Frontends reach it over a unix socket of its own, each through one long-lived Compute stream that
-carries micro-batches of tokenized items in and of answers out. The core (server/compute.py) joins,
-batches and runs them; this module is the gRPC shell around it and the process start-up: pin the
-device, load every engine from the L3 store, warm up, open the store, start the semantic tier.
+Frontends reach it over two unix sockets of its own: items (one connection per frontend, length-prefixed
+frames carrying micro-batches of tokenized items in and of answers out: server/framing.py) and gRPC for
+Invalidate and Stats. The core (server/compute.py) joins, batches and runs the items; this module is the
+shell around it and the process start-up: pin the device, load every engine from the L3 store, warm
+up, open the store, start the semantic tier.
 """
 
 from __future__ import annotations
@@ -27,76 +28,52 @@ from server.config import Config, store_settings
 from server.devices import WorkerPlacement
 from server.engines.artifacts import load_engines
 from server.errors import grpc_errors, to_wire
+from server.framing import FrameProtocol, items_socket
 from server.model_runtime import ModelRuntime
 from server.models import ModelRepository
 
 log = logging.getLogger("infercache.worker")
 
 
-class _Stream:
-    """One frontend's Compute stream: the answers of its items, written in micro-batches by one task."""
+class _Connection:
+    """One frontend's item connection (server/framing.py): items in, answers out in micro-batches."""
 
-    def __init__(self, context) -> None:
-        self.context = context
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
         self.waiting: dict = {}              # item id -> flight (written by the core)
-        self._out = worker_pb2.ResultBatch()
-        self._ready = asyncio.Event()
-        self._writing = False
+        self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch)
+
+    def _on_frame(self, frame: bytes) -> None:
+        batch = worker_pb2.ComputeBatch.FromString(frame)
+        now = asyncio.get_running_loop().time()
+        counters = self.core.counters
+        counters["stream_messages"] += 1
+        counters["stream_items"] += len(batch.items)
+        for item in batch.items:
+            self.core.submit(self, item, now + item.timeout_s if item.timeout_s > 0 else None)
+        for item_id in batch.cancel:
+            self.core.cancel(self, item_id)
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        for item_id in list(self.waiting):  # the frontend went away: nobody reads these answers
+            self.core.cancel(self, item_id)
 
     def ok(self, item_id: int, source: int, payload: bytes) -> None:
-        self._out.results.add(id=item_id, response=payload, source=source)
-        self._ready.set()
+        self.protocol.out.results.add(id=item_id, response=payload, source=source)
+        self.protocol.flush_soon()
 
     def fail(self, item_id: int, exc: BaseException) -> None:
         code, message = to_wire(exc)
         if code == grpc.StatusCode.INTERNAL.value[0]:
             log.error("item %d failed: %r", item_id, exc)
-        self._out.results.add(id=item_id, code=code, error=message)
-        self._ready.set()
-
-    async def send(self) -> None:
-        """Writes whatever answers queued up while the previous write was in progress, as one message."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            if len(self._out.results):
-                out, self._out = self._out, worker_pb2.ResultBatch()
-                self._writing = True
-                try:
-                    await self.context.write(out)
-                finally:
-                    self._writing = False
-
-    async def drained(self) -> None:
-        """Once every item of this stream was answered and the answers written."""
-        while self.waiting or len(self._out.results) or self._writing:
-            await asyncio.sleep(0.005)
+        self.protocol.out.results.add(id=item_id, code=code, error=message)
+        self.protocol.flush_soon()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, core: WorkerCore, placement: WorkerPlacement) -> None:
         self.core = core
         self.placement = placement
-
-    async def Compute(self, request_iterator, context):
-        loop = asyncio.get_running_loop()
-        stream = _Stream(context)
-        sender = loop.create_task(stream.send())
-        try:
-            while True:
-                batch = await context.read()
-                if batch is grpc.aio.EOF:
-                    break
-                now = loop.time()
-                for item in batch.items:
-                    self.core.submit(stream, item, now + item.timeout_s if item.timeout_s > 0 else None)
-                for item_id in batch.cancel:
-                    self.core.cancel(stream, item_id)
-            await stream.drained()  # the frontend closed its side: answer what it still waits for
-        finally:
-            for item_id in list(stream.waiting):
-                self.core.cancel(stream, item_id)
-            sender.cancel()
 
     @grpc_errors
     async def Invalidate(self, request, context):
@@ -168,16 +145,30 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     core.counters.update(engine_counters)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
-    socket_path.unlink(missing_ok=True)  # left behind by a worker that was killed
+    items_path = items_socket(socket_path)
+    for path in (socket_path, items_path):
+        path.unlink(missing_ok=True)  # left behind by a worker that was killed
     server.add_insecure_port(f"unix:{socket_path}")
+    connections: list[_Connection] = []
+
+    def connection() -> FrameProtocol:
+        connections.append(_Connection(core))
+        return connections[-1].protocol
+
+    items = await asyncio.get_running_loop().create_unix_server(connection, path=str(items_path))
     await server.start()
     ready.put(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
              placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))
     await stop.wait()
     log.info("draining")
+    # Frontends drained first and close their connections; what is still in flight finishes here.
+    items.close()
     await server.stop(config.server.drain_s)
     await core.close()
+    await asyncio.sleep(0)  # the last answers' writes
+    for conn in connections:
+        conn.protocol.close()
     if writer is not None:
         await asyncio.to_thread(writer.close)  # the last writes reach the index before its snapshot
     if tier is not None:

@@ -1,8 +1,9 @@
-"""A frontend's connections to the inference workers: one long-lived Compute stream per worker,
+"""A frontend's connections to the inference workers: one long-lived item connection per worker,
 items routed by key, failover while a worker is down.
 
-Each WorkerLink has one task that owns its stream: it (re)connects, writes everything that queued up
-since its last write as one message, and a reader resolves each item's future by id. Routing: an item
+Each WorkerLink has one task that owns its connection and reconnects it; everything queued during one
+event-loop iteration goes to the worker as one frame, and each answer resolves its item's future by id.
+Routing: an item
 goes to worker `route % n` (route = the key's hash, or the namespace's for semantic models, so identical
 requests meet in one worker and a namespace's semantic index lives in one worker); while that worker is
 down, the next live one takes it; items in flight on a worker that dies are sent again elsewhere
@@ -14,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter
 from pathlib import Path
 
 import grpc
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server.errors import DeadlineExceeded, WorkerUnavailable, from_worker_error, from_wire
+from server.framing import FrameProtocol, items_socket
 
 log = logging.getLogger("infercache.workers")
 
@@ -29,7 +32,7 @@ MAX_RECONNECT_S = 0.5
 
 
 class LinkLost(Exception):
-    """The stream to a worker broke while the item was in flight: send it elsewhere."""
+    """The connection to a worker broke while the item was in flight: send it elsewhere."""
 
 
 def _channel(socket_path: Path) -> grpc.aio.Channel:
@@ -47,15 +50,19 @@ def _channel(socket_path: Path) -> grpc.aio.Channel:
 
 
 class WorkerLink:
-    def __init__(self, index: int, socket_path: Path, on_change) -> None:
+    """One worker: its item connection (server/framing.py) and a gRPC channel for unary calls. One task
+    owns the connection: it (re)connects and waits for the connection to end."""
+
+    def __init__(self, index: int, socket_path: Path, on_change, counters: Counter) -> None:
         self.index = index
+        self.items_path = items_socket(socket_path)
         self.channel = _channel(socket_path)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.up = False
+        self.counters = counters             # the frontend's, written on its event loop only
         self._on_change = on_change          # called when `up` flips
+        self._protocol: FrameProtocol | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._out = worker_pb2.ComputeBatch()
-        self._wake = asyncio.Event()
         self._ids = itertools.count(1)
         self._closing = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-link-{index}")
@@ -64,94 +71,85 @@ class WorkerLink:
         """Queues one item (`fill(item)` sets its fields); the future gets its ComputeResult."""
         if not self.up:
             raise LinkLost()
-        item = self._out.items.add()
+        item = self._protocol.out.items.add()
         fill(item)
         item.id = item_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[item_id] = future
         future.add_done_callback(lambda f: self._cancelled(item_id) if f.cancelled() else None)
-        self._wake.set()
+        self._protocol.flush_soon()
         return future
 
     def _cancelled(self, item_id: int) -> None:
         if self._pending.pop(item_id, None) is not None and self.up:
-            self._out.cancel.append(item_id)
-            self._wake.set()
+            self._protocol.out.cancel.append(item_id)
+            self._protocol.flush_soon()
+
+    def _on_frame(self, frame: bytes) -> None:
+        for result in worker_pb2.ResultBatch.FromString(frame).results:
+            future = self._pending.pop(result.id, None)
+            if future is not None and not future.done():
+                future.set_result(result)
+
+    def _on_flush(self, out) -> None:
+        self.counters["stream_messages"] += 1
+        self.counters["stream_items"] += len(out.items)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         delay = RECONNECT_S
         while not self._closing:
+            lost = loop.create_future()
             try:
-                await self.channel.channel_ready()
-                call = self.stub.Compute()
-                await self._serve(call)
-                delay = RECONNECT_S
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a dead worker; the next connection attempt follows
-                log.debug("worker %d stream ended: %r", self.index, exc)
-            self._set_up(False)
-            if not self._closing:
+                _, self._protocol = await loop.create_unix_connection(
+                    lambda: FrameProtocol(self._on_frame, lambda exc: lost.done() or lost.set_result(exc),
+                                          worker_pb2.ComputeBatch, self._on_flush),
+                    str(self.items_path))
+            except OSError:  # not listening yet, or restarting
                 await asyncio.sleep(delay)
                 delay = min(MAX_RECONNECT_S, delay * 2)
-
-    async def _serve(self, call) -> None:
-        reader = asyncio.get_running_loop().create_task(self._read(call))
-        self._set_up(True)
-        try:
-            while not reader.done():
-                await self._wake.wait()
-                self._wake.clear()
-                if len(self._out.items) or len(self._out.cancel):
-                    out, self._out = self._out, worker_pb2.ComputeBatch()
-                    await call.write(out)
-            await reader  # its error ends the stream
-        finally:
-            reader.cancel()
-            call.cancel()
-
-    async def _read(self, call) -> None:
-        try:
-            while True:
-                batch = await call.read()
-                if batch is grpc.aio.EOF:
-                    raise LinkLost()
-                for result in batch.results:
-                    future = self._pending.pop(result.id, None)
-                    if future is not None and not future.done():
-                        future.set_result(result)
-        finally:
-            self._wake.set()  # the writer loop sees the reader finished
+                continue
+            delay = RECONNECT_S
+            self._set_up(True)
+            try:
+                await lost
+            finally:
+                self._set_up(False)
 
     def _set_up(self, up: bool) -> None:
         if up == self.up:
             return
         self.up = up
         if not up:
-            self._out = worker_pb2.ComputeBatch()  # unsent items fail below like sent ones
             pending, self._pending = self._pending, {}
             for future in pending.values():
                 if not future.done():
                     future.set_exception(LinkLost())
-            log.warning("worker %d unreachable; its keys go to the other workers meanwhile", self.index)
+            if not self._closing:
+                self.counters["worker_lost"] += 1
+                self.counters["items_lost_with_worker"] += len(pending)
+                log.warning("worker %d unreachable; its keys go to the other workers meanwhile", self.index)
         else:
             log.info("worker %d connected", self.index)
         self._on_change()
 
     async def close(self) -> None:
-        """Closes the stream once nothing is pending (the frontend drained its calls first)."""
+        """Closes the connection (the frontend drained its calls first) and the channel."""
         self._closing = True
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        if self._protocol is not None:
+            self._protocol.close()
         await self.channel.close()
 
 
 class WorkerPool:
-    def __init__(self, socket_paths: list[Path], *, wait_s: float, default_timeout_s: float) -> None:
+    def __init__(self, socket_paths: list[Path], *, wait_s: float, default_timeout_s: float, counters: Counter) -> None:
         self.wait_s = wait_s
         self.default_timeout_s = default_timeout_s
+        self.counters = counters
         self._changed = asyncio.Event()
-        self.links = [WorkerLink(i, path, self._changed.set) for i, path in enumerate(socket_paths)]
+        self.links = [WorkerLink(i, path, self._changed.set, counters) for i, path in enumerate(socket_paths)]
 
     @property
     def any_up(self) -> bool:
@@ -179,6 +177,8 @@ class WorkerPool:
             candidates = [self.links[(route + k) % n] for k in range(n)]
             live = [link for link in candidates if link.up]
             if live:
+                if live[0] is not candidates[0]:
+                    self.counters["rerouted"] += 1  # the item's own worker is down
                 return next((link for link in live if link not in avoid), live[0])
             remaining = give_up - loop.time()
             if remaining <= 0:

@@ -156,6 +156,34 @@ def test_expired_entries_leave_the_index(semantic_server):
     assert source(after) == "MISS" and len(after.cache.neighbors) == 0
 
 
+def test_with_two_workers_entries_removed_by_either_leave_every_index(start_server, faq_models):
+    """A semantic namespace is routed to one worker (its index lives there), but Invalidate, sweeps and
+    eviction run in whichever worker gets them: the owner drops the gone entries at its next lookup."""
+    server = start_server(models=faq_models, settings=("server.workers=2",))
+    indexed = lambda: [w.counters["semantic.indexed"] for w in sorted(server.stats().workers, key=lambda w: w.index)]  # noqa: E731
+    for attempt in range(8):  # a tenant whose namespace lives in worker 1: Invalidate goes to worker 0
+        tenant = unique("t")
+        before = indexed()
+        for text in ["How do I change my delivery address?", "Can I change where my parcel is delivered?"]:
+            infer(server, text, tenant=tenant, enabled=False)
+        deadline = time.monotonic() + 30
+        while sum(indexed()) < sum(before) + 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        if indexed()[1] == before[1] + 2:
+            break
+    else:
+        pytest.fail("no tenant was routed to worker 1 in 8 tries")
+    query = "i need to change my delivery address"
+    assert source(infer(server, query, tenant=tenant, mode=pb.CachePolicy.NO_STORE)) == "RESULT_SEMANTIC"
+    with server.client() as client:
+        assert client.invalidate(model="faq", tenant=tenant) == 2
+    after = infer(server, query, tenant=tenant, mode=pb.CachePolicy.NO_STORE)
+    assert source(after) == "MISS" and len(after.cache.neighbors) == 0
+    worker1 = next(w for w in server.stats().workers if w.index == 1)
+    assert worker1.counters["semantic.stale_dropped"] >= 2
+
+
 def test_nearest_similarity_histogram_in_stats(semantic_server):
     counters = semantic_server.stats().worker.counters
     assert counters["semantic.lookups"] > 0
@@ -217,10 +245,10 @@ def test_index_grows_past_its_capacity_and_forgets_removed_entries():
     index = _Index(dim=16)
     index.add([Row(b"n" * 8, i, bytes([i % 256]) * 24, f"a{i % 3}", v) for i, v in enumerate(vectors)])
     assert index.graph.get_max_elements() >= len(vectors) and len(index.rows) == len(vectors)
-    nearest = index.search(vectors[1234], 3)
+    nearest = index.search(vectors[1234], 3, lambda key: True)
     assert nearest[0].similarity > 0.999 and nearest[0].answer == "a1"
     index.remove(1234)
-    assert all(n.similarity < 0.999 for n in index.search(vectors[1234], 3))
+    assert all(n.similarity < 0.999 for n in index.search(vectors[1234], 3, lambda key: True))
 
 
 BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"

@@ -32,7 +32,7 @@ class NullEngine(Engine):
 class NullRuntime(Runtime):
     name = "null"
     version = "1"
-    suffix = ".json"
+    suffix = ".shapes"  # not .json: manifests are <name>.json beside the artifacts
 
     def device(self) -> tuple[str, dict]:
         return "any", {}
@@ -45,7 +45,9 @@ class NullRuntime(Runtime):
         import onnxruntime as ort
 
         session = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
-        dims = {o.name: int(o.shape[-1]) for o in session.get_outputs()}
+        feeds = {i.name: np.ones((1, 2), dtype=np.int64) for i in session.get_inputs()}  # shapes are symbolic
+        names = [o.name for o in session.get_outputs()]
+        dims = {name: int(value.shape[-1]) for name, value in zip(names, session.run(None, feeds))}
         out.write_text(json.dumps(dims))
         return {"outputs": dims}
 

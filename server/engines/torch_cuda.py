@@ -9,7 +9,7 @@ profile set).
 
 Load: weights onto the GPU, then, before the worker reports ready, one CUDA graph per profile (padded
 to the bucket's length) and batch class (1, 2, 3, 4, 6, 8, 12, ... up to max_batch: a batch is padded up
-to its class, at most a third more rows). The graphs share one memory pool; they replay on one stream,
+to its class: at worst a third of the rows computed are padding). The graphs share one memory pool; they replay on one stream,
 so they never run at the same time.
 
 Run: two slots, each with pinned host staging buffers sized for the largest profile. A caller fills its

@@ -1,0 +1,479 @@
+"""GPU section (`make bench ARGS="--sections gpu"`; on the lent H200 through bench/device.sh).
+
+Side by side, in one run:
+1. raw ceiling: the torch-cuda engine's own run() in a loop (one thread, and two threads = both slots),
+   MiniLM and a BERT-base-size encoder (random weights made on the device), batch x sequence shapes;
+2. the server, all misses on distinct texts, 16 frontends, several load processes sending
+   pre-serialized requests: BERT-base on 128-token texts (call shapes swept; mean batch formed and the
+   raw ceiling at that batch), MiniLM one text per call against a raw-bytes gRPC server (the floor of
+   gRPC: same method, fixed bytes, no protobuf work) with the same processes and load, MiniLM 32 texts
+   per call; CPU seconds per process and GPU busy fraction for each run;
+3. exact hits against the protobuf echo server at 1 and 256 callers;
+4. cold versus warm start (empty vs filled L3 store) and process start to the first GPU-served miss;
+5. the null engine (no model work): what the frontends and the worker carry by themselves.
+Without a GPU the same section runs on ONNX Runtime as a dry run of the plumbing, labelled so.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.load import run_load_processes
+from infercache.testing import REPO, ServerProcess, free_port
+from infercache.v1 import infercache_pb2 as pb
+
+INFER = "/infercache.v1.InferenceCache/Infer"
+INFER_BATCH = "/infercache.v1.InferenceCache/InferBatch"
+RAW_SHAPES = ((32, 32), (128, 32), (32, 128), (128, 128), (8, 128), (16, 128), (64, 128))
+
+MINILM_GPU_CONFIG = """
+task: embedding
+serving_version: "1"
+input: {max_text_chars: 2048, max_tokens: 256}
+outputs: [embedding]
+batching: {buckets: [16, 32, 64, 128, 256], max_batch_size: 128, max_queue_delay_ms: 0}
+cache: {ttl_s: 604800}
+"""
+BERT_BASE_CONFIG = """
+task: embedding
+serving_version: "1"
+input: {max_text_chars: 8192, max_tokens: 128}
+outputs: [embedding]
+batching: {buckets: [128], max_batch_size: 128, max_queue_delay_ms: 0}
+cache: {ttl_s: 604800}
+"""
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# ---- 1. raw ceiling ----------------------------------------------------------------------------------
+
+def _time_engine(engine, batch: int, seq: int, seconds: float, threads: int) -> float:
+    rng = np.random.default_rng(batch * 1000 + seq)
+    inputs = [{"input_ids": rng.integers(1000, 30000, (batch, seq), dtype=np.int64),
+               "attention_mask": np.ones((batch, seq), dtype=np.int64)} for _ in range(4)]
+    for sample in inputs:
+        engine.run(sample)
+    count = [0] * threads
+    stop = time.perf_counter() + seconds
+
+    def loop(slot: int) -> None:
+        n = 0
+        while time.perf_counter() < stop:
+            engine.run(inputs[n % len(inputs)])
+            n += 1
+        count[slot] = n
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(count) * batch / (time.perf_counter() - started)
+
+
+def raw_ceiling(minilm_dir: Path, seconds: float) -> dict:
+    import torch
+
+    from server.engines.base import profiles_for
+    from server.engines.torch_bert import BERT_BASE, load_torch_source, random_bert
+    from server.engines.torch_cuda import TorchCudaEngine
+
+    profiles = profiles_for((32, 128), 128)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, make in (("minilm", lambda: load_torch_source(minilm_dir, device="cuda", dtype=torch.float16)),
+                       ("bert-base", lambda: random_bert(BERT_BASE, device="cuda", dtype=torch.float16))):
+        started = time.perf_counter()
+        engine = TorchCudaEngine(make(), profiles)
+        rows = {"graphs": len(engine.graphs), "load_and_capture_s": round(time.perf_counter() - started, 2)}
+        for batch, seq in RAW_SHAPES:
+            rows[f"{batch}x{seq}"] = {
+                "seq_per_s_1_thread": round(_time_engine(engine, batch, seq, seconds, 1)),
+                "seq_per_s_2_threads": round(_time_engine(engine, batch, seq, seconds, 2)),
+            }
+        out[name] = rows
+        del engine
+        torch.cuda.empty_cache()
+    return out
+
+
+def ceiling_at(raw: dict, model: str, batch: float, seq: int = 128) -> float:
+    """The raw ceiling (one thread) at a mean batch, interpolated between the measured batch sizes."""
+    points = sorted((int(k.split("x")[0]), v["seq_per_s_1_thread"]) for k, v in raw[model].items()
+                    if isinstance(v, dict) and k.endswith(f"x{seq}"))
+    xs, ys = zip(*points)
+    return float(np.interp(batch, xs, ys))
+
+
+# ---- texts and requests --------------------------------------------------------------------------------
+
+def distinct_texts(texts: list[str], count: int, seed: int) -> list[str]:
+    """`count` distinct texts: real queries, each with a short reference number so none repeats."""
+    rng = random.Random(seed)
+    return [f"{rng.choice(texts)} ref {seed}-{i}" for i in range(count)]
+
+
+def long_texts(texts: list[str], count: int, seed: int) -> list[str]:
+    """Distinct texts of 128+ tokens (several queries joined), for the BERT-base runs."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        parts, size = [f"case {seed}-{i}:"], 0
+        while size < 700:
+            parts.append(rng.choice(texts))
+            size += len(parts[-1]) + 1
+        out.append(" ".join(parts))
+    return out
+
+
+def single_payloads(model: str, texts: list[str]) -> list[bytes]:
+    return [pb.InferRequest(model=model, text=t).SerializeToString() for t in texts]
+
+
+def batch_payloads(model: str, texts: list[str], per_call: int, mode: int = pb.CachePolicy.DEFAULT) -> list[bytes]:
+    policy = pb.CachePolicy(mode=mode)
+    return [pb.InferBatchRequest(model=model, texts=texts[i:i + per_call], cache=policy).SerializeToString()
+            for i in range(0, len(texts) - per_call + 1, per_call)]
+
+
+# ---- measuring a server run ------------------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    try:
+        kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _GpuSampler:
+    """nvidia-smi's utilization.gpu every 100 ms while a run lasts (None without nvidia-smi)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "100"], stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self.proc = None
+            return
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append(float(line.strip().split(",")[0]))
+            except ValueError:
+                pass
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait(5)
+        samples = self.samples[2:-2] or self.samples  # drop the edges of the run
+        return round(statistics.mean(samples), 1) if samples else None
+
+
+def measured(server: ServerProcess, model: str, fn) -> dict:
+    """Runs fn() (a load run) and adds what the server's processes did meanwhile: CPU seconds per role,
+    GPU busy percent, and the mean batch the worker formed for `model`."""
+    roles = {}
+    stats = server.stats()
+    worker_pids = {w.pid for w in stats.workers}
+    for pid in _children(server.proc.pid):
+        roles[pid] = "worker" if pid in worker_pids else "frontend"
+    roles[server.proc.pid] = "supervisor"
+    cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
+    counters_before = _batch_counters(stats, model)
+    gpu = _GpuSampler()
+    started = time.perf_counter()
+    result = fn()
+    wall = time.perf_counter() - started
+    busy = gpu.stop()
+    counters_after = _batch_counters(server.stats(), model)
+    cpu: dict[str, float] = {}
+    for pid, role in roles.items():
+        cpu[role] = cpu.get(role, 0.0) + _cpu_seconds(pid) - cpu_before[pid]
+    batches = counters_after[0] - counters_before[0]
+    messages = counters_after[4] - counters_before[4]
+    summary = result.summary()
+    summary.update({
+        "cpu_cores_busy": {role: round(seconds / wall, 2) for role, seconds in cpu.items()},
+        "gpu_busy_percent": busy,
+        "mean_batch": round((counters_after[1] - counters_before[1]) / batches, 1) if batches else None,
+        "padded_rows_percent": _padding(counters_before, counters_after),
+        "items_per_stream_message": round((counters_after[5] - counters_before[5]) / messages, 1) if messages else None,
+    })
+    return summary
+
+
+def _batch_counters(stats: pb.GetStatsResponse, model: str) -> tuple[int, ...]:
+    """(batches, batched requests, engine rows, padded rows, stream messages, stream items) over workers."""
+    names = (f"batcher.{model}.1.batches", f"batcher.{model}.1.batched_requests", f"engine.{model}.1.rows",
+             f"engine.{model}.1.padded_rows", "worker.stream_messages", "worker.stream_items")
+    return tuple(sum(w.counters.get(name, 0) for w in stats.workers) for name in names)
+
+
+def _padding(before: tuple, after: tuple) -> float | None:
+    rows, padded = after[2] - before[2], after[3] - before[3]
+    return round(100 * padded / rows, 1) if rows else None
+
+
+def _start_raw(processes: int, method: str, payload: bytes) -> tuple[str, list]:
+    from bench import echo
+
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=echo.raw_main, args=(port, ready, method, payload), daemon=True)
+             for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=60)
+    return f"127.0.0.1:{port}", procs
+
+
+def _start_echo(processes: int) -> tuple[str, list]:
+    from bench import echo
+
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=echo.main, args=(port, ready), daemon=True) for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=60)
+    return f"127.0.0.1:{port}", procs
+
+
+def _stop(procs: list) -> None:
+    for proc in procs:
+        proc.terminate()
+        proc.join(10)
+
+
+# ---- the section --------------------------------------------------------------------------------------
+
+def make_gpu_models(root: Path, on_gpu: bool) -> Path:
+    """minilm with GPU batching (max batch 128) and, on a GPU, bert-base: random BERT-base weights in the
+    torch form with MiniLM's tokenizer (the same 30522-token vocabulary)."""
+    source = REPO / "models" / "minilm" / "1"
+    (root / "minilm").mkdir(parents=True)
+    (root / "minilm" / "config.yaml").write_text(MINILM_GPU_CONFIG)
+    (root / "minilm" / "1").symlink_to(source)
+    if on_gpu:
+        import torch
+
+        from server.engines.torch_bert import BERT_BASE, random_bert, write_torch_source
+
+        target = root / "bert-base" / "1"
+        target.mkdir(parents=True)
+        (root / "bert-base" / "config.yaml").write_text(BERT_BASE_CONFIG)
+        (target / "tokenizer.json").symlink_to(source / "tokenizer.json")
+        module = random_bert(BERT_BASE, device="cpu", dtype=torch.float32)
+        write_torch_source(target, BERT_BASE, module.state_dict())
+    return root
+
+
+def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
+              load_processes: int = 8, checkpoint=lambda: None) -> dict:
+    """Fills `report` step by step, calling checkpoint() after each step (a run cut short keeps the rest)."""
+    on_gpu = gpu_available()
+    runtime = "torch-cuda" if on_gpu else "onnxruntime"
+    seconds = 2.0 if quick else 5.0
+    frontends = min(frontends, multiprocessing.cpu_count())
+    load_processes = min(load_processes, multiprocessing.cpu_count())
+    report.update({"runtime": runtime, "dry_run_on_cpu": not on_gpu, "frontends": frontends,
+                   "load_processes": load_processes, "seconds_per_run": seconds})
+    models = make_gpu_models(workdir / "gpu-models", on_gpu)
+    if on_gpu:
+        print("  raw ceiling ...", flush=True)
+        report["raw_ceiling"] = raw_ceiling(REPO / "models" / "minilm" / "1", 1.0 if quick else 2.0)
+        checkpoint()
+    settings = (f"engines.runtime={runtime}", "server.max_queue=16384")
+    engines = workdir / "gpu-engines"
+
+    from bench.__main__ import first_success
+
+    print("  cold and warm start ...", flush=True)
+    starts = {}
+    for label in ("cold", "warm"):
+        run_dir = workdir / f"gpu-start-{label}"
+        run_dir.mkdir()
+        with ServerProcess(run_dir, models, frontends=frontends, settings=settings, engines_dir=engines,
+                           wait=False) as server:
+            miss = pb.InferRequest(model="minilm", text=f"first question after a {label} start")
+            first_miss = first_success(server.address, miss, server.started, timeout=600, server=server)
+            server.wait_ready(600)
+            starts[label] = {"start_to_ready_s": round(server.ready_after, 2), "start_to_first_miss_s": round(first_miss, 2),
+                             "engines_built_at_start": sum(w.counters.get("worker.engines_built_at_start", 0)
+                                                           for w in server.stats().workers)}
+            assert server.stop() == 0
+    report["start"] = starts
+    checkpoint()
+
+    run_dir = workdir / "gpu-server"
+    run_dir.mkdir()
+    total = 400_000 if not quick else 60_000
+    with ServerProcess(run_dir, models, frontends=frontends, settings=settings, engines_dir=engines) as server:
+        report["engines"] = [
+            {"model": e.model, "runtime": e.runtime, "precision": e.precision, "device": e.device}
+            for m in _models(server) for e in m.engines]
+        load = lambda address, method, payloads, concurrency, per_call=1: run_load_processes(  # noqa: E731
+            address, method, payloads, processes=load_processes, concurrency=concurrency, seconds=seconds,
+            items_per_call=per_call)
+        if on_gpu:
+            print("  BERT-base, 128-token texts ...", flush=True)
+            # NO_STORE: every call is a miss even where a load process comes round to a text again.
+            long = long_texts(texts, 120_000 if not quick else 20_000, seed=1)
+            sweep = {}
+            for per_call, in_flight in ((32, 1), (32, 2), (32, 4), (8, 8)):
+                payloads = batch_payloads("bert-base", long, per_call, pb.CachePolicy.NO_STORE)
+                report["bert_base_misses"] = sweep
+                sweep[f"{per_call}_texts_x_{in_flight * load_processes}_calls"] = measured(
+                    server, "bert-base", lambda: load(server.address, INFER_BATCH, payloads, in_flight, per_call))
+            for row in sweep.values():
+                if row["mean_batch"]:
+                    row["raw_ceiling_at_mean_batch"] = round(ceiling_at(report["raw_ceiling"], "bert-base", row["mean_batch"]))
+                    row["of_raw_ceiling"] = round(row["items_per_s"] / row["raw_ceiling_at_mean_batch"], 3)
+                checkpoint()
+            report["bert_base_misses"] = sweep
+
+        print("  MiniLM, one text per call ...", flush=True)
+        single = single_payloads("minilm", distinct_texts(texts, total, seed=2))
+        report["minilm_single"] = measured(server, "minilm", lambda: load(server.address, INFER, single, 32))
+        checkpoint()
+        print("  MiniLM, 32 texts per call ...", flush=True)
+        batched = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=3), 32)
+        report["minilm_batch32"] = measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32))
+        checkpoint()
+
+        print("  exact hits ...", flush=True)
+        hot = single_payloads("minilm", texts[:200])
+        for payload in hot:  # warm, then wait for the write-behind
+            load_one(server.address, payload)
+        time.sleep(1.0)
+        report["hits"] = {f"callers_{c * load_processes if c > 1 else 1}": measured(
+            server, "minilm", lambda c=c: run_load_processes(server.address, INFER, hot, processes=load_processes if c > 1 else 1,
+                                                            concurrency=c, seconds=seconds))
+            for c in (1, 32)}
+        recorded = _recorded_miss(server.address, texts[0])
+        checkpoint()
+        assert server.stop() == 0
+
+    print("  baselines: raw-bytes server and echo server ...", flush=True)
+    address, procs = _start_raw(frontends, INFER, recorded)
+    try:
+        report["raw_bytes_single"] = load(address, INFER, single, 32).summary()
+    finally:
+        _stop(procs)
+    address, procs = _start_echo(frontends)
+    try:
+        report["echo_hits"] = {
+            "callers_1": run_load_processes(address, INFER, hot, processes=1, concurrency=1, seconds=seconds).summary(),
+            f"callers_{32 * load_processes}": run_load_processes(address, INFER, hot, processes=load_processes,
+                                                                 concurrency=32, seconds=seconds).summary()}
+    finally:
+        _stop(procs)
+
+    print("  null engine (server capacity without model work) ...", flush=True)
+    run_dir = workdir / "gpu-null"
+    run_dir.mkdir()
+    with ServerProcess(run_dir, models, frontends=frontends, settings=("engines.runtime=null", "server.max_queue=16384"),
+                       engines_dir=engines) as server:
+        report["null_single"] = measured(server, "minilm", lambda: load(
+            server.address, INFER, single_payloads("minilm", distinct_texts(texts, total, seed=4)), 32))
+        report["null_batch32"] = measured(server, "minilm", lambda: load(
+            server.address, INFER_BATCH, batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32), 4, 32))
+        assert server.stop() == 0
+    report["ratios"] = _ratios(report)
+    checkpoint()
+    return report
+
+
+def _models(server: ServerProcess) -> list:
+    with server.client() as client:
+        return client.models()
+
+
+def load_one(address: str, payload: bytes) -> bytes:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        return call(payload, timeout=60)
+
+
+def _recorded_miss(address: str, text: str) -> bytes:
+    """A real answer's bytes (the raw-bytes server sends these): one embedding, CacheInfo filled."""
+    return load_one(address, pb.InferRequest(model="minilm", text=f"{text} recorded").SerializeToString())
+
+
+def _ratios(report: dict) -> dict:
+    out = {"minilm_single_vs_raw_bytes": round(report["minilm_single"]["calls_per_s"]
+                                               / report["raw_bytes_single"]["calls_per_s"], 3)}
+    hits, echo = report["hits"], report["echo_hits"]
+    many = next(k for k in hits if k != "callers_1")
+    out["hit_p50_vs_echo_1_caller"] = round(hits["callers_1"]["p50_ms"] / echo["callers_1"]["p50_ms"], 3)
+    out[f"hit_throughput_vs_echo_{many}"] = round(hits[many]["calls_per_s"] / echo[many]["calls_per_s"], 3)
+    out["minilm_batch32_texts_per_s"] = report["minilm_batch32"]["items_per_s"]
+    if "start" in report:
+        out["cold_vs_warm_start"] = round(report["start"]["cold"]["start_to_ready_s"]
+                                          / report["start"]["warm"]["start_to_ready_s"], 2)
+    return out
+
+
+def print_gpu(report: dict) -> None:
+    print(f"\nGPU section ({report['runtime']}{', DRY RUN ON CPU' if report['dry_run_on_cpu'] else ''}; "
+          f"{report['frontends']} frontends, {report['load_processes']} load processes)")
+    raw = report.get("raw_ceiling")
+    if raw:
+        print("  raw ceiling, engine run() in a loop (seq/s, 1 thread / 2 threads)")
+        for model in ("minilm", "bert-base"):
+            cells = "  ".join(f"{k} {v['seq_per_s_1_thread']}/{v['seq_per_s_2_threads']}"
+                              for k, v in raw[model].items() if isinstance(v, dict))
+            print(f"    {model:<10} {cells}")
+    for name in ("bert_base_misses",):
+        for shape, row in report.get(name, {}).items():
+            print(f"  BERT-base misses {shape:<26} {row['items_per_s']:>9} texts/s  p99 {row['p99_ms']} ms  "
+                  f"mean batch {row['mean_batch']}  {row.get('of_raw_ceiling')} of raw ceiling  GPU {row['gpu_busy_percent']}%  "
+                  f"cpu {row['cpu_cores_busy']}")
+    for name in ("minilm_single", "raw_bytes_single", "minilm_batch32", "null_single", "null_batch32"):
+        row = report[name]
+        print(f"  {name:<20} {row['calls_per_s']:>9} calls/s {row['items_per_s']:>9} texts/s  p50 {row['p50_ms']} ms  "
+              f"p99 {row['p99_ms']} ms  errors {row['errors']}  cpu {row.get('cpu_cores_busy')}  GPU {row.get('gpu_busy_percent')}%")
+    for name, row in {**{f"hits {k}": v for k, v in report["hits"].items()},
+                      **{f"echo {k}": v for k, v in report["echo_hits"].items()}}.items():
+        print(f"  {name:<20} {row['calls_per_s']:>9} calls/s  p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms")
+    for label, row in report["start"].items():
+        print(f"  {label} start: ready {row['start_to_ready_s']} s, first miss {row['start_to_first_miss_s']} s, "
+              f"engines built {row['engines_built_at_start']}")
+    print(f"  ratios {report['ratios']}")

@@ -1,0 +1,129 @@
+"""The CPU path: on a host without GPUs the default runtime (auto) is ONNX Runtime and no server
+process loads torch; worker placement (server/devices.py); the null runtime."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infercache.testing import REPO
+from server.devices import WorkerPlacement, plan_workers, resolve_runtime, visible_gpus
+from tests.helpers import unique
+
+MODEL = "minilm"
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (children of every thread, not only the main one's)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            try:
+                todo.extend(int(child) for child in (task / "children").read_text().split())
+            except FileNotFoundError:  # the thread ended meanwhile
+                pass
+    return found
+
+
+def torch_mappings(pid: int) -> list[str]:
+    """Lines of the process's memory map that belong to torch."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [line for line in maps.splitlines() if "libtorch" in line or "/torch/" in line]
+
+
+def test_the_torch_probe_sees_torch_where_it_is_loaded():
+    """The check below could fail: a process that imported torch has it in its maps."""
+    with subprocess.Popen([sys.executable, "-c", "import sys, torch; print('ok', flush=True); sys.stdin.read()"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout.readline().strip() == "ok"
+            lines = torch_mappings(proc.pid)
+        finally:
+            proc.stdin.close()
+    assert any("libtorch" in line for line in lines) and any("/torch/" in line for line in lines)
+
+
+def test_no_server_process_loads_torch_on_a_cpu_host(start_server):
+    if visible_gpus():
+        pytest.skip("a GPU is visible: auto picks a GPU runtime here")
+    server = start_server()  # engines.runtime left at its default, auto
+    with server.client() as client:
+        assert client.infer(MODEL, unique("cpu path")).source == "MISS"  # the engine ran
+        models = {m.name: m for m in client.models()}
+        stats = client.stats()
+    assert [(e.runtime, e.device) for e in models[MODEL].engines] == [("onnxruntime", "cpu")]
+    assert "cpu onnxruntime" in server.log_text()  # the supervisor's placement line
+
+    pids = process_tree(server.proc.pid)
+    assert {stats.frontend.pid, *(w.pid for w in stats.workers)} <= set(pids)
+    assert len(pids) >= 4  # supervisor, worker, two frontends (and multiprocessing's helpers)
+    loaded = {pid: lines[:2] for pid in pids if (lines := torch_mappings(pid))}
+    assert not loaded, f"torch is mapped into server processes: {loaded}"
+
+
+def test_importing_and_planning_does_not_import_torch():
+    code = ("import sys; from server import devices; "
+            "devices.plan_workers('auto', 0, devices.visible_gpus()); devices.resolve_runtime('auto', ['0']); "
+            "print(sorted(m for m in ('torch', 'tensorrt', 'cuda') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_auto_without_gpus_is_one_onnxruntime_worker_on_cpu():
+    assert resolve_runtime("auto", []) == "onnxruntime"
+    [placement] = plan_workers("auto", 0, [])
+    assert placement == WorkerPlacement(0, "onnxruntime", None) and placement.device == "cpu"
+
+
+def test_cpu_runtime_ignores_gpus_and_takes_the_worker_count():
+    placements = plan_workers("onnxruntime", 2, ["0"])
+    assert placements == [WorkerPlacement(0, "onnxruntime", None), WorkerPlacement(1, "onnxruntime", None)]
+    assert [p.device for p in placements] == ["cpu", "cpu"]
+    assert plan_workers("null", 0, ["0", "1"]) == [WorkerPlacement(0, "null", None)]
+
+
+def test_gpu_runtime_takes_one_worker_per_gpu():
+    placements = plan_workers("torch-cuda", 0, ["0", "1"])
+    assert [(p.index, p.runtime, p.gpu, p.device) for p in placements] == [
+        (0, "torch-cuda", "0", "cuda:0"), (1, "torch-cuda", "1", "cuda:1")]
+
+
+def test_more_workers_than_gpus_share_them_round_robin():
+    assert [(p.index, p.gpu) for p in plan_workers("torch-cuda", 3, ["0"])] == [(0, "0"), (1, "0"), (2, "0")]
+    assert [p.gpu for p in plan_workers("tensorrt", 3, ["4", "7"])] == ["4", "7", "4"]
+
+
+def test_explicit_runtime_is_kept():
+    for runtime in ("onnxruntime", "torch-cuda", "tensorrt", "null"):
+        assert resolve_runtime(runtime, ["0"]) == runtime
+
+
+@pytest.mark.parametrize("listed, gpus", [
+    ("2,3", ["2", "3"]),
+    (" 2 , 3 ", ["2", "3"]),
+    ("", []),
+    ("-1", []),
+    ("GPU-5c9e1f3a", ["GPU-5c9e1f3a"]),
+])
+def test_visible_gpus_follow_cuda_visible_devices(listed, gpus):
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": listed}) == gpus
+
+
+def test_null_runtime_answers_zeros_of_the_right_shape(start_server):
+    server = start_server(settings=("engines.runtime=null",), frontends=1)
+    with server.client() as client:
+        result = client.infer(MODEL, unique("null engine"))
+        models = {m.name: m for m in client.models()}
+    assert result.source == "MISS"
+    embedding = result.outputs["embedding"]
+    assert embedding.shape == (384,) and embedding.dtype == np.float32
+    assert not embedding.any()
+    assert [(e.runtime, e.device) for e in models[MODEL].engines] == [("null", "cpu")]
+    assert {e.runtime for m in models.values() for e in m.engines} == {"null"}  # every model, every version

@@ -1,0 +1,102 @@
+"""The torch-cuda runtime: FP16 on the GPU under CUDA graphs, through the L3 store and a real server.
+
+The GPU tests run on the lent H200 (bench/DEVICE_NOTES.md) and skip elsewhere with the reason; the
+batch classes and the source check run everywhere torch is installed.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (the prepare extra)")
+
+from cachestore.engines import EngineStore  # noqa: E402
+from infercache.testing import REPO  # noqa: E402
+from server.engines.artifacts import get_runtime, prepare  # noqa: E402
+from server.engines.onnxruntime import OrtEngine  # noqa: E402
+from server.engines.torch_cuda import TorchCudaRuntime, batch_classes  # noqa: E402
+from server.models import load_model  # noqa: E402
+from server.tokenization import TextEncoder, pad_batch  # noqa: E402
+from tests.helpers import link_model  # noqa: E402
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+MINILM = REPO / "models" / "minilm"
+TEXTS = ["how do I reset my card pin", "transfer failed", "why was I charged a fee on my statement this month "
+         "when I only made one small transfer to my friend abroad", "top up", "lost card", "hello " * 40]
+
+
+def test_batch_classes_pad_at_most_half_again():
+    assert batch_classes(128) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    assert batch_classes(32)[-1] == 32 and batch_classes(1) == (1,) and batch_classes(10)[-1] == 10
+    for rows in range(1, 129):
+        padded = next(c for c in batch_classes(128) if c >= rows)
+        assert padded <= max(rows + 1, rows * 1.5)
+
+
+def test_a_version_without_its_torch_form_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"onnx only")
+    reason = TorchCudaRuntime.cannot_serve(TorchCudaRuntime.__new__(TorchCudaRuntime), tmp_path)
+    assert "torch.safetensors is missing" in reason and "prepare-model" in reason
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@GPU
+def test_engine_from_the_l3_store_matches_onnx_runtime_at_every_batch_class(tmp_path):
+    spec = load_model(MINILM)
+    runtime = get_runtime("torch-cuda")
+    artifact, engine = prepare(EngineStore(tmp_path / "l3"), runtime, spec, "1", "fp16", load=True)
+    assert artifact.built and "_sm" in artifact.manifest.name and "_fp16_" in artifact.manifest.name
+    again, _ = prepare(EngineStore(tmp_path / "l3"), runtime, spec, "1", "fp16")
+    assert not again.built  # found and verified, not rebuilt
+    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
+    reference = OrtEngine(MINILM / "1" / "model.onnx")
+    sequences = [encoder.encode(t) for t in TEXTS]
+    for rows in (1, 3, 5, 7, 17, 32):  # between classes too: padded rows must not leak into real ones
+        batch = [sequences[i % len(sequences)] for i in range(rows)]
+        inputs = pad_batch(batch, max(map(len, batch)))
+        got, want = engine.run(inputs)["embedding"], reference.run(inputs)["embedding"]
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert _cosines(got, want).min() >= 0.999, rows
+    counters = engine.counters()
+    assert counters["padded_rows"] > 0 and counters["rows"] == 1 + 3 + 5 + 7 + 17 + 32
+
+
+@GPU
+def test_two_slots_at_once_give_each_caller_its_own_answers(tmp_path):
+    spec = load_model(MINILM)
+    _, engine = prepare(EngineStore(tmp_path / "l3"), get_runtime("torch-cuda"), spec, "1", "fp16", load=True)
+    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
+    sequences = [encoder.encode(f"{t} {n}") for n, t in enumerate(TEXTS * 20)]
+    inputs = [pad_batch([ids], len(ids)) for ids in sequences]
+    alone = [engine.run(i)["embedding"] for i in inputs]
+    with ThreadPoolExecutor(engine.slots) as pool:
+        together = list(pool.map(lambda i: engine.run(i)["embedding"], inputs))
+    for a, b in zip(alone, together):
+        assert _cosines(a, b).min() > 0.9999
+
+
+@GPU
+def test_a_gpu_host_serves_on_the_gpu_by_default(start_server, tmp_path):
+    models = tmp_path / "models"
+    link_model(models, "minilm", (MINILM / "config.yaml").read_text(), {"1": MINILM / "1"})
+    server = start_server(models=models)
+    with server.client() as client:
+        [info] = client.models()
+        assert [(e.runtime, e.precision) for e in info.engines] == [("torch-cuda", "fp16")]
+        assert info.engines[0].device.startswith("cuda:0 (")
+        results = client.infer_batch("minilm", TEXTS)
+    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", 256)
+    reference = OrtEngine(MINILM / "1" / "model.onnx")
+    for text, result in zip(TEXTS, results):
+        want = reference.run(pad_batch([encoder.encode(" ".join(text.split()))], 1 + len(encoder.encode(text))))
+        assert result.source == "MISS" and result.outputs["embedding"].shape == (384,)
+        assert _cosines(result.outputs["embedding"][None], want["embedding"][:1]).min() >= 0.999
+    counters = server.stats().worker.counters
+    assert counters["engine.minilm.1.replays"] >= 1
