@@ -200,9 +200,50 @@ class _GpuSampler:
         return round(statistics.mean(samples), 1) if samples else None
 
 
-def measured(server: ServerProcess, model: str, fn) -> dict:
+def _py_spy() -> str | None:
+    import shutil
+
+    return shutil.which("py-spy") or next((str(p) for p in (Path("/tmp/site/bin/py-spy"),) if p.is_file()), None)
+
+
+def _profile(pid: int, seconds: float) -> subprocess.Popen | None:
+    """py-spy samples of the threads holding the GIL (--gil): where the process's Python time goes."""
+    spy = _py_spy()
+    if spy is None:
+        return None
+    out = Path(f"/tmp/py-spy-{pid}-{time.monotonic_ns()}.txt")
+    proc = subprocess.Popen([spy, "record", "--gil", "--nonblocking", "-r", "200", "-p", str(pid), "-d",
+                             str(max(1, int(seconds))), "-f", "raw", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.out = out
+    return proc
+
+
+def _profile_summary(proc: subprocess.Popen | None, top: int = 20) -> dict | None:
+    """Share of GIL-holding samples per function (own time) and per server function (inclusive)."""
+    if proc is None:
+        return None
+    proc.wait(60)
+    own, inclusive, total = {}, {}, 0
+    try:
+        lines = proc.out.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in {f for f in frames if "server/" in f or "cachestore/" in f}:
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    share = lambda table: {k: round(100 * v / total, 1) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:top]}  # noqa: E731
+    return {"samples": total, "own_percent": share(own), "inclusive_percent": share(inclusive)} if total else None
+
+
+def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) -> dict:
     """Runs fn() (a load run) and adds what the server's processes did meanwhile: CPU seconds per role,
-    GPU busy percent, and the mean batch the worker formed for `model`."""
+    GPU busy percent, the mean batch the worker formed for `model`, and with `profile` where the
+    worker's Python time went (py-spy, where installed)."""
     roles = {}
     stats = server.stats()
     worker_pids = {w.pid for w in stats.workers}
@@ -212,6 +253,7 @@ def measured(server: ServerProcess, model: str, fn) -> dict:
     cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
     gpu = _GpuSampler()
+    spy = _profile(next(iter(worker_pids)), 4) if profile else None
     started = time.perf_counter()
     result = fn()
     wall = time.perf_counter() - started
@@ -230,6 +272,8 @@ def measured(server: ServerProcess, model: str, fn) -> dict:
         "padded_rows_percent": _padding(counters_before, counters_after),
         "items_per_stream_message": round((counters_after[5] - counters_before[5]) / messages, 1) if messages else None,
     })
+    if profile:
+        summary["worker_profile"] = _profile_summary(spy)
     return summary
 
 
@@ -335,7 +379,9 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
             server.wait_ready(600)
             starts[label] = {"start_to_ready_s": round(server.ready_after, 2), "start_to_first_miss_s": round(first_miss, 2),
                              "engines_built_at_start": sum(w.counters.get("worker.engines_built_at_start", 0)
-                                                           for w in server.stats().workers)}
+                                                           for w in server.stats().workers),
+                             "worker_log": [line.split("infercache.", 1)[-1] for line in server.log_text().splitlines()
+                                            if "[worker-" in line and ("loaded" in line or "built" in line)]}
             assert server.stop() == 0
     report["start"] = starts
     checkpoint()
@@ -355,11 +401,12 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
             # NO_STORE: every call is a miss even where a load process comes round to a text again.
             long = long_texts(texts, 120_000 if not quick else 20_000, seed=1)
             sweep = {}
-            for per_call, in_flight in ((32, 1), (32, 2), (32, 4), (8, 8)):
+            for per_call, in_flight in ((32, 1), (32, 2), (16, 2), (8, 4)):
                 payloads = batch_payloads("bert-base", long, per_call, pb.CachePolicy.NO_STORE)
                 report["bert_base_misses"] = sweep
                 sweep[f"{per_call}_texts_x_{in_flight * load_processes}_calls"] = measured(
-                    server, "bert-base", lambda: load(server.address, INFER_BATCH, payloads, in_flight, per_call))
+                    server, "bert-base", lambda: load(server.address, INFER_BATCH, payloads, in_flight, per_call),
+                    profile=(per_call, in_flight) == (32, 2))
             for row in sweep.values():
                 if row["mean_batch"]:
                     row["raw_ceiling_at_mean_batch"] = round(ceiling_at(report["raw_ceiling"], "bert-base", row["mean_batch"]))
@@ -369,11 +416,13 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
 
         print("  MiniLM, one text per call ...", flush=True)
         single = single_payloads("minilm", distinct_texts(texts, total, seed=2))
-        report["minilm_single"] = measured(server, "minilm", lambda: load(server.address, INFER, single, 32))
+        report["minilm_single"] = measured(server, "minilm", lambda: load(server.address, INFER, single, 32),
+                                           profile=True)
         checkpoint()
         print("  MiniLM, 32 texts per call ...", flush=True)
         batched = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=3), 32)
-        report["minilm_batch32"] = measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32))
+        report["minilm_batch32"] = measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32),
+                                            profile=True)
         checkpoint()
 
         print("  exact hits ...", flush=True)
@@ -407,12 +456,14 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
     print("  null engine (server capacity without model work) ...", flush=True)
     run_dir = workdir / "gpu-null"
     run_dir.mkdir()
-    with ServerProcess(run_dir, models, frontends=frontends, settings=("engines.runtime=null", "server.max_queue=16384"),
+    null_models = make_gpu_models(workdir / "null-models", False)  # minilm only: the null runtime reads ONNX
+    with ServerProcess(run_dir, null_models, frontends=frontends, settings=("engines.runtime=null", "server.max_queue=16384"),
                        engines_dir=engines) as server:
         report["null_single"] = measured(server, "minilm", lambda: load(
             server.address, INFER, single_payloads("minilm", distinct_texts(texts, total, seed=4)), 32))
         report["null_batch32"] = measured(server, "minilm", lambda: load(
-            server.address, INFER_BATCH, batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32), 4, 32))
+            server.address, INFER_BATCH, batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32), 4, 32),
+            profile=True)
         assert server.stop() == 0
     report["ratios"] = _ratios(report)
     checkpoint()

@@ -164,8 +164,7 @@ class WorkerCore:
                 replies.fail(item_id, exc)
             return
         result = future.result()
-        outcome = result if isinstance(result, _Outcome) else _Outcome(
-            flight.runtime.response(result, flight.key).SerializeToString())
+        outcome = result if isinstance(result, _Outcome) else _Outcome(flight.runtime.payload(result, flight.key))
         flight.outcome = outcome
         joined = 0
         for (replies, item_id), was_joined in flight.waiters.items():

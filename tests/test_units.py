@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
+from infercache.v1 import infercache_pb2 as pb
 from server import config, errors
 from server.normalize import Normalizer
 
@@ -50,3 +52,23 @@ def test_every_domain_error_has_one_status_code():
     assert errors.status_of(KeyError("secret"))[0] == grpc.StatusCode.INTERNAL
     assert "secret" not in errors.status_of(KeyError("secret"))[1]
     assert isinstance(errors.from_worker_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"), errors.Overloaded)
+
+
+def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
+    from server.model_runtime import _Template, to_tensors
+
+    rng = np.random.default_rng(3)
+    first = rng.standard_normal(384).astype(np.float32)
+    key = bytes(range(24))
+
+    def answer(vector: np.ndarray, k: bytes) -> pb.InferResponse:
+        return pb.InferResponse(outputs=to_tensors({"embedding": vector}),
+                                cache=pb.CacheInfo(model_version="7", key=k.hex()))
+
+    template = _Template(answer(first, key).SerializeToString(), first.tobytes(), key.hex().encode())
+    for _ in range(20):
+        vector, other = rng.standard_normal(384).astype(np.float32), rng.bytes(24)
+        rendered = pb.InferResponse.FromString(template.render(vector.tobytes(), other.hex().encode()))
+        assert rendered == answer(vector, other)
+    with pytest.raises(ValueError):  # data that is not in the answer: no template
+        _Template(answer(first, key).SerializeToString(), b"\x01" * 1536, key.hex().encode())
