@@ -28,10 +28,10 @@ import grpc
 
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
-from bench.gpu import bench_gpu, print_gpu
+from bench.gpu import PARTS, bench_gpu, print_gpu
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
-from infercache.testing import REPO, ServerProcess, free_port
+from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 
@@ -55,24 +55,6 @@ def make_models(root: Path) -> Path:
         (root / name / "config.yaml").write_text(config)
         (root / name / "1").symlink_to(source / "1")
     return root
-
-
-def start_echo(processes: int) -> tuple[str, list]:
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=echo.main, args=(port, ready), daemon=True) for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        ready.get(timeout=60)
-    return f"127.0.0.1:{port}", procs
-
-
-def stop_echo(procs) -> None:
-    for proc in procs:
-        proc.terminate()
-        proc.join(10)
 
 
 def warm(address: str, requests: list[pb.InferRequest]) -> None:
@@ -233,14 +215,14 @@ def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rou
     (workdir / "main").mkdir()
     server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count(),
                            engines_dir=workdir / "engines")
-    echo_address, echo_procs = start_echo(multiprocessing.cpu_count())
+    echo_address, echo_procs = echo.start(multiprocessing.cpu_count())
     try:
         print("benchmarking exact hits ...", flush=True)
         report["exact_hits"] = bench_hits(server, echo_address, texts, rounds, scale)
         print("benchmarking misses ...", flush=True)
         report["misses"] = bench_misses(server, texts, scale)
     finally:
-        stop_echo(echo_procs)
+        echo.stop(echo_procs)
         assert server.stop() == 0
     print("benchmarking the engine alone ...", flush=True)
     report["engine_alone"] = bench_engine(texts, scale)
@@ -255,6 +237,8 @@ def main() -> None:
     parser.add_argument("--sections", default="serving,l3,semantic",
                         help="comma-separated: serving (hits, misses, start-up), l3, semantic, gpu (the lent GPU "
                              "host: bench/device.sh; elsewhere a dry run on ONNX Runtime)")
+    parser.add_argument("--gpu-parts", default=",".join(PARTS),
+                        help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -280,7 +264,7 @@ def main() -> None:
             print("benchmarking the GPU path ...", flush=True)
             # Written after each step too: a run cut short by the device's time limit keeps what it measured.
             report["gpu"] = {}
-            bench_gpu(workdir, texts, report["gpu"], quick=args.quick,
+            bench_gpu(workdir, texts, report["gpu"], quick=args.quick, parts=tuple(args.gpu_parts.split(",")),
                       checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

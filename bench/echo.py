@@ -7,12 +7,14 @@ nothing else: the hit path's cost over this is what infercache adds.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 
 import grpc
 import numpy as np
 
 from infercache.v1 import infercache_pb2 as pb
+from infercache.testing import free_port
 from infercache.v1 import infercache_pb2_grpc
 from server import process
 
@@ -29,10 +31,11 @@ class Echo(infercache_pb2_grpc.InferenceCacheServicer):
         return self.response
 
 
-def main(port: int, ready) -> None:
+def _serve(port: int, ready, register) -> None:
+    """One server process on `port` (SO_REUSEPORT: several share it); register(server) adds its handlers."""
     async def serve(stop: asyncio.Event) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-        infercache_pb2_grpc.add_InferenceCacheServicer_to_server(Echo(), server)
+        register(server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.put(os.getpid())
@@ -40,24 +43,38 @@ def main(port: int, ready) -> None:
         await server.stop(1)
 
     process.run(serve)
+
+
+def main(port: int, ready) -> None:
+    _serve(port, ready, lambda server: infercache_pb2_grpc.add_InferenceCacheServicer_to_server(Echo(), server))
 
 
 def raw_main(port: int, ready, method: str, payload: bytes) -> None:
     """The floor of gRPC itself: `method` answered with fixed bytes, no protobuf parsing or serializing."""
-    async def serve(stop: asyncio.Event) -> None:
-        async def answer(request: bytes, context) -> bytes:
-            return payload
+    async def answer(request: bytes, context) -> bytes:
+        return payload
 
-        service, name = method.strip("/").split("/")
-        handler = grpc.method_handlers_generic_handler(service, {
-            name: grpc.unary_unary_rpc_method_handler(answer, request_deserializer=None, response_serializer=None),
-        })
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-        server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.put(os.getpid())
-        await stop.wait()
-        await server.stop(1)
+    service, name = method.strip("/").split("/")
+    handler = grpc.method_handlers_generic_handler(service, {
+        name: grpc.unary_unary_rpc_method_handler(answer, request_deserializer=None, response_serializer=None),
+    })
+    _serve(port, ready, lambda server: server.add_generic_rpc_handlers((handler,)))
 
-    process.run(serve)
+
+def start(processes: int, target=main, *args) -> tuple[str, list]:
+    """`processes` spawned servers sharing one free port; (address, processes) once all are listening."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(port, ready, *args), daemon=True) for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=60)
+    return f"127.0.0.1:{port}", procs
+
+
+def stop(procs) -> None:
+    for proc in procs:
+        proc.terminate()
+        proc.join(10)

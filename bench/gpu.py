@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import echo
 from bench.load import run_load_processes
-from infercache.testing import REPO, ServerProcess, free_port
+from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 INFER = "/infercache.v1.InferenceCache/Infer"
@@ -289,41 +290,6 @@ def _padding(before: tuple, after: tuple) -> float | None:
     return round(100 * padded / rows, 1) if rows else None
 
 
-def _start_raw(processes: int, method: str, payload: bytes) -> tuple[str, list]:
-    from bench import echo
-
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=echo.raw_main, args=(port, ready, method, payload), daemon=True)
-             for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        ready.get(timeout=60)
-    return f"127.0.0.1:{port}", procs
-
-
-def _start_echo(processes: int) -> tuple[str, list]:
-    from bench import echo
-
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=echo.main, args=(port, ready), daemon=True) for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        ready.get(timeout=60)
-    return f"127.0.0.1:{port}", procs
-
-
-def _stop(procs: list) -> None:
-    for proc in procs:
-        proc.terminate()
-        proc.join(10)
-
-
 # ---- the section --------------------------------------------------------------------------------------
 
 def make_gpu_models(root: Path, on_gpu: bool) -> Path:
@@ -347,9 +313,13 @@ def make_gpu_models(root: Path, on_gpu: bool) -> Path:
     return root
 
 
+PARTS = ("raw", "start", "bert", "minilm", "hits", "null")
+
+
 def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
-              load_processes: int = 8, checkpoint=lambda: None) -> dict:
-    """Fills `report` step by step, calling checkpoint() after each step (a run cut short keeps the rest)."""
+              load_processes: int = 8, checkpoint=lambda: None, parts: tuple[str, ...] = PARTS) -> dict:
+    """Fills `report` step by step, calling checkpoint() after each step (a run cut short keeps the rest).
+    `parts` picks steps (a short device lease measures fewer); "hits" needs "minilm"."""
     on_gpu = gpu_available()
     runtime = "torch-cuda" if on_gpu else "onnxruntime"
     seconds = 2.0 if quick else 5.0
@@ -357,8 +327,8 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
     load_processes = min(load_processes, multiprocessing.cpu_count())
     report.update({"runtime": runtime, "dry_run_on_cpu": not on_gpu, "frontends": frontends,
                    "load_processes": load_processes, "seconds_per_run": seconds})
-    models = make_gpu_models(workdir / "gpu-models", on_gpu)
-    if on_gpu:
+    models = make_gpu_models(workdir / "gpu-models", on_gpu and "bert" in parts)
+    if on_gpu and "raw" in parts:
         print("  raw ceiling ...", flush=True)
         report["raw_ceiling"] = raw_ceiling(REPO / "models" / "minilm" / "1", 1.0 if quick else 2.0)
         checkpoint()
@@ -369,7 +339,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
 
     print("  cold and warm start ...", flush=True)
     starts = {}
-    for label in ("cold", "warm"):
+    for label in ("cold", "warm") if "start" in parts else ():
         run_dir = workdir / f"gpu-start-{label}"
         run_dir.mkdir()
         with ServerProcess(run_dir, models, frontends=frontends, settings=settings, engines_dir=engines,
@@ -383,7 +353,8 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
                              "worker_log": [line.split("infercache.", 1)[-1] for line in server.log_text().splitlines()
                                             if "[worker-" in line and ("loaded" in line or "built" in line)]}
             assert server.stop() == 0
-    report["start"] = starts
+    if starts:
+        report["start"] = starts
     checkpoint()
 
     run_dir = workdir / "gpu-server"
@@ -396,7 +367,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         load = lambda address, method, payloads, concurrency, per_call=1: run_load_processes(  # noqa: E731
             address, method, payloads, processes=load_processes, concurrency=concurrency, seconds=seconds,
             items_per_call=per_call)
-        if on_gpu:
+        if on_gpu and "bert" in parts:
             print("  BERT-base, 128-token texts ...", flush=True)
             # NO_STORE: every call is a miss even where a load process comes round to a text again.
             long = long_texts(texts, 120_000 if not quick else 20_000, seed=1)
@@ -408,7 +379,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
                     server, "bert-base", lambda: load(server.address, INFER_BATCH, payloads, in_flight, per_call),
                     profile=(per_call, in_flight) == (32, 2))
             for row in sweep.values():
-                if row["mean_batch"]:
+                if row["mean_batch"] and "raw_ceiling" in report:
                     row["raw_ceiling_at_mean_batch"] = round(ceiling_at(report["raw_ceiling"], "bert-base", row["mean_batch"]))
                     row["of_raw_ceiling"] = round(row["items_per_s"] / row["raw_ceiling_at_mean_batch"], 3)
                 checkpoint()
@@ -425,12 +396,12 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
                                             profile=True)
         checkpoint()
 
-        print("  exact hits ...", flush=True)
         hot = single_payloads("minilm", texts[:200])
         for payload in hot:  # warm, then wait for the write-behind
             load_one(server.address, payload)
         time.sleep(1.0)
-        report["hits"] = {f"callers_{c * load_processes if c > 1 else 1}": measured(
+        print("  exact hits ...", flush=True)
+        report["hits"] = {} if "hits" not in parts else {f"callers_{c * load_processes if c > 1 else 1}": measured(
             server, "minilm", lambda c=c: run_load_processes(server.address, INFER, hot, processes=load_processes if c > 1 else 1,
                                                             concurrency=c, seconds=seconds))
             for c in (1, 32)}
@@ -439,20 +410,24 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         assert server.stop() == 0
 
     print("  baselines: raw-bytes server and echo server ...", flush=True)
-    address, procs = _start_raw(frontends, INFER, recorded)
+    address, procs = echo.start(frontends, echo.raw_main, INFER, recorded)
     try:
         report["raw_bytes_single"] = load(address, INFER, single, 32).summary()
     finally:
-        _stop(procs)
-    address, procs = _start_echo(frontends)
+        echo.stop(procs)
+    address, procs = echo.start(frontends) if "hits" in parts else (None, [])
     try:
-        report["echo_hits"] = {
+        report["echo_hits"] = {} if "hits" not in parts else {
             "callers_1": run_load_processes(address, INFER, hot, processes=1, concurrency=1, seconds=seconds).summary(),
             f"callers_{32 * load_processes}": run_load_processes(address, INFER, hot, processes=load_processes,
                                                                  concurrency=32, seconds=seconds).summary()}
     finally:
-        _stop(procs)
+        echo.stop(procs)
 
+    if "null" not in parts:
+        report["ratios"] = _ratios(report)
+        checkpoint()
+        return report
     print("  null engine (server capacity without model work) ...", flush=True)
     run_dir = workdir / "gpu-null"
     run_dir.mkdir()
@@ -492,9 +467,10 @@ def _ratios(report: dict) -> dict:
     out = {"minilm_single_vs_raw_bytes": round(report["minilm_single"]["calls_per_s"]
                                                / report["raw_bytes_single"]["calls_per_s"], 3)}
     hits, echo = report["hits"], report["echo_hits"]
-    many = next(k for k in hits if k != "callers_1")
-    out["hit_p50_vs_echo_1_caller"] = round(hits["callers_1"]["p50_ms"] / echo["callers_1"]["p50_ms"], 3)
-    out[f"hit_throughput_vs_echo_{many}"] = round(hits[many]["calls_per_s"] / echo[many]["calls_per_s"], 3)
+    if hits:
+        many = next(k for k in hits if k != "callers_1")
+        out["hit_p50_vs_echo_1_caller"] = round(hits["callers_1"]["p50_ms"] / echo["callers_1"]["p50_ms"], 3)
+        out[f"hit_throughput_vs_echo_{many}"] = round(hits[many]["calls_per_s"] / echo[many]["calls_per_s"], 3)
     out["minilm_batch32_texts_per_s"] = report["minilm_batch32"]["items_per_s"]
     if "start" in report:
         out["cold_vs_warm_start"] = round(report["start"]["cold"]["start_to_ready_s"]
@@ -518,13 +494,15 @@ def print_gpu(report: dict) -> None:
                   f"mean batch {row['mean_batch']}  {row.get('of_raw_ceiling')} of raw ceiling  GPU {row['gpu_busy_percent']}%  "
                   f"cpu {row['cpu_cores_busy']}")
     for name in ("minilm_single", "raw_bytes_single", "minilm_batch32", "null_single", "null_batch32"):
+        if name not in report:
+            continue
         row = report[name]
         print(f"  {name:<20} {row['calls_per_s']:>9} calls/s {row['items_per_s']:>9} texts/s  p50 {row['p50_ms']} ms  "
               f"p99 {row['p99_ms']} ms  errors {row['errors']}  cpu {row.get('cpu_cores_busy')}  GPU {row.get('gpu_busy_percent')}%")
     for name, row in {**{f"hits {k}": v for k, v in report["hits"].items()},
                       **{f"echo {k}": v for k, v in report["echo_hits"].items()}}.items():
         print(f"  {name:<20} {row['calls_per_s']:>9} calls/s  p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms")
-    for label, row in report["start"].items():
+    for label, row in report.get("start", {}).items():
         print(f"  {label} start: ready {row['start_to_ready_s']} s, first miss {row['start_to_first_miss_s']} s, "
               f"engines built {row['engines_built_at_start']}")
     print(f"  ratios {report['ratios']}")

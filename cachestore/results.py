@@ -37,11 +37,17 @@ class ResultCache:
         self.store = store
         self._results = store.dbs[DB_RESULTS]
 
-    def get(self, key: bytes, now: int, max_age_us: int | None = None) -> records.Record | None:
+    def get(self, key: bytes, now: int, max_age_us: int | None = None, txn: lmdb.Transaction | None = None
+            ) -> records.Record | None:
+        """With `txn`, reads in that read transaction (one for many lookups) instead of its own."""
         try:
-            with self.store.begin(buffers=True) as txn:
+            if txn is not None:
                 raw = txn.get(key, db=self._results)
                 record = None if raw is None else records.decode(raw)
+            else:
+                with self.store.begin(buffers=True) as own:
+                    raw = own.get(key, db=self._results)
+                    record = None if raw is None else records.decode(raw)
         except CorruptRecord as exc:
             log.warning("ignoring record %s: %s", key.hex(), exc)
             return None
@@ -52,10 +58,11 @@ class ResultCache:
             return None
         return record
 
-    def answer(self, key: bytes, max_age_us: int | None, source: int) -> tuple[records.Record, pb.InferResponse] | None:
+    def answer(self, key: bytes, max_age_us: int | None, source: int, txn: lmdb.Transaction | None = None
+               ) -> tuple[records.Record, pb.InferResponse] | None:
         """A fresh entry and its response, marked with `source` and the entry's age; None otherwise."""
         now = now_us()
-        record = self.get(key, now, max_age_us)
+        record = self.get(key, now, max_age_us, txn)
         if record is None:
             return None
         try:
@@ -67,9 +74,10 @@ class ResultCache:
         response.cache.age_s = record.age_s(now)
         return record, response
 
-    def lookup(self, key: bytes, max_age_us: int | None = None) -> pb.InferResponse | None:
+    def lookup(self, key: bytes, max_age_us: int | None = None, txn: lmdb.Transaction | None = None
+               ) -> pb.InferResponse | None:
         """The cached response marked RESULT_EXACT, or None."""
-        found = self.answer(key, max_age_us, pb.CacheInfo.RESULT_EXACT)
+        found = self.answer(key, max_age_us, pb.CacheInfo.RESULT_EXACT, txn)
         return None if found is None else found[1]
 
 

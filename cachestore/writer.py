@@ -47,7 +47,7 @@ class Selector:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Put:
     key: bytes
     ns: Namespace

@@ -24,7 +24,7 @@ log = logging.getLogger("infercache.batcher")
 RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arrays) -> one result each
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     ids: Sequence[int]
     deadline: float | None  # loop time

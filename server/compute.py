@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
@@ -48,7 +50,7 @@ class Replies(Protocol):
     def fail(self, item_id: int, exc: BaseException) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Outcome:
     """What a flight produced: the answer's serialized response, and what to store."""
 
@@ -60,18 +62,20 @@ class _Outcome:
     matched: records.Record | None = None     # a near-duplicate's record (RESULT_SEMANTIC)
 
 
-@dataclass(eq=False)
 class _Flight:
     """One computation that identical concurrent items share."""
 
-    key: bytes
-    runtime: ModelRuntime
-    item: worker_pb2.ComputeItem
-    future: asyncio.Future | None = None
-    waiters: dict[tuple[Replies, int], bool] = field(default_factory=dict)  # (stream, item id) -> joined
-    store: bool = False
-    outcome: _Outcome | None = None
-    created_us: int = field(default_factory=now_us)
+    __slots__ = ("key", "runtime", "item", "future", "waiters", "store", "outcome", "created_us")
+
+    def __init__(self, key: bytes, runtime: ModelRuntime, item: worker_pb2.ComputeItem) -> None:
+        self.key = key
+        self.runtime = runtime
+        self.item = item
+        self.future: asyncio.Future | None = None
+        self.waiters: dict[tuple[Replies, int], bool] = {}  # (connection, item id) -> joined
+        self.store = False
+        self.outcome: _Outcome | None = None
+        self.created_us = now_us()
 
 
 def token_ids(packed: bytes) -> np.ndarray:
@@ -79,13 +83,7 @@ def token_ids(packed: bytes) -> np.ndarray:
     return np.frombuffer(packed, dtype="<i4")
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    """From another thread; a loop that already closed (shutdown) has nothing left to update."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass
-
+namespace = lru_cache(maxsize=4096)(Namespace)  # one object per namespace, not one per stored answer
 
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
@@ -97,6 +95,11 @@ class WorkerCore:
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
         self._inflight: dict[bytes, _Flight] = {}
+        # Flights whose entries the writer committed, handed over from its thread: one wake-up of the
+        # loop per batch of them, not one per entry (call_soon_threadsafe writes to a pipe each time).
+        self._committed: deque[_Flight] = deque()
+        self._drain_scheduled = False
+        self._loop = asyncio.get_running_loop()
 
     def runtime(self, model: str, version: str) -> ModelRuntime:
         runtime = self.runtimes.get((model, version))
@@ -107,7 +110,24 @@ class WorkerCore:
 
     # ---- items in ----------------------------------------------------------------------------------
 
-    def submit(self, replies: Replies, item: worker_pb2.ComputeItem, deadline: float | None) -> None:
+    def submit_all(self, replies: Replies, items, now: float) -> None:
+        """Takes a frame's items (deadlines relative to loop time `now`), in one L1 read transaction."""
+        if self.cache is None:
+            for item in items:
+                self.submit(replies, item, now + item.timeout_s if item.timeout_s > 0 else None)
+            return
+        try:
+            txn = self.cache.store.begin(buffers=True)
+        except Exception:  # the store is unreadable: no late hits, items are computed
+            txn = None
+        try:
+            for item in items:
+                self.submit(replies, item, now + item.timeout_s if item.timeout_s > 0 else None, txn)
+        finally:
+            if txn is not None:
+                txn.abort()
+
+    def submit(self, replies: Replies, item: worker_pb2.ComputeItem, deadline: float | None, txn=None) -> None:
         """Takes one item; its answer (or error) reaches `replies` later, or at once."""
         try:
             flight = self._inflight.get(item.key)
@@ -116,7 +136,7 @@ class WorkerCore:
                 runtime = self.runtime(item.model, item.version)
                 if item.cached_ok and self.cache is not None:
                     max_age = item.max_age_us if item.HasField("max_age_us") else None
-                    if (cached := self.cache.lookup(item.key, max_age)) is not None:
+                    if (cached := self.cache.lookup(item.key, max_age, txn)) is not None:
                         self.counters["late_hit"] += 1  # committed after the frontend looked
                         replies.ok(item.id, Source.RESULT_EXACT, cached.SerializeToString())
                         return
@@ -184,9 +204,9 @@ class WorkerCore:
         replies.ok(item_id, source, outcome.payload)
 
     def _store(self, flight: _Flight, outcome: _Outcome) -> None:
-        item, loop = flight.item, asyncio.get_running_loop()
-        ns = Namespace(item.tenant, item.model, item.version)
-        done = lambda: _call_soon(loop, self._forget, flight)  # noqa: E731
+        item = flight.item
+        ns = namespace(item.tenant, item.model, item.version)
+        done = lambda: self._on_committed(flight)  # noqa: E731
         if outcome.matched is not None:
             # An exact alias of the matched entry: the same text next time is a frontend RESULT_EXACT.
             self.writer.put(flight.key, ns, outcome.matched, on_done=done)
@@ -197,6 +217,21 @@ class WorkerCore:
         if outcome.embedding is not None:
             entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
         self.writer.put(flight.key, ns, record, on_done=done, semantic=entry)
+
+    def _on_committed(self, flight: _Flight) -> None:
+        """On the writer thread: the flight's entry is committed (or dropped); forget it on the loop."""
+        self._committed.append(flight)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            try:
+                self._loop.call_soon_threadsafe(self._drain_committed)
+            except RuntimeError:  # the loop closed (shutdown): nothing left to forget
+                pass
+
+    def _drain_committed(self) -> None:
+        self._drain_scheduled = False
+        while self._committed:
+            self._forget(self._committed.popleft())
 
     def _forget(self, flight: _Flight) -> None:
         if self._inflight.get(flight.key) is flight:

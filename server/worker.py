@@ -49,8 +49,7 @@ class _Connection:
         counters = self.core.counters
         counters["stream_messages"] += 1
         counters["stream_items"] += len(batch.items)
-        for item in batch.items:
-            self.core.submit(self, item, now + item.timeout_s if item.timeout_s > 0 else None)
+        self.core.submit_all(self, batch.items, now)
         for item_id in batch.cancel:
             self.core.cancel(self, item_id)
 

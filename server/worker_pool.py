@@ -190,7 +190,8 @@ class WorkerPool:
                 pass
 
     async def compute(self, items: list[tuple[int, object]], time_remaining: float | None) -> list:
-        """ComputeResults of items [(route, fill)], in order; fails with the first item's error."""
+        """ComputeResults of items [(route, fill)], in order; fails with the first item's error. Items
+        lost with a worker that died are sent again to another one, within the deadline."""
         loop = asyncio.get_running_loop()
         budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
         deadline = loop.time() + budget
@@ -200,37 +201,37 @@ class WorkerPool:
         futures: dict[int, asyncio.Future] = {}
         attempts = 0
         try:
-            while todo:
-                attempts += 1
-                if attempts > len(self.links) + 1:  # a request that takes every worker down is not retried forever
-                    raise WorkerUnavailable(f"lost the inference worker {attempts - 1} times while computing; retry")
-                futures.clear()
-                for i in todo:
-                    route, fill = items[i]
-                    link = await self._link_for(route, avoid[i], deadline)
-                    try:
-                        futures[i] = link.submit(lambda item, fill=fill: _filled(item, fill, deadline - loop.time()))
-                    except LinkLost:
+            async with asyncio.timeout_at(deadline):
+                while todo:
+                    attempts += 1
+                    if attempts > len(self.links) + 1:  # a request that takes every worker down is not retried forever
+                        raise WorkerUnavailable(f"lost the inference worker {attempts - 1} times while computing; retry")
+                    futures.clear()
+                    for i in todo:
+                        route, fill = items[i]
+                        link = await self._link_for(route, avoid[i], deadline)
                         avoid[i].add(link)
-                        continue
-                    avoid[i].add(link)
-                if futures:
-                    done, _ = await asyncio.wait(futures.values(), timeout=max(0.0, deadline - loop.time()))
-                    if len(done) < len(futures):
-                        raise DeadlineExceeded("deadline passed while the worker computed")
-                todo = [i for i in todo if i not in futures or isinstance(futures[i].exception(), LinkLost)]
-                for i, future in futures.items():
-                    if (exc := future.exception()) is not None and not isinstance(exc, LinkLost):
-                        raise exc
-                    if exc is None:
-                        result = future.result()
+                        try:
+                            futures[i] = link.submit(lambda item, fill=fill: _filled(item, fill, deadline - loop.time()))
+                        except LinkLost:
+                            continue
+                    lost = [i for i in todo if i not in futures]
+                    for i, future in futures.items():
+                        try:
+                            result = await future
+                        except LinkLost:
+                            lost.append(i)
+                            continue
                         if result.code:
                             raise from_wire(result.code, result.error)
                         results[i] = result
-            return results
+                    todo = lost
+        except TimeoutError:
+            raise DeadlineExceeded("deadline passed while the worker computed") from None
         finally:
             for future in futures.values():
                 future.cancel()  # no-op for finished ones; a cancelled one tells its worker
+        return results
 
     async def call(self, method: str, request, time_remaining: float | None, *, link: WorkerLink | None = None):
         """A unary call (Invalidate, Stats) on one worker (the first live one by default)."""

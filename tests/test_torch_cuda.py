@@ -7,7 +7,6 @@ batch classes and the source check run everywhere torch is installed.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
