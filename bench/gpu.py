@@ -271,7 +271,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) ->
         "gpu_busy_percent": busy,
         "mean_batch": round((counters_after[1] - counters_before[1]) / batches, 1) if batches else None,
         "padded_rows_percent": _padding(counters_before, counters_after),
-        "items_per_stream_message": round((counters_after[5] - counters_before[5]) / messages, 1) if messages else None,
+        "items_per_frame": round((counters_after[5] - counters_before[5]) / messages, 1) if messages else None,
     })
     if profile:
         summary["worker_profile"] = _profile_summary(spy)
@@ -281,7 +281,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) ->
 def _batch_counters(stats: pb.GetStatsResponse, model: str) -> tuple[int, ...]:
     """(batches, batched requests, engine rows, padded rows, stream messages, stream items) over workers."""
     names = (f"batcher.{model}.1.batches", f"batcher.{model}.1.batched_requests", f"engine.{model}.1.rows",
-             f"engine.{model}.1.padded_rows", "worker.stream_messages", "worker.stream_items")
+             f"engine.{model}.1.padded_rows", "worker.frames", "worker.frame_items")
     return tuple(sum(w.counters.get(name, 0) for w in stats.workers) for name in names)
 
 

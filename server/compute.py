@@ -4,7 +4,8 @@ Items arrive already normalized, keyed and tokenized. For each, on the event loo
 awaiting: join the identical computation in flight (coalescing), else answer from L1 if the entry was
 committed since the frontend looked, else start one computation: straight into the model's batcher, or,
 for a model with semantic matching, the embed -> search -> match-or-compute coroutine. When it finishes,
-every waiter gets its answer through its stream, then the result is written behind. A flight stays
+every waiter gets its answer through its frontend's connection, then the result is written behind.
+A joiner shares the first item's deadline and policy (as before this worker core existed). A flight stays
 joinable until its entry is committed, so a request that missed L1 meanwhile joins it instead of
 computing the same thing again.
 
@@ -41,7 +42,7 @@ Source = pb.CacheInfo.Source
 
 
 class Replies(Protocol):
-    """Where a stream's answers go (the worker's servicer implements it per frontend stream)."""
+    """Where a connection's answers go (server/worker.py: one per frontend connection)."""
 
     waiting: dict[int, "_Flight"]
 
@@ -122,7 +123,11 @@ class WorkerCore:
             txn = None
         try:
             for item in items:
-                self.submit(replies, item, now + item.timeout_s if item.timeout_s > 0 else None, txn)
+                try:
+                    self.submit(replies, item, now + item.timeout_s if item.timeout_s > 0 else None, txn)
+                except Exception as exc:  # a bug must cost this item, not the rest of the frame
+                    log.exception("item %d failed", item.id)
+                    replies.fail(item.id, exc)
         finally:
             if txn is not None:
                 txn.abort()
@@ -160,6 +165,7 @@ class WorkerCore:
         flight.waiters.pop((replies, item_id), None)
         if not flight.waiters and flight.outcome is None:
             flight.future.cancel()  # the batcher drops it before the engine
+            self._forget(flight)    # at once: an identical item arriving meanwhile starts a new flight
 
     def _start(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Flight:
         flight = _Flight(item.key, runtime, item)
@@ -174,10 +180,11 @@ class WorkerCore:
     # ---- answers out -------------------------------------------------------------------------------
 
     def _finished(self, flight: _Flight, future: asyncio.Future) -> None:
-        if future.cancelled():
-            self._forget(flight)
-            return
-        if (exc := future.exception()) is not None:
+        if future.cancelled():  # nobody waits (see cancel); a waiter left over must still hear
+            exc: BaseException | None = WorkerUnavailable("the computation was cancelled; retry")
+        else:
+            exc = future.exception()
+        if exc is not None:
             self._forget(flight)
             for (replies, item_id) in flight.waiters:
                 replies.waiting.pop(item_id, None)

@@ -30,7 +30,7 @@ class ServerSection:
     frontends: int = 0                 # 0 = one per CPU
     workers: int = 0                   # inference workers; 0 = one per visible GPU (GPU runtime), else 1
     models_dir: str = "models"
-    socket_dir: str = ""               # unix socket of the worker; "" = a fresh temporary directory
+    socket_dir: str = ""               # the workers' unix sockets; "" = a fresh temporary directory
     worker_timeout_s: float = 30.0     # longest a frontend waits for the worker when the client sets no deadline
     worker_wait_s: float = 2.0         # how long a call waits for a restarting worker before UNAVAILABLE
     drain_s: float = 10.0              # grace for in-flight requests on SIGTERM

@@ -83,7 +83,7 @@ def prune(config: Config, *, dry_run: bool) -> int:
     repository = ModelRepository(Path(config.server.models_dir))
     store = EngineStore(Path(config.engines.dir))
     installed = {}
-    for name in ("onnxruntime", "tensorrt"):
+    for name in ("onnxruntime", "torch-cuda", "tensorrt"):
         try:
             runtime = get_runtime(name)
             installed[runtime.name] = runtime.version

@@ -66,13 +66,13 @@ _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def to_wire(exc: BaseException) -> tuple[int, str]:
-    """(status code number, message) of an error, for results carried inside a stream message."""
+    """(status code number, message) of an error, for results carried inside a frame."""
     code, message = status_of(exc)
     return code.value[0], message
 
 
 def from_wire(number: int, details: str) -> InferCacheError:
-    """The domain error for a failed item of the worker stream (inverse of to_wire)."""
+    """The domain error for a failed item answered in a frame (inverse of to_wire)."""
     return from_worker_error(_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), details)
 
 

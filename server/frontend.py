@@ -42,7 +42,7 @@ Mode = pb.CachePolicy.Mode
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 _ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per request saved on the hot path
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
-STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose stream is not open
+STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 
 
@@ -255,7 +255,10 @@ class FrontendCore:
             if request.key and request.key != key.hex():
                 raise InvalidArgument("text and key name different entries; set one of them")
             forwarded.key, forwarded.text = key.hex(), ""
-        return await self.workers.call("Invalidate", forwarded, time_remaining)
+        # Every worker: each one's delete is ordered after the writes it has queued (a miss answered just
+        # before is not committed yet), and each one's semantic index hears of what it removed.
+        removed = await self.workers.call_all("Invalidate", forwarded, time_remaining)
+        return pb.InvalidateResponse(removed=sum(r.removed for r in removed))
 
     async def _worker_stats(self) -> list[pb.ProcessStats]:
         async def one(link):
@@ -264,7 +267,7 @@ class FrontendCore:
             except WorkerUnavailable as exc:
                 log.info("worker %d stats unavailable: %s", link.index, exc)
                 return None
-        # A stream opens a moment after its worker is ready (or is down while it restarts): wait a little.
+        # A connection opens a moment after its worker is ready (or is down while it restarts): wait a little.
         await self.workers.all_up(timeout=min(STATS_WAIT_S, self.config.server.worker_wait_s))
         found = await asyncio.gather(*(one(link) for link in self.workers.links if link.up))
         return [stats for stats in found if stats is not None]

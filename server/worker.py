@@ -38,22 +38,25 @@ log = logging.getLogger("infercache.worker")
 class _Connection:
     """One frontend's item connection (server/framing.py): items in, answers out in micro-batches."""
 
-    def __init__(self, core: WorkerCore) -> None:
+    def __init__(self, core: WorkerCore, connections: set) -> None:
         self.core = core
+        self.connections = connections       # the worker's open connections (for closing them at drain)
         self.waiting: dict = {}              # item id -> flight (written by the core)
         self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch)
+        connections.add(self)
 
     def _on_frame(self, frame: bytes) -> None:
         batch = worker_pb2.ComputeBatch.FromString(frame)
         now = asyncio.get_running_loop().time()
         counters = self.core.counters
-        counters["stream_messages"] += 1
-        counters["stream_items"] += len(batch.items)
+        counters["frames"] += 1
+        counters["frame_items"] += len(batch.items)
         self.core.submit_all(self, batch.items, now)
         for item_id in batch.cancel:
             self.core.cancel(self, item_id)
 
     def _on_lost(self, exc: Exception | None) -> None:
+        self.connections.discard(self)
         for item_id in list(self.waiting):  # the frontend went away: nobody reads these answers
             self.core.cancel(self, item_id)
 
@@ -117,7 +120,7 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     from server.semantic import SemanticTier
 
     # Each worker keeps its own indexes (frontends route a semantic model's namespace to one worker).
-    snapshots = Path(config.cache.dir) / "semantic" / (f"worker-{index}" if index else "")
+    snapshots = Path(config.cache.dir) / "semantic" / f"worker-{index}"
     tier = SemanticTier(writer.store, snapshots, dims.pop())
     writer.on_semantic = tier.apply
     tier.start()
@@ -148,13 +151,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for path in (socket_path, items_path):
         path.unlink(missing_ok=True)  # left behind by a worker that was killed
     server.add_insecure_port(f"unix:{socket_path}")
-    connections: list[_Connection] = []
-
-    def connection() -> FrameProtocol:
-        connections.append(_Connection(core))
-        return connections[-1].protocol
-
-    items = await asyncio.get_running_loop().create_unix_server(connection, path=str(items_path))
+    connections: set[_Connection] = set()
+    items = await asyncio.get_running_loop().create_unix_server(
+        lambda: _Connection(core, connections).protocol, path=str(items_path))
     await server.start()
     ready.put(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
@@ -166,7 +165,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     await server.stop(config.server.drain_s)
     await core.close()
     await asyncio.sleep(0)  # the last answers' writes
-    for conn in connections:
+    for conn in list(connections):
         conn.protocol.close()
     if writer is not None:
         await asyncio.to_thread(writer.close)  # the last writes reach the index before its snapshot

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server.errors import DeadlineExceeded, WorkerUnavailable, from_worker_error, from_wire
@@ -27,8 +28,9 @@ from server.framing import FrameProtocol, items_socket
 log = logging.getLogger("infercache.workers")
 
 MARGIN_S = 0.05        # answer UNAVAILABLE this long before the caller's own deadline fires
-RECONNECT_S = 0.05     # first retry of a lost stream; doubles up to MAX_RECONNECT_S
+RECONNECT_S = 0.05     # first retry of a lost connection; doubles up to MAX_RECONNECT_S
 MAX_RECONNECT_S = 0.5
+STABLE_S = 1.0         # a connection that lived this long resets the backoff
 
 
 class LinkLost(Exception):
@@ -86,14 +88,20 @@ class WorkerLink:
             self._protocol.flush_soon()
 
     def _on_frame(self, frame: bytes) -> None:
-        for result in worker_pb2.ResultBatch.FromString(frame).results:
+        try:
+            results = worker_pb2.ResultBatch.FromString(frame).results
+        except DecodeError:  # cannot tell whose answers these were: drop the connection, items are resent
+            log.error("worker %d sent a frame that does not parse; reconnecting", self.index)
+            self._protocol.close()
+            return
+        for result in results:
             future = self._pending.pop(result.id, None)
             if future is not None and not future.done():
                 future.set_result(result)
 
     def _on_flush(self, out) -> None:
-        self.counters["stream_messages"] += 1
-        self.counters["stream_items"] += len(out.items)
+        self.counters["frames"] += 1
+        self.counters["frame_items"] += len(out.items)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -109,12 +117,17 @@ class WorkerLink:
                 await asyncio.sleep(delay)
                 delay = min(MAX_RECONNECT_S, delay * 2)
                 continue
-            delay = RECONNECT_S
             self._set_up(True)
+            connected_at = loop.time()
             try:
                 await lost
             finally:
                 self._set_up(False)
+            if loop.time() - connected_at > STABLE_S:  # a worker that accepts and drops at once backs off
+                delay = RECONNECT_S
+            else:
+                await asyncio.sleep(delay)
+                delay = min(MAX_RECONNECT_S, delay * 2)
 
     def _set_up(self, up: bool) -> None:
         if up == self.up:
@@ -156,7 +169,7 @@ class WorkerPool:
         return any(link.up for link in self.links)
 
     async def all_up(self, timeout: float | None = None) -> bool:
-        """Waits until every worker's stream is open (at most `timeout` seconds); True if they are."""
+        """Waits until every worker's connection is open (at most `timeout` seconds); True if they are."""
         loop = asyncio.get_running_loop()
         give_up = None if timeout is None else loop.time() + timeout
         while not all(link.up for link in self.links):
@@ -232,6 +245,14 @@ class WorkerPool:
             for future in futures.values():
                 future.cancel()  # no-op for finished ones; a cancelled one tells its worker
         return results
+
+    async def call_all(self, method: str, request, time_remaining: float | None) -> list:
+        """The same unary call on every live worker (at least one, waiting for it as `compute` does)."""
+        loop = asyncio.get_running_loop()
+        budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
+        await self._link_for(0, set(), loop.time() + budget)
+        live = [link for link in self.links if link.up]
+        return await asyncio.gather(*(self.call(method, request, time_remaining, link=link) for link in live))
 
     async def call(self, method: str, request, time_remaining: float | None, *, link: WorkerLink | None = None):
         """A unary call (Invalidate, Stats) on one worker (the first live one by default)."""

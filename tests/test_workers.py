@@ -18,7 +18,7 @@ from infercache.client import to_result
 from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from tests.helpers import unique
+from tests.helpers import is_cached, unique
 
 MODEL = "minilm"
 TWO_WORKERS = ("server.workers=2",)
@@ -132,7 +132,7 @@ def test_many_callers_many_misses_travel_in_micro_batches(two_workers):
         todo.put(text)
     answers: dict[str, object] = {}
     errors: list[BaseException] = []
-    names = ("worker.stream_items", "worker.stream_messages", "worker.computed",
+    names = ("worker.frame_items", "worker.frames", "worker.computed",
              f"batcher.{MODEL}.1.batches", f"batcher.{MODEL}.1.batched_requests")
     before = {name: counter(two_workers, name) for name in names}
 
@@ -165,14 +165,28 @@ def test_many_callers_many_misses_travel_in_micro_batches(two_workers):
 
     after = {name: counter(two_workers, name) for name in before}
     grew = {name: sum(after[name][i] - before[name][i] for i in (0, 1)) for name in before}
-    assert grew["worker.stream_items"] == len(texts), grew  # every miss crossed a stream once
+    assert grew["worker.frame_items"] == len(texts), grew  # every miss crossed a stream once
     assert grew["worker.computed"] == len(texts), grew
     # Some stream messages carried several callers' items (few do: about 1.01 items per message on a
     # 2-core host, where separate calls rarely reach a frontend in one loop turn), and the workers'
     # batchers ran several items per engine batch.
-    assert grew["worker.stream_items"] / grew["worker.stream_messages"] > 1.0, grew
+    assert grew["worker.frame_items"] / grew["worker.frames"] > 1.0, grew
     assert grew[f"batcher.{MODEL}.1.batched_requests"] == len(texts), grew
     assert grew[f"batcher.{MODEL}.1.batched_requests"] / grew[f"batcher.{MODEL}.1.batches"] > 2.0, grew
+
+
+def test_invalidate_right_after_a_miss_removes_it_whichever_worker_computed_it(two_workers):
+    """Each worker writes behind its own queue: Invalidate goes to every worker, so it is ordered after
+    the write of a miss answered just before, wherever that miss was computed."""
+    before = counter(two_workers, "worker.computed")
+    with two_workers.client() as client:
+        for n in range(24):
+            text = unique(f"invalidate right after {n}")
+            assert client.infer(MODEL, text).source == "MISS"
+            assert client.invalidate(model=MODEL, text=text) == 1
+            assert not is_cached(client, MODEL, text)
+    after = counter(two_workers, "worker.computed")
+    assert all(after[i] > before[i] for i in (0, 1))  # both workers computed some of them
 
 
 def _pids(server: ServerProcess) -> dict[int, int]:

@@ -12,13 +12,10 @@ from pathlib import Path
 from cachestore.engines import ArtifactKey, EngineStore, Loaded
 from server.config import Config
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
-from server.devices import resolve_runtime, visible_gpus
+from server.devices import RUNTIMES, resolve_runtime, visible_gpus
 from server.models import ModelRepository, ModelSpec
 
 log = logging.getLogger("infercache.engines")
-
-RUNTIMES = ("onnxruntime", "torch-cuda", "tensorrt", "null")
-
 
 def get_runtime(name: str) -> Runtime:
     """The runtime named (`auto` resolved for this host); each module is imported only here, lazily."""

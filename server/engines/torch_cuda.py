@@ -15,7 +15,8 @@ so they never run at the same time.
 Run: two slots, each with pinned host staging buffers sized for the largest profile. A caller fills its
 slot's pinned inputs (host work), enqueues copy-in, replay and copy-out on the stream under a short
 lock, and waits on its slot's event: while the GPU runs batch n, the next caller prepares batch n+1.
-Nothing is allocated on this path. Only this module (and torch_bert) import torch, lazily, through
+No device memory is allocated on this path (the answer is copied out of the pinned buffer into a
+fresh array, which the caller keeps). Only this module (and torch_bert) import torch, lazily, through
 artifacts.get_runtime: the CPU path never does.
 """
 

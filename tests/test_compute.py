@@ -1,0 +1,89 @@
+"""The worker core (server/compute.py) without processes: coalescing and cancellation on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import worker_pb2
+from server.compute import WorkerCore
+from server.config import Config
+from server.engines.artifacts import LoadedEngine
+from server.engines.null import NullEngine
+from server.model_runtime import ModelRuntime
+from server.models import ModelRepository
+from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.helpers import link_model
+
+
+class Answers:
+    """A connection as the core sees it: what it was answered, by item id."""
+
+    def __init__(self) -> None:
+        self.waiting: dict = {}
+        self.answers: dict[int, tuple[int, bytes | BaseException]] = {}
+
+    def ok(self, item_id: int, source: int, payload: bytes) -> None:
+        self.answers[item_id] = (source, payload)
+
+    def fail(self, item_id: int, exc: BaseException) -> None:
+        self.answers[item_id] = (-1, exc)
+
+
+def _item(item_id: int, key: bytes) -> worker_pb2.ComputeItem:
+    ids = np.array([101, 7592, 102], dtype="<i4").tobytes()
+    return worker_pb2.ComputeItem(id=item_id, model="minilm", version="1", key=key, ids=ids, store=False,
+                                  cached_ok=False)
+
+
+async def _core(models) -> WorkerCore:
+    repository = ModelRepository(models)
+    spec = repository.get("minilm")
+    runtime = ModelRuntime(spec, "1", LoadedEngine(NullEngine({"embedding": 384}), "null", "none", "cpu"), Config())
+    return WorkerCore(repository, {("minilm", "1"): runtime}, writer=None)
+
+
+def test_an_item_arriving_just_after_its_twin_was_cancelled_is_still_answered(tmp_path):
+    link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+
+    async def scenario() -> Answers:
+        core = await _core(tmp_path)
+        first, second = Answers(), Answers()
+        key = bytes(24)
+        core.submit(first, _item(1, key), None)
+        core.cancel(first, 1)                      # its caller went away ...
+        core.submit(second, _item(2, key), None)   # ... and the same text arrives in the same iteration
+        for _ in range(100):
+            if second.answers:
+                break
+            await asyncio.sleep(0.01)
+        await core.close()
+        return second
+
+    second = asyncio.run(scenario())
+    source, payload = second.answers[2]
+    assert source == pb.CacheInfo.MISS, payload
+    assert pb.InferResponse.FromString(payload).outputs[0].shape == [384]
+
+
+def test_identical_items_in_one_frame_are_computed_once(tmp_path):
+    link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+
+    async def scenario() -> tuple[Answers, WorkerCore]:
+        core = await _core(tmp_path)
+        answers = Answers()
+        core.submit_all(answers, [_item(i, b"k" * 24) for i in range(5)], asyncio.get_running_loop().time())
+        for _ in range(100):
+            if len(answers.answers) == 5:
+                break
+            await asyncio.sleep(0.01)
+        await core.close()
+        return answers, core
+
+    answers, core = asyncio.run(scenario())
+    sources = sorted(source for source, _ in answers.answers.values())
+    assert sources == [pb.CacheInfo.MISS] + [pb.CacheInfo.COALESCED] * 4
+    assert core.counters["computed"] == 1 and core.counters["coalesced"] == 4
+    assert len({payload for _, payload in answers.answers.values()}) == 1
