@@ -29,6 +29,7 @@ import grpc
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
 from bench.gpu import PARTS, bench_gpu, print_gpu
+from bench.workers import bench_workers, print_workers
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
 from infercache.testing import REPO, ServerProcess
@@ -235,8 +236,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, gpu (the lent GPU "
-                             "host: bench/device.sh; elsewhere a dry run on ONNX Runtime)")
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, gpu and workers (the "
+                             "lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--gpu-parts", default=",".join(PARTS),
                         help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
     args = parser.parse_args()
@@ -260,6 +261,11 @@ def main() -> None:
                                    limit=None if not args.quick else 2000),
                 "rebuild": bench_rebuild(models, workdir, 100_000 if not args.quick else 10_000),
             }
+        if "workers" in sections:
+            print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
+            report["workers"] = {}
+            bench_workers(workdir, texts, report["workers"], quick=args.quick,
+                          checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
         if "gpu" in sections:
             print("benchmarking the GPU path ...", flush=True)
             # Written after each step too: a run cut short by the device's time limit keeps what it measured.
@@ -277,6 +283,8 @@ def main() -> None:
         print_semantic(report["semantic"])
     if "gpu" in report:
         print_gpu(report["gpu"])
+    if "workers" in report:
+        print_workers(report["workers"])
     print(f"\nwrote {out}")
 
 

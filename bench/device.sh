@@ -5,6 +5,7 @@
 # here; and a copy of Banking77) and infercache/v1 (generated stubs).
 #   bash bench/device.sh --sections gpu      # GPU tests, then `python -m bench` with these arguments
 #   DEVICE_TESTS=0 BENCH_LIMIT_S=170 bash bench/device.sh --sections gpu --gpu-parts minilm,null   # short lease
+#   DEVICE_TESTS=0 bash bench/device.sh --sections workers   # nvidia-h200-x2: one worker per GPU vs one (issue 15)
 # Each step has a time limit, so one call (10 minutes at most) always returns what was measured.
 # Notes of each run: bench/DEVICE_NOTES.md.
 set -euo pipefail

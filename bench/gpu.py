@@ -172,13 +172,14 @@ def _cpu_seconds(pid: int) -> float:
 
 
 class _GpuSampler:
-    """nvidia-smi's utilization.gpu every 100 ms while a run lasts (None without nvidia-smi)."""
+    """nvidia-smi's utilization.gpu of every GPU every 100 ms while a run lasts (None without nvidia-smi)."""
 
     def __init__(self) -> None:
-        self.samples: list[float] = []
+        self.samples: dict[str, list[float]] = {}
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                          "-lms", "100"], stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu",
+                                          "--format=csv,noheader,nounits", "-lms", "100"],
+                                         stdout=subprocess.PIPE, text=True)
         except OSError:
             self.proc = None
             return
@@ -188,17 +189,22 @@ class _GpuSampler:
     def _read(self) -> None:
         for line in self.proc.stdout:
             try:
-                self.samples.append(float(line.strip().split(",")[0]))
+                index, busy = (part.strip() for part in line.split(","))
+                self.samples.setdefault(index, []).append(float(busy))
             except ValueError:
                 pass
 
-    def stop(self) -> float | None:
+    def stop(self) -> dict[str, float]:
+        """Mean busy percent per GPU index (empty without nvidia-smi)."""
         if self.proc is None:
-            return None
+            return {}
         self.proc.terminate()
         self.proc.wait(5)
-        samples = self.samples[2:-2] or self.samples  # drop the edges of the run
-        return round(statistics.mean(samples), 1) if samples else None
+        means = {}
+        for index, samples in self.samples.items():
+            samples = samples[2:-2] or samples  # drop the edges of the run
+            means[index] = round(statistics.mean(samples), 1)
+        return means
 
 
 def _py_spy() -> str | None:
@@ -268,7 +274,8 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) ->
     summary = result.summary()
     summary.update({
         "cpu_cores_busy": {role: round(seconds / wall, 2) for role, seconds in cpu.items()},
-        "gpu_busy_percent": busy,
+        "gpu_busy_percent": round(statistics.mean(busy.values()), 1) if busy else None,
+        "gpu_busy_percent_per_gpu": busy,
         "mean_batch": round((counters_after[1] - counters_before[1]) / batches, 1) if batches else None,
         "padded_rows_percent": _padding(counters_before, counters_after),
         "items_per_frame": round((counters_after[5] - counters_before[5]) / messages, 1) if messages else None,

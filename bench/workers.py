@@ -1,0 +1,104 @@
+"""Workers section (`make bench ARGS="--sections workers"`): the same server with two inference workers
+against one, and a kill -9 of one worker under load.
+
+On `nvidia-h200-x2` (issue 15) the two workers own one GPU each; on one GPU they share it (two processes,
+two GILs: what that buys when the worker's Python is the ceiling); without a GPU it is a dry run on CPU
+workers. Same load generator, same call shape (BERT-base, 128-token texts, 8 per call, 32 calls in
+flight: the fastest shape of the single-GPU run), same texts, side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from bench.gpu import (INFER_BATCH, batch_payloads, distinct_texts, gpu_available, long_texts, make_gpu_models,
+                       measured)
+from bench.load import run_load_processes
+from infercache.testing import ServerProcess
+from infercache.v1 import infercache_pb2 as pb
+from server.devices import visible_gpus
+
+KILL_AFTER_S = 2.0
+DEADLINE_S = 2.0
+
+
+def bench_workers(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
+                  load_processes: int = 8, checkpoint=lambda: None) -> dict:
+    on_gpu = gpu_available()
+    seconds = 2.0 if quick else 5.0
+    frontends = min(frontends, os.cpu_count() or 1)
+    load_processes = min(load_processes, os.cpu_count() or 1)
+    model = "bert-base" if on_gpu else "minilm"
+    runtime = "torch-cuda" if on_gpu else "onnxruntime"
+    report.update({"runtime": runtime, "dry_run_on_cpu": not on_gpu, "gpus": visible_gpus(), "model": model,
+                   "frontends": frontends, "load_processes": load_processes})
+    models = make_gpu_models(workdir / "workers-models", on_gpu)
+    pool = long_texts(texts, 60_000 if not quick else 10_000, seed=11) if on_gpu else distinct_texts(texts, 40_000, 11)
+    payloads = batch_payloads(model, pool, 8, pb.CachePolicy.NO_STORE)  # every call a miss, even on a second pass
+    load = lambda address, timeout=30.0: run_load_processes(  # noqa: E731
+        address, INFER_BATCH, payloads, processes=load_processes, concurrency=4, seconds=seconds, items_per_call=8,
+        timeout=timeout)
+    for workers in (1, 2):
+        run_dir = workdir / f"workers-{workers}"
+        run_dir.mkdir()
+        settings = (f"engines.runtime={runtime}", f"server.workers={workers}", "server.max_queue=16384")
+        with ServerProcess(run_dir, models, frontends=frontends, settings=settings,
+                           engines_dir=workdir / "workers-engines") as server:
+            row = measured(server, model, lambda: load(server.address))
+            row["workers"] = [f"{w.index}: {w.device}" for w in sorted(server.stats().workers, key=lambda w: w.index)]
+            report[f"workers_{workers}"] = row
+            checkpoint()
+            if workers == 2:
+                report["kill9_one_of_two"] = _kill_one(server, lambda: load(server.address, DEADLINE_S))
+                checkpoint()
+            assert server.stop() == 0
+    one, two = report["workers_1"], report["workers_2"]
+    report["two_vs_one"] = round(two["items_per_s"] / one["items_per_s"], 3)
+    checkpoint()
+    return report
+
+
+def _kill_one(server: ServerProcess, run) -> dict:
+    """kill -9 of worker 1 KILL_AFTER_S into a load run whose calls have a DEADLINE_S deadline; then
+    whether the restarted worker gets its keys back."""
+    by_index = {w.index: w.pid for w in server.stats().workers}
+    killer = threading.Timer(1.0 + KILL_AFTER_S, os.kill, (by_index[1], signal.SIGKILL))  # 1.0: the load's warm-up
+    killer.start()
+    result = run()
+    killer.join()
+    out = result.summary()
+    out["deadline_s"] = DEADLINE_S
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        workers = {w.index: w for w in server.stats().workers}
+        if 1 in workers and workers[1].pid != by_index[1]:
+            break
+        time.sleep(0.2)
+    else:
+        out["restarted"] = False
+        return out
+    before = workers[1].counters.get("worker.computed", 0)
+    with server.client() as client:
+        model = "bert-base" if any(m.name == "bert-base" for m in client.models()) else "minilm"
+        client.infer_batch(model, [f"after the restart {i}" for i in range(64)])
+    after = {w.index: w for w in server.stats().workers}[1].counters.get("worker.computed", 0)
+    out.update({"restarted": True, "restarted_worker_computed_after": after - before})
+    return out
+
+
+def print_workers(report: dict) -> None:
+    print(f"\nworkers section ({report['runtime']}{', DRY RUN ON CPU' if report['dry_run_on_cpu'] else ''}; "
+          f"GPUs {report['gpus'] or 'none'}; {report['model']}, 8 texts per call)")
+    for key in ("workers_1", "workers_2"):
+        row = report[key]
+        print(f"  {key:<10} {row['items_per_s']:>9} texts/s  p99 {row['p99_ms']} ms  GPU {row['gpu_busy_percent_per_gpu']}  "
+              f"cpu {row['cpu_cores_busy']}  ({', '.join(row['workers'])})")
+    print(f"  two workers vs one: {report['two_vs_one']}x")
+    kill = report["kill9_one_of_two"]
+    print(f"  kill -9 of worker 1 under load: {kill['calls']} calls ok, errors {kill['error_codes']}, "
+          f"p99 {kill['p99_ms']} ms (deadline {kill['deadline_s']} s); restarted {kill.get('restarted')}, "
+          f"computed after it {kill.get('restarted_worker_computed_after')}")
