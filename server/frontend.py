@@ -46,7 +46,7 @@ STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose c
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Served:
     """What a frontend needs of one model version to send its misses: tokenizers and routing."""
 
@@ -60,7 +60,7 @@ class _Served:
         return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Plan:
     """One call's model, version and cache policy, validated."""
 
