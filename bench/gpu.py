@@ -390,7 +390,6 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
                     row["raw_ceiling_at_mean_batch"] = round(ceiling_at(report["raw_ceiling"], "bert-base", row["mean_batch"]))
                     row["of_raw_ceiling"] = round(row["items_per_s"] / row["raw_ceiling_at_mean_batch"], 3)
                 checkpoint()
-            report["bert_base_misses"] = sweep
 
         print("  MiniLM, one text per call ...", flush=True)
         single = single_payloads("minilm", distinct_texts(texts, total, seed=2))

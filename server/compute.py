@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
@@ -86,6 +85,7 @@ def token_ids(packed: bytes) -> np.ndarray:
 
 namespace = lru_cache(maxsize=4096)(Namespace)  # one object per namespace, not one per stored answer
 
+
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
                  writer: WriteBehind | None, semantic=None) -> None:
@@ -113,14 +113,12 @@ class WorkerCore:
 
     def submit_all(self, replies: Replies, items, now: float) -> None:
         """Takes a frame's items (deadlines relative to loop time `now`), in one L1 read transaction."""
-        if self.cache is None:
-            for item in items:
-                self.submit(replies, item, now + item.timeout_s if item.timeout_s > 0 else None)
-            return
-        try:
-            txn = self.cache.store.begin(buffers=True)
-        except Exception:  # the store is unreadable: no late hits, items are computed
-            txn = None
+        txn = None
+        if self.cache is not None:
+            try:
+                txn = self.cache.store.begin(buffers=True)
+            except Exception:  # the store is unreadable: each lookup tries on its own and misses
+                pass
         try:
             for item in items:
                 try:

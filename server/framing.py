@@ -61,8 +61,10 @@ class FrameProtocol(asyncio.Protocol):
             start = end
             try:
                 self.on_frame(frame)
-            except Exception:  # a bad frame must not kill the connection's other items
-                log.exception("failed to handle a frame")
+            except Exception:  # a frame that does not parse: whose items were in it is unknown
+                log.exception("failed to handle a frame; closing the connection (the peer resends)")
+                self.transport.close()
+                return
         if start:
             del buffer[:start]
 

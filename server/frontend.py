@@ -112,8 +112,8 @@ class FrontendCore:
             encoder = self._encoder(spec, version)
             embed_encoder = None
             if spec.semantic is not None and spec.semantic.embedder in self.repository.models:
-                embedder = self.repository.get(spec.semantic.embedder)
-                other = self._encoder(embedder, embedder.serving_version)
+                embedder = self.repository.get(spec.semantic.embedder)  # an embedding model: no recursion
+                other = self.served(embedder, embedder.serving_version).encoder
                 embed_encoder = None if other.fingerprint == encoder.fingerprint else other
             found = self._served[(spec.name, version)] = _Served(spec, version, encoder, embed_encoder,
                                                                   spec.semantic is not None)
@@ -263,7 +263,7 @@ class FrontendCore:
     async def _worker_stats(self) -> list[pb.ProcessStats]:
         async def one(link):
             try:
-                return await self.workers.call("Stats", pb.GetStatsRequest(), 1.0, link=link)
+                return await self.workers.call(link, "Stats", pb.GetStatsRequest(), 1.0)
             except WorkerUnavailable as exc:
                 log.info("worker %d stats unavailable: %s", link.index, exc)
                 return None

@@ -3,8 +3,7 @@ items routed by key, failover while a worker is down.
 
 Each WorkerLink has one task that owns its connection and reconnects it; everything queued during one
 event-loop iteration goes to the worker as one frame, and each answer resolves its item's future by id.
-Routing: an item
-goes to worker `route % n` (route = the key's hash, or the namespace's for semantic models, so identical
+Routing: an item goes to worker `route % n` (route = the key's hash, or the namespace's for semantic models, so identical
 requests meet in one worker and a namespace's semantic index lives in one worker); while that worker is
 down, the next live one takes it; items in flight on a worker that dies are sent again elsewhere
 (computing a miss twice is harmless), within the caller's deadline.
@@ -19,7 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server.errors import DeadlineExceeded, WorkerUnavailable, from_worker_error, from_wire
@@ -45,8 +43,6 @@ def _channel(socket_path: Path) -> grpc.aio.Channel:
             ("grpc.initial_reconnect_backoff_ms", 50),
             ("grpc.min_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 500),
-            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-            ("grpc.max_send_message_length", 256 * 1024 * 1024),
         ],
     )
 
@@ -88,13 +84,7 @@ class WorkerLink:
             self._protocol.flush_soon()
 
     def _on_frame(self, frame: bytes) -> None:
-        try:
-            results = worker_pb2.ResultBatch.FromString(frame).results
-        except DecodeError:  # cannot tell whose answers these were: drop the connection, items are resent
-            log.error("worker %d sent a frame that does not parse; reconnecting", self.index)
-            self._protocol.close()
-            return
-        for result in results:
+        for result in worker_pb2.ResultBatch.FromString(frame).results:
             future = self._pending.pop(result.id, None)
             if future is not None and not future.done():
                 future.set_result(result)
@@ -164,10 +154,6 @@ class WorkerPool:
         self._changed = asyncio.Event()
         self.links = [WorkerLink(i, path, self._changed.set, counters) for i, path in enumerate(socket_paths)]
 
-    @property
-    def any_up(self) -> bool:
-        return any(link.up for link in self.links)
-
     async def all_up(self, timeout: float | None = None) -> bool:
         """Waits until every worker's connection is open (at most `timeout` seconds); True if they are."""
         loop = asyncio.get_running_loop()
@@ -202,12 +188,15 @@ class WorkerPool:
             except TimeoutError:
                 pass
 
+    def _budget(self, time_remaining: float | None) -> float:
+        """Seconds a call to the workers may take: the caller's deadline, at most worker_timeout_s."""
+        return self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
+
     async def compute(self, items: list[tuple[int, object]], time_remaining: float | None) -> list:
         """ComputeResults of items [(route, fill)], in order; fails with the first item's error. Items
         lost with a worker that died are sent again to another one, within the deadline."""
         loop = asyncio.get_running_loop()
-        budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
-        deadline = loop.time() + budget
+        deadline = loop.time() + self._budget(time_remaining)
         results: list = [None] * len(items)
         avoid: list[set[WorkerLink]] = [set() for _ in items]
         todo = list(range(len(items)))
@@ -248,19 +237,14 @@ class WorkerPool:
 
     async def call_all(self, method: str, request, time_remaining: float | None) -> list:
         """The same unary call on every live worker (at least one, waiting for it as `compute` does)."""
-        loop = asyncio.get_running_loop()
-        budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
-        await self._link_for(0, set(), loop.time() + budget)
+        await self._link_for(0, set(), asyncio.get_running_loop().time() + self._budget(time_remaining))
         live = [link for link in self.links if link.up]
-        return await asyncio.gather(*(self.call(method, request, time_remaining, link=link) for link in live))
+        return await asyncio.gather(*(self.call(link, method, request, time_remaining) for link in live))
 
-    async def call(self, method: str, request, time_remaining: float | None, *, link: WorkerLink | None = None):
-        """A unary call (Invalidate, Stats) on one worker (the first live one by default)."""
-        budget = self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
-        loop = asyncio.get_running_loop()
-        link = link or await self._link_for(0, set(), loop.time() + budget)
+    async def call(self, link: WorkerLink, method: str, request, time_remaining: float | None):
+        """A unary call (Invalidate, Stats) on one worker."""
         try:
-            return await getattr(link.stub, method)(request, timeout=budget)
+            return await getattr(link.stub, method)(request, timeout=self._budget(time_remaining))
         except grpc.aio.AioRpcError as exc:
             raise from_worker_error(exc.code(), exc.details() or "") from None
 

@@ -72,3 +72,30 @@ def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
         assert rendered == answer(vector, other)
     with pytest.raises(ValueError):  # data that is not in the answer: no template
         _Template(answer(first, key).SerializeToString(), b"\x01" * 1536, key.hex().encode())
+
+
+def test_frames_split_anywhere_arrive_whole_and_a_bad_one_closes_the_connection():
+    from server.framing import HEADER, FrameProtocol
+
+    class Transport:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    got = []
+
+    def on_frame(frame: bytes) -> None:
+        if frame == b"bad":
+            raise ValueError("does not parse")
+        got.append(frame)
+
+    protocol = FrameProtocol(on_frame, lambda exc: None, bytes)
+    protocol.connection_made(Transport())
+    frames = [b"", b"a", bytes(range(256)) * 3, b"zz"]
+    stream = b"".join(len(f).to_bytes(HEADER, "little") + f for f in frames)
+    for start in range(0, len(stream), 7):  # chunks that cut headers and bodies
+        protocol.data_received(stream[start:start + 7])
+    assert got == frames and not protocol.transport.closed
+    protocol.data_received((3).to_bytes(HEADER, "little") + b"bad" + (1).to_bytes(HEADER, "little") + b"x")
+    assert protocol.transport.closed and got == frames  # nothing after the bad frame is handled

@@ -17,6 +17,7 @@ from server.models import ModelRepository, ModelSpec
 
 log = logging.getLogger("infercache.engines")
 
+
 def get_runtime(name: str) -> Runtime:
     """The runtime named (`auto` resolved for this host); each module is imported only here, lazily."""
     if name == "auto":
