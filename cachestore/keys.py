@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 NS_ID_BYTES = 8
 KEY_BYTES = NS_ID_BYTES + 16
@@ -29,8 +30,13 @@ class Namespace:
     def ns_id(self) -> bytes:
         return namespace_id(self.tenant, self.model, self.version)
 
-    def to_json(self) -> bytes:
+    @cached_property
+    def json(self) -> bytes:
+        """The stored form (the namespaces table); made once per object, since every stored entry writes it."""
         return json.dumps([self.tenant, self.model, self.version]).encode()
+
+    def to_json(self) -> bytes:
+        return self.json
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Namespace":

@@ -166,14 +166,16 @@ class WriteBehind:
         invalidated: list[tuple[_Invalidate, int]] = []
         added: list[Row] = []
         removed: list[tuple[bytes, int]] = []
+        namespaces: set[bytes] = set()
         with self.store.begin(write=True) as txn:
             for op in batch:
                 if isinstance(op, _Put):
-                    results.put(self.store, txn, op.key, op.ns, op.record, removed)
+                    results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces)
                     if op.semantic is not None:
                         added.append(semantic.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
+                    namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
             self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1

@@ -99,3 +99,15 @@ def test_frames_split_anywhere_arrive_whole_and_a_bad_one_closes_the_connection(
     assert got == frames and not protocol.transport.closed
     protocol.data_received((3).to_bytes(HEADER, "little") + b"bad" + (1).to_bytes(HEADER, "little") + b"x")
     assert protocol.transport.closed and got == frames  # nothing after the bad frame is handled
+
+
+def test_pad_batch_pads_each_row_to_the_length():
+    from server.tokenization import pad_batch
+
+    rows = [[101, 7, 102], np.array([101, 102], dtype="<i4"), [], list(range(1, 9))]
+    out = pad_batch(rows, 8)
+    for n, row in enumerate(rows):
+        assert out["input_ids"][n].tolist() == list(row) + [0] * (8 - len(row))
+        assert out["attention_mask"][n].tolist() == [1] * len(row) + [0] * (8 - len(row))
+    assert out["input_ids"].dtype == out["attention_mask"].dtype == np.int64
+    assert pad_batch([[5, 6]], 4)["input_ids"].tolist() == [[5, 6, 0, 0]]
