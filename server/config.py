@@ -28,7 +28,8 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = 50051
     frontends: int = 0                 # 0 = one per CPU
-    workers: int = 0                   # inference workers; 0 = one per visible GPU (GPU runtime), else 1
+    workers: int = 0                   # inference workers; 0 = workers_per_gpu per visible GPU (GPU runtime), else 1
+    workers_per_gpu: int = 1           # with workers = 0 on a GPU host: worker processes feeding each GPU
     models_dir: str = "models"
     socket_dir: str = ""               # the workers' unix sockets; "" = a fresh temporary directory
     worker_timeout_s: float = 30.0     # longest a frontend waits for the worker when the client sets no deadline
@@ -131,6 +132,8 @@ def validate(config: Config) -> None:
         raise ConfigError("server.frontends must be >= 0 (0 = one per CPU)")
     if config.server.workers < 0:
         raise ConfigError("server.workers must be >= 0 (0 = one per GPU, or one on a CPU host)")
+    if config.server.workers_per_gpu < 1:
+        raise ConfigError("server.workers_per_gpu must be >= 1")
     if config.server.max_batch_texts < 1:
         raise ConfigError("server.max_batch_texts must be >= 1")
     if not 0 < config.cache.budget_mb < config.cache.map_size_mb:

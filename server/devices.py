@@ -71,10 +71,12 @@ class WorkerPlacement:
         return "cpu" if self.gpu is None else f"cuda:{self.gpu}"
 
 
-def plan_workers(requested_runtime: str, workers: int, gpus: list[str]) -> list[WorkerPlacement]:
-    """workers = 0: one per visible GPU for a GPU runtime, else one. More workers than GPUs share
-    them round-robin (two workers on one GPU exercise the multi-worker path on a one-GPU host)."""
+def plan_workers(requested_runtime: str, workers: int, gpus: list[str], per_gpu: int = 1) -> list[WorkerPlacement]:
+    """workers = 0: `per_gpu` per visible GPU for a GPU runtime, else one. Workers share the GPUs
+    round-robin (worker i on GPU i mod n), so each GPU gets the same number, and two workers on one GPU
+    exercise the multi-worker path on a one-GPU host. Several workers per GPU are several Python
+    processes feeding it: what one process's GIL cannot carry (see bench/DEVICE_NOTES.md)."""
     runtime = resolve_runtime(requested_runtime, gpus)
     on_gpu = runtime in GPU_RUNTIMES and bool(gpus)
-    count = workers or (len(gpus) if on_gpu else 1)
+    count = workers or (len(gpus) * per_gpu if on_gpu else 1)
     return [WorkerPlacement(i, runtime, gpus[i % len(gpus)] if on_gpu else None) for i in range(count)]

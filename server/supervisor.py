@@ -53,7 +53,8 @@ class Supervisor:
         socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))
         socket_dir.mkdir(parents=True, exist_ok=True)
         # Decided here, before any child exists, without importing torch or touching CUDA.
-        self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus())
+        self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus(),
+                                               config.server.workers_per_gpu)
         cpu_workers = sum(1 for p in self.placements if p.gpu is None)
         sockets = [str(socket_dir / f"worker-{p.index}.sock") for p in self.placements]
         self.workers = [_Child("worker", p.index, worker.main, (config, p, cpu_workers, sockets[p.index], self.ready))

@@ -100,6 +100,11 @@ def test_more_workers_than_gpus_share_them_round_robin():
     assert [p.gpu for p in plan_workers("tensorrt", 3, ["4", "7"])] == ["4", "7", "4"]
 
 
+def test_workers_per_gpu_feed_each_gpu_equally():
+    assert [p.gpu for p in plan_workers("torch-cuda", 0, ["0", "1"], per_gpu=2)] == ["0", "1", "0", "1"]
+    assert [p.gpu for p in plan_workers("onnxruntime", 0, ["0", "1"], per_gpu=2)] == [None]  # CPU: one
+
+
 def test_explicit_runtime_is_kept():
     for runtime in ("onnxruntime", "torch-cuda", "tensorrt", "null"):
         assert resolve_runtime(runtime, ["0"]) == runtime
