@@ -15,7 +15,7 @@ import time
 import lmdb
 from google.protobuf.message import DecodeError
 
-from cachestore import records, semantic
+from cachestore import records, semantic, wire
 from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, Namespace
@@ -75,23 +75,33 @@ class ResultCache:
         return record, response
 
     def lookup(self, key: bytes, max_age_us: int | None = None, txn: lmdb.Transaction | None = None
-               ) -> pb.InferResponse | None:
-        """The cached response marked RESULT_EXACT, or None."""
-        found = self.answer(key, max_age_us, pb.CacheInfo.RESULT_EXACT, txn)
-        return None if found is None else found[1]
+               ) -> bytes | None:
+        """A fresh entry's answer, serialized and marked RESULT_EXACT with its age, or None: the stored
+        bytes plus a CacheInfo suffix (cachestore/wire.py), never parsed. The record's checksum has
+        vouched for the stored bytes."""
+        now = now_us()
+        record = self.get(key, now, max_age_us, txn)
+        if record is None:
+            return None
+        return record.payload + wire.cache_info(pb.CacheInfo.RESULT_EXACT, record.age_s(now))
 
 
 # ---- write side: called by the writer thread inside its write transaction -------------------------
 
 def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: records.Record,
-        removed: list | None = None) -> None:
+        removed: list | None = None, namespaces_written: set | None = None) -> None:
+    """`namespaces_written`: ns ids whose namespace row this transaction already wrote (one per batch)."""
     dbs = store.dbs
     delete(store, txn, key, removed)
     txn.put(key, records.encode(record), db=dbs[DB_RESULTS])
     txn.put(_U64.pack(record.created_us) + key, b"", db=dbs[DB_STORED])
     if record.expires_us:
         txn.put(_U64.pack(record.expires_us) + key, b"", db=dbs[DB_EXPIRY])
-    txn.put(key[:NS_ID_BYTES], ns.to_json(), db=dbs[DB_NAMESPACES], overwrite=False)
+    ns_id = key[:NS_ID_BYTES]
+    if namespaces_written is None or ns_id not in namespaces_written:
+        txn.put(ns_id, ns.to_json(), db=dbs[DB_NAMESPACES], overwrite=False)
+        if namespaces_written is not None:
+            namespaces_written.add(ns_id)
 
 
 def delete(store: Store, txn: lmdb.Transaction, key: bytes, removed: list | None = None) -> bool:

@@ -141,7 +141,7 @@ class WorkerCore:
                     max_age = item.max_age_us if item.HasField("max_age_us") else None
                     if (cached := self.cache.lookup(item.key, max_age, txn)) is not None:
                         self.counters["late_hit"] += 1  # committed after the frontend looked
-                        replies.ok(item.id, Source.RESULT_EXACT, cached.SerializeToString())
+                        replies.ok(item.id, Source.RESULT_EXACT, cached)
                         return
                 flight = self._start(runtime, item, deadline)
         except InferCacheError as exc:

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from cachestore.env import Store
 from cachestore.errors import StoreError
 from cachestore.keys import NS_ID_BYTES, entry_key, namespace_id, parse_hex_key
+from cachestore import wire
 from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
@@ -146,12 +147,13 @@ class FrontendCore:
             raise InvalidArgument("text is empty (or only punctuation and whitespace); send the text to run")
         return normalized, entry_key(_ns_id(tenant, spec.name, version), normalized)
 
-    def _hit(self, plan: _Plan, key: bytes) -> pb.InferResponse | None:
+    def _hit(self, plan: _Plan, key: bytes) -> bytes | None:
+        """The serialized answer of a fresh entry (stored bytes, never parsed), or None."""
         if plan.cached_ok and (cache := self.l1()) is not None:
-            response = cache.lookup(key, plan.max_age_us)
-            if response is not None:
+            answer = cache.lookup(key, plan.max_age_us)
+            if answer is not None:
                 self.counters["hit_exact"] += 1
-                return response
+                return answer
         return None
 
     def _items(self, plan: _Plan, keyed: list[tuple[str, bytes]]) -> list[tuple[int, object]]:
@@ -176,12 +178,12 @@ class FrontendCore:
         return [(served.route(key), functools.partial(fill, n=n, key=key)) for n, (_, key) in enumerate(keyed)]
 
     @staticmethod
-    def _answer(result, into: pb.InferResponse) -> pb.InferResponse:
-        into.MergeFromString(result.response)
-        into.cache.source = result.source
-        return into
+    def _answer(result) -> bytes:
+        """A worker's answer as sent: its serialized response marked with how it was answered."""
+        return result.response + wire.cache_info(result.source)
 
-    async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> pb.InferResponse:
+    async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> bytes:
+        """The serialized InferResponse (answers leave as bytes: cachestore/wire.py)."""
         plan = self._plan(request)
         spec = plan.served.spec
         text, key = self._keyed(request.tenant, spec, plan.served.version, request.text)
@@ -192,9 +194,10 @@ class FrontendCore:
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
         self.counters["forwarded"] += 1
         [result] = await self.workers.compute(self._items(plan, [(text, key)]), time_remaining)
-        return self._answer(result, pb.InferResponse())
+        return self._answer(result)
 
-    async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None) -> pb.InferBatchResponse:
+    async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None) -> bytes:
+        """The serialized InferBatchResponse."""
         plan = self._plan(request)
         spec, version = plan.served.spec, plan.served.version
         limit = self.config.server.max_batch_texts
@@ -226,14 +229,8 @@ class FrontendCore:
             else:
                 items = self._items(plan, miss_keyed)
             results = await self.workers.compute(items, time_remaining)
-        response = pb.InferBatchResponse()
         computed = iter(results)
-        for answer in answers:
-            if answer is None:
-                self._answer(next(computed), response.results.add())
-            else:
-                response.results.append(answer)
-        return response
+        return wire.batch_response([self._answer(next(computed)) if answer is None else answer for answer in answers])
 
     async def invalidate(self, request: pb.InvalidateRequest, time_remaining: float | None) -> pb.InvalidateResponse:
         if not (request.model or request.version or request.tenant or request.match_empty_tenant
@@ -325,6 +322,25 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         return await self.core.list_models()
 
 
+PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer already serialized
+
+
+def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, except that Infer and InferBatch answers go out as the bytes their
+    handlers compose (no response serializer): the hit path never builds a message."""
+    service = pb.DESCRIPTOR.services_by_name["InferenceCache"]
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            response_serializer=None if method.name in PASS_THROUGH else getattr(pb, method.output_type.name).SerializeToString,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event) -> None:
     repository = ModelRepository(Path(config.server.models_dir))
     counters: Counter[str] = Counter()
@@ -333,7 +349,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     core = FrontendCore(config, repository, workers, counters)
     core.l1()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    infercache_pb2_grpc.add_InferenceCacheServicer_to_server(FrontendServicer(core), server)
+    add_servicer(FrontendServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
