@@ -1,8 +1,9 @@
 """Foundation benchmark (`make bench`; `make bench ARGS=--quick` for a short run).
 
-1. Exact hits: p50/p99 latency and throughput at concurrency 1 and 32, against a bare grpc.aio echo
-   server with the same client, the same process count and the same response size. Rounds alternate
-   echo / infercache; the reported figure is the median over rounds.
+1. Exact hits: p50/p99 latency and throughput at concurrency 1 and 32, against two bare grpc.aio
+   servers with the same client and process count: echo (parses the request, serializes a message of
+   the same size) and raw bytes (a recorded hit's bytes, no protobuf work: the floor of gRPC). Rounds
+   alternate; the reported figure is the median over rounds. Then the frontends' CPU per hit.
 2. Misses: throughput at 32 concurrent callers with the batcher vs max_batch_size 1 (same server,
    same weights, two model names).
 3. Start-up: process start to the first served hit (warm store) and to the first served miss.
@@ -28,7 +29,7 @@ import grpc
 
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
-from bench.gpu import PARTS, bench_gpu, print_gpu
+from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
@@ -78,13 +79,17 @@ def warm(address: str, requests: list[pb.InferRequest]) -> None:
                     time.sleep(0.01)
 
 
-def bench_hits(server: ServerProcess, echo_address: str, texts: list[str], rounds: int, scale: float) -> dict:
+def bench_hits(server: ServerProcess, baselines: dict[str, str], texts: list[str], rounds: int, scale: float) -> dict:
+    """Rounds alternate the baselines (echo: parses and serializes a message; raw_bytes: the floor of gRPC)
+    and infercache at 1 and 32 callers; medians over rounds, ratios against each baseline. Then one more
+    run at 32 callers for the frontends' CPU per hit and where it goes (py-spy, where installed)."""
     requests = [pb.InferRequest(model="minilm", text=t) for t in texts[:200]]
     warm(server.address, requests)
     plan = {1: int(3000 * scale), 32: int(20000 * scale)}
-    runs: dict[str, dict[int, list[dict]]] = {"echo": {1: [], 32: []}, "infercache": {1: [], 32: []}}
+    addresses = {**baselines, "infercache": server.address}
+    runs: dict[str, dict[int, list[dict]]] = {name: {1: [], 32: []} for name in addresses}
     for _ in range(rounds):
-        for name, address in (("echo", echo_address), ("infercache", server.address)):
+        for name, address in addresses.items():
             for concurrency, total in plan.items():
                 asyncio.run(run_load(address, requests, concurrency=concurrency, total=total // 10))  # warm-up
                 result = asyncio.run(run_load(address, requests, concurrency=concurrency, total=total))
@@ -99,10 +104,32 @@ def bench_hits(server: ServerProcess, echo_address: str, texts: list[str], round
             samples = runs[name][concurrency]
             row[name] = {k: statistics.median(s[k] for s in samples) for k in ("p50_ms", "p99_ms", "throughput_rps")}
             row[name]["rounds"] = samples
-        row["p50_ratio"] = round(row["infercache"]["p50_ms"] / row["echo"]["p50_ms"], 3)
-        row["throughput_ratio"] = round(row["infercache"]["throughput_rps"] / row["echo"]["throughput_rps"], 3)
+        for name in baselines:
+            row[f"p50_ratio_{name}"] = round(row["infercache"]["p50_ms"] / row[name]["p50_ms"], 3)
+            row[f"throughput_ratio_{name}"] = round(row["infercache"]["throughput_rps"] / row[name]["throughput_rps"], 3)
         out[f"concurrency_{concurrency}"] = row
+    out["cpu_per_hit"] = _cpu_per_hit(server, requests, plan[32])
     return out
+
+
+def _cpu_per_hit(server: ServerProcess, requests: list[pb.InferRequest], total: int) -> dict:
+    from bench.gpu import measured
+
+    row = measured(server, "minilm", lambda: _LoadRun(asyncio.run(run_load(server.address, requests, concurrency=32,
+                                                                            total=total))), profile="frontend")
+    frontend_s = row["cpu_cores_busy"]["frontend"] * row["seconds"]
+    return {"frontend_cpu_us_per_hit": round(1e6 * frontend_s / row["requests"], 1), "hits": row["requests"],
+            "throughput_rps": row["throughput_rps"], "frontend_profile": row.get("profile")}
+
+
+class _LoadRun:
+    """A LoadResult as bench.gpu.measured expects it (summary() with calls_per_s)."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    def summary(self) -> dict:
+        return {**self.result.summary(), "calls_per_s": self.result.summary()["throughput_rps"]}
 
 
 def bench_misses(server: ServerProcess, texts: list[str], scale: float) -> dict:
@@ -194,11 +221,16 @@ def print_table(report: dict) -> None:
     hits = report["exact_hits"]
     print("\nexact hits (median of rounds)      p50 ms    p99 ms   req/s")
     for key, row in hits.items():
-        for name in ("echo", "infercache"):
+        if not key.startswith("concurrency_"):
+            continue
+        for name in ("raw_bytes", "echo", "infercache"):
             r = row[name]
             print(f"  {key:<16} {name:<12} {r['p50_ms']:8.3f}  {r['p99_ms']:8.3f}  {r['throughput_rps']:7.0f}")
-        print(f"  {key:<16} ratio        {row['p50_ratio']:8.3f}x p50 (target <= 1.3)  "
-              f"{row['throughput_ratio']:.3f}x throughput")
+        for name in ("raw_bytes", "echo"):
+            print(f"  {key:<16} vs {name:<9} {row[f'p50_ratio_{name}']:8.3f}x p50  "
+                  f"{row[f'throughput_ratio_{name}']:.3f}x throughput")
+    cpu = hits["cpu_per_hit"]
+    print(f"  frontend CPU per hit: {cpu['frontend_cpu_us_per_hit']} us ({cpu['hits']} hits at 32 callers)")
     miss = report["misses"]
     print("\nmisses at 32 concurrent callers    req/s     p50 ms")
     for model in ("minilm", "minilm-b1"):
@@ -216,14 +248,18 @@ def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rou
     (workdir / "main").mkdir()
     server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count(),
                            engines_dir=workdir / "engines")
+    warm(server.address, [pb.InferRequest(model="minilm", text=texts[0])])
+    recorded_hit = load_one(server.address, pb.InferRequest(model="minilm", text=texts[0]).SerializeToString())
     echo_address, echo_procs = echo.start(multiprocessing.cpu_count())
+    raw_address, raw_procs = echo.start(multiprocessing.cpu_count(), echo.raw_main, INFER, recorded_hit)
     try:
         print("benchmarking exact hits ...", flush=True)
-        report["exact_hits"] = bench_hits(server, echo_address, texts, rounds, scale)
+        report["exact_hits"] = bench_hits(server, {"raw_bytes": raw_address, "echo": echo_address}, texts, rounds,
+                                          scale)
         print("benchmarking misses ...", flush=True)
         report["misses"] = bench_misses(server, texts, scale)
     finally:
-        echo.stop(echo_procs)
+        echo.stop(echo_procs + raw_procs)
         assert server.stop() == 0
     print("benchmarking the engine alone ...", flush=True)
     report["engine_alone"] = bench_engine(texts, scale)
@@ -240,6 +276,9 @@ def main() -> None:
                              "lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--gpu-parts", default=",".join(PARTS),
                         help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
+    parser.add_argument("--gpu-workers", default="1",
+                        help="gpu section: worker processes sharing the GPU, comma-separated; the first serves every "
+                             "step, the others repeat the MiniLM runs (e.g. 1,2,4)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -271,6 +310,7 @@ def main() -> None:
             # Written after each step too: a run cut short by the device's time limit keeps what it measured.
             report["gpu"] = {}
             bench_gpu(workdir, texts, report["gpu"], quick=args.quick, parts=tuple(args.gpu_parts.split(",")),
+                      workers=tuple(int(n) for n in args.gpu_workers.split(",")),
                       checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -247,10 +247,10 @@ def _profile_summary(proc: subprocess.Popen | None, top: int = 20) -> dict | Non
     return {"samples": total, "own_percent": share(own), "inclusive_percent": share(inclusive)} if total else None
 
 
-def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) -> dict:
+def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = False) -> dict:
     """Runs fn() (a load run) and adds what the server's processes did meanwhile: CPU seconds per role,
-    GPU busy percent, the mean batch the worker formed for `model`, and with `profile` where the
-    worker's Python time went (py-spy, where installed)."""
+    GPU busy percent, the mean batch the worker formed for `model`, and with `profile` (True: a worker,
+    or "frontend") where that process's Python time went (py-spy, where installed)."""
     roles = {}
     stats = server.stats()
     worker_pids = {w.pid for w in stats.workers}
@@ -260,20 +260,26 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) ->
     cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
     gpu = _GpuSampler()
-    spy = _profile(next(iter(worker_pids)), 4) if profile else None
+    profiled = next(pid for pid, role in roles.items() if role == "frontend") if profile == "frontend" \
+        else next(iter(worker_pids))
+    spy = _profile(profiled, 4) if profile else None
     started = time.perf_counter()
     result = fn()
     wall = time.perf_counter() - started
     busy = gpu.stop()
     counters_after = _batch_counters(server.stats(), model)
     cpu: dict[str, float] = {}
+    busiest: dict[str, float] = {}
     for pid, role in roles.items():
-        cpu[role] = cpu.get(role, 0.0) + _cpu_seconds(pid) - cpu_before[pid]
+        used = _cpu_seconds(pid) - cpu_before[pid]
+        cpu[role] = cpu.get(role, 0.0) + used
+        busiest[role] = max(busiest.get(role, 0.0), used)
     batches = counters_after[0] - counters_before[0]
     messages = counters_after[4] - counters_before[4]
     summary = result.summary()
     summary.update({
         "cpu_cores_busy": {role: round(seconds / wall, 2) for role, seconds in cpu.items()},
+        "busiest_process_cores": {role: round(seconds / wall, 2) for role, seconds in busiest.items()},
         "gpu_busy_percent": round(statistics.mean(busy.values()), 1) if busy else None,
         "gpu_busy_percent_per_gpu": busy,
         "mean_batch": round((counters_after[1] - counters_before[1]) / batches, 1) if batches else None,
@@ -281,7 +287,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool = False) ->
         "items_per_frame": round((counters_after[5] - counters_before[5]) / messages, 1) if messages else None,
     })
     if profile:
-        summary["worker_profile"] = _profile_summary(spy)
+        summary["worker_profile" if profile is True else "profile"] = _profile_summary(spy)
     return summary
 
 
@@ -324,9 +330,12 @@ PARTS = ("raw", "start", "bert", "minilm", "hits", "null")
 
 
 def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
-              load_processes: int = 8, checkpoint=lambda: None, parts: tuple[str, ...] = PARTS) -> dict:
+              load_processes: int = 8, checkpoint=lambda: None, parts: tuple[str, ...] = PARTS,
+              workers: tuple[int, ...] = (1,)) -> dict:
     """Fills `report` step by step, calling checkpoint() after each step (a run cut short keeps the rest).
-    `parts` picks steps (a short device lease measures fewer); "hits" needs "minilm"."""
+    `parts` picks steps (a short device lease measures fewer); "hits" needs "minilm". `workers`: worker
+    processes sharing the GPU; the first serves every step, each further count repeats the MiniLM runs
+    (and the null engine runs with the largest), to show what several Python processes per GPU carry."""
     on_gpu = gpu_available()
     runtime = "torch-cuda" if on_gpu else "onnxruntime"
     seconds = 2.0 if quick else 5.0
@@ -339,8 +348,9 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         print("  raw ceiling ...", flush=True)
         report["raw_ceiling"] = raw_ceiling(REPO / "models" / "minilm" / "1", 1.0 if quick else 2.0)
         checkpoint()
-    settings = (f"engines.runtime={runtime}", "server.max_queue=16384")
+    settings = (f"engines.runtime={runtime}", "server.max_queue=16384", f"server.workers={workers[0]}")
     engines = workdir / "gpu-engines"
+    report["workers_per_gpu"] = list(workers)
 
     from bench.__main__ import first_success
 
@@ -415,6 +425,20 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         checkpoint()
         assert server.stop() == 0
 
+    for count in workers[1:]:
+        print(f"  MiniLM with {count} workers on the GPU ...", flush=True)
+        run_dir = workdir / f"gpu-server-{count}-workers"
+        run_dir.mkdir()
+        sweep = report.setdefault("minilm_by_workers", {})
+        with ServerProcess(run_dir, models, frontends=frontends, settings=(*settings[:-1], f"server.workers={count}"),
+                           engines_dir=engines) as server:
+            sweep[str(count)] = {
+                "single": measured(server, "minilm", lambda: load(server.address, INFER, single, 32)),
+                "batch32": measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32)),
+            }
+            checkpoint()
+            assert server.stop() == 0
+
     print("  baselines: raw-bytes server and echo server ...", flush=True)
     address, procs = echo.start(frontends, echo.raw_main, INFER, recorded)
     try:
@@ -435,17 +459,20 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         checkpoint()
         return report
     print("  null engine (server capacity without model work) ...", flush=True)
-    run_dir = workdir / "gpu-null"
-    run_dir.mkdir()
     null_models = make_gpu_models(workdir / "null-models", False)  # minilm only: the null runtime reads ONNX
-    with ServerProcess(run_dir, null_models, frontends=frontends, settings=("engines.runtime=null", "server.max_queue=16384"),
-                       engines_dir=engines) as server:
-        report["null_single"] = measured(server, "minilm", lambda: load(
-            server.address, INFER, single_payloads("minilm", distinct_texts(texts, total, seed=4)), 32))
-        report["null_batch32"] = measured(server, "minilm", lambda: load(
-            server.address, INFER_BATCH, batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32), 4, 32),
-            profile=True)
-        assert server.stop() == 0
+    for count in sorted({workers[0], workers[-1]}):
+        run_dir = workdir / f"gpu-null-{count}"
+        run_dir.mkdir()
+        suffix = "" if count == workers[0] else f"_{count}_workers"
+        with ServerProcess(run_dir, null_models, frontends=frontends, engines_dir=engines, settings=(
+                "engines.runtime=null", "server.max_queue=16384", f"server.workers={count}")) as server:
+            report[f"null_single{suffix}"] = measured(server, "minilm", lambda: load(
+                server.address, INFER, single_payloads("minilm", distinct_texts(texts, total, seed=4)), 32))
+            report[f"null_batch32{suffix}"] = measured(server, "minilm", lambda: load(
+                server.address, INFER_BATCH, batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32),
+                4, 32), profile=True)
+            assert server.stop() == 0
+        checkpoint()
     report["ratios"] = _ratios(report)
     checkpoint()
     return report
@@ -478,6 +505,10 @@ def _ratios(report: dict) -> dict:
         out["hit_p50_vs_echo_1_caller"] = round(hits["callers_1"]["p50_ms"] / echo["callers_1"]["p50_ms"], 3)
         out[f"hit_throughput_vs_echo_{many}"] = round(hits[many]["calls_per_s"] / echo[many]["calls_per_s"], 3)
     out["minilm_batch32_texts_per_s"] = report["minilm_batch32"]["items_per_s"]
+    for count, rows in report.get("minilm_by_workers", {}).items():
+        out[f"minilm_single_vs_raw_bytes_{count}_workers"] = round(rows["single"]["calls_per_s"]
+                                                                   / report["raw_bytes_single"]["calls_per_s"], 3)
+        out[f"minilm_batch32_texts_per_s_{count}_workers"] = rows["batch32"]["items_per_s"]
     if "start" in report:
         out["cold_vs_warm_start"] = round(report["start"]["cold"]["start_to_ready_s"]
                                           / report["start"]["warm"]["start_to_ready_s"], 2)
@@ -499,12 +530,14 @@ def print_gpu(report: dict) -> None:
             print(f"  BERT-base misses {shape:<26} {row['items_per_s']:>9} texts/s  p99 {row['p99_ms']} ms  "
                   f"mean batch {row['mean_batch']}  {row.get('of_raw_ceiling')} of raw ceiling  GPU {row['gpu_busy_percent']}%  "
                   f"cpu {row['cpu_cores_busy']}")
-    for name in ("minilm_single", "raw_bytes_single", "minilm_batch32", "null_single", "null_batch32"):
-        if name not in report:
-            continue
-        row = report[name]
+    rows = {name: report[name] for name in report if name.startswith(("minilm_single", "raw_bytes", "minilm_batch",
+                                                                       "null_"))}
+    for count, runs in report.get("minilm_by_workers", {}).items():
+        rows.update({f"minilm_{shape}_{count}_workers": row for shape, row in runs.items()})
+    for name, row in rows.items():
         print(f"  {name:<20} {row['calls_per_s']:>9} calls/s {row['items_per_s']:>9} texts/s  p50 {row['p50_ms']} ms  "
-              f"p99 {row['p99_ms']} ms  errors {row['errors']}  cpu {row.get('cpu_cores_busy')}  GPU {row.get('gpu_busy_percent')}%")
+              f"p99 {row['p99_ms']} ms  errors {row['errors']}  cpu {row.get('cpu_cores_busy')} "
+              f"busiest {row.get('busiest_process_cores')}  GPU {row.get('gpu_busy_percent')}%")
     for name, row in {**{f"hits {k}": v for k, v in report["hits"].items()},
                       **{f"echo {k}": v for k, v in report["echo_hits"].items()}}.items():
         print(f"  {name:<20} {row['calls_per_s']:>9} calls/s  p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms")

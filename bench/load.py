@@ -75,6 +75,8 @@ async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency
 
 # ---- several load processes, raw bytes ----------------------------------------------------------------
 
+CHANNELS_PER_PROCESS = 16
+
 @dataclass
 class ProcessLoad:
     """What one call shape costs at a fixed number of callers, summed over load processes."""
@@ -95,15 +97,19 @@ class ProcessLoad:
             "items_per_s": round(self.calls * self.items_per_call / self.seconds, 1),
             "p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
             "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
+            "max_ms": round(float(lat.max()), 3) if len(lat) else None,
         }
 
 
 async def _raw_callers(address: str, method: str, payloads: list[bytes], concurrency: int, seconds: float,
                        warmup_s: float, timeout: float, start: int) -> tuple[int, int, list[float], dict]:
     """Callers sending pre-serialized requests and taking raw response bytes: the generator itself does
-    no protobuf work, so it is not what a run measures."""
+    no protobuf work, so it is not what a run measures. One connection per caller up to
+    CHANNELS_PER_PROCESS: SO_REUSEPORT hashes connections onto the server's processes, and with few of
+    them some frontends get several and others none (measured on the H200 host: 32 connections over 16
+    frontends left the busiest frontend saturated while the mean was half busy)."""
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, min(4, concurrency)))]
+                for _ in range(max(1, min(CHANNELS_PER_PROCESS, concurrency)))]
     calls = [c.unary_unary(method, request_serializer=None, response_deserializer=None) for c in channels]
     for channel in channels:
         await channel.channel_ready()
