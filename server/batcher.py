@@ -2,9 +2,14 @@
 
 Requests are grouped by sequence-length bucket (one engine profile each). A bucket is cut when it
 holds max_batch requests or its oldest request has waited max_delay. A cut waits for a free engine
-slot first, so while the engine is busy requests keep joining the next batch. Admission is bounded:
-past `max_queue` waiting requests, `submit` fails at once with Overloaded. Cancelled and expired
-requests are dropped when the batch is cut, before they reach the engine.
+slot first, so while the engine is busy requests keep joining the next batch. Admission is bounded and
+answered at once: `enqueue` raises Overloaded past `max_queue` waiting requests, and when the wait the
+queue implies exceeds the caller's deadline or `max_wait_s`, so an admitted request is one that can
+start in time. The implied wait is the full batches ahead, shared by the engine slots, times the recent
+batch duration (an average of the last batches: under overload they are full, so it is the real cost;
+under light load short batches make it an underestimate, which admits rather than refuses). The worker
+seeds it from a timed warmup batch; with no estimate only max_queue bounds admission. Cancelled and expired requests are dropped when
+the batch is cut, before they reach the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
 log = logging.getLogger("infercache.batcher")
 
 RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arrays) -> one result each
+DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 
 
 @dataclass(eq=False, slots=True)
@@ -38,14 +44,17 @@ class _Request:
 class Batcher:
     def __init__(
         self, run_batch: RunBatch, *, buckets: tuple[int, ...], max_batch: int, max_delay_s: float,
-        max_queue: int, concurrency: int = 1, name: str = "batcher",
+        max_queue: int, concurrency: int = 1, name: str = "batcher", max_wait_s: float = 0.0,
     ) -> None:
         self.run_batch = run_batch          # runs in a thread: token ids -> one result per sequence
         self.buckets = buckets
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
+        self.max_wait_s = max_wait_s        # 0: no bound but the caller's deadline
         self.name = name
+        self.concurrency = concurrency
+        self.batch_s = 0.0                  # average duration of an engine batch (0: none timed yet)
         self.counters: Counter[str] = Counter()
         self._incoming: deque[_Request] = deque()
         self._pending: dict[int, deque[_Request]] = {b: deque() for b in buckets}
@@ -74,11 +83,31 @@ class Batcher:
             self.counters["rejected_full"] += 1
             raise Overloaded(f"batch queue of {self.name} is full ({self.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
-        request = _Request(ids, deadline, loop.time(), loop.create_future())
+        now = loop.time()
+        self._admit(now, deadline)
+        request = _Request(ids, deadline, now, loop.create_future())
         self._waiting += 1
         self._incoming.append(request)
         self._wakeup.set()
         return request.future
+
+    def _admit(self, now: float, deadline: float | None) -> None:
+        """Overloaded when the queue ahead cannot be served within the caller's deadline or max_wait_s."""
+        if not self._waiting or self.batch_s <= 0.0:
+            return
+        expected = -(-self._waiting // self.max_batch) / self.concurrency * self.batch_s
+        bound = self.max_wait_s or None
+        if deadline is not None:
+            bound = deadline - now if bound is None else min(bound, deadline - now)
+        if bound is not None and expected > bound:
+            self.counters["rejected_wait"] += 1
+            raise Overloaded(f"{self.name} would start this in about {expected:.2f} s ({self._waiting} waiting, "
+                             f"{self.batch_s * 1000:.1f} ms per batch), past the {max(bound, 0):.2f} s allowed; "
+                             "retry later")
+
+    def seed_timing(self, seconds: float) -> None:
+        """The first batch-duration estimate, from the worker's warmup (before it serves anything)."""
+        self.batch_s = seconds
 
     async def submit(self, ids, deadline: float | None) -> Any:
         return await self.enqueue(ids, deadline)
@@ -156,10 +185,12 @@ class Batcher:
         return batch
 
     async def _run(self, batch: list[_Request]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.run_batch, [r.ids for r in batch]
-            )
+            results = await loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
+            took = loop.time() - started
+            self.batch_s = took if self.batch_s <= 0.0 else self.batch_s + DURATION_WEIGHT * (took - self.batch_s)
             for request, result in zip(batch, results, strict=True):
                 if not request.future.done():
                     request.future.set_result(result)

@@ -300,7 +300,8 @@ class WorkerCore:
         groups: list[tuple[str, dict]] = [("worker", self.counters)]
         for (model, version), runtime in self.runtimes.items():
             batcher = runtime.batcher
-            groups.append((f"batcher.{model}.{version}", batcher.counters + Counter(queue_depth=batcher.depth)))
+            gauges = Counter(queue_depth=batcher.depth, batch_us=int(batcher.batch_s * 1e6))
+            groups.append((f"batcher.{model}.{version}", batcher.counters + gauges))
             if engine_counters := runtime.engine.counters():
                 groups.append((f"engine.{model}.{version}", engine_counters))
         if self.writer is not None:

@@ -36,6 +36,7 @@ class ServerSection:
     worker_wait_s: float = 2.0         # how long a call waits for a restarting worker before UNAVAILABLE
     drain_s: float = 10.0              # grace for in-flight requests on SIGTERM
     max_queue: int = 1024              # requests admitted to the batcher before RESOURCE_EXHAUSTED
+    max_queue_wait_s: float = 0.0      # refuse (RESOURCE_EXHAUSTED) when the queue implies a longer wait; 0 = deadline only
     max_batch_texts: int = 256         # most texts in one InferBatch call
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     log_level: str = "INFO"
@@ -141,6 +142,8 @@ def validate(config: Config) -> None:
             f"cache.budget_mb ({config.cache.budget_mb}) must be positive and below cache.map_size_mb "
             f"({config.cache.map_size_mb}), so eviction runs before the map is full"
         )
+    if config.server.max_queue_wait_s < 0:
+        raise ConfigError("server.max_queue_wait_s must be >= 0 (0 = only the caller's deadline bounds the wait)")
     if config.server.max_queue < 1:
         raise ConfigError("server.max_queue must be >= 1")
     if config.engines.runtime not in RUNTIMES:

@@ -4,6 +4,7 @@ how its outputs become an answer."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class ModelRuntime:
         self.batcher = Batcher(
             self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
-            concurrency=self.engine.slots, name=f"{spec.name}-{version}",
+            concurrency=self.engine.slots, name=f"{spec.name}-{version}", max_wait_s=config.server.max_queue_wait_s,
         )
 
     def _run_batch(self, sequences: list) -> list[dict[str, np.ndarray]]:
@@ -98,7 +99,14 @@ class ModelRuntime:
         return int(self._run_batch([self.encoder.encode("dimension")])[0][name].shape[-1])
 
     def warmup(self) -> None:
-        """One batch per profile before the worker reports ready (TensorRT initializes lazily)."""
+        """One batch per profile before the worker reports ready (TensorRT initializes lazily), then one
+        more of the longest, timed: the batcher's first estimate of a batch's duration (admission)."""
         cls, sep = self.encoder.encode("")[:1] or [0], self.encoder.encode("")[-1:] or [0]
+        longest = None
         for profile in model_profiles(self.spec):
-            self._run_batch([cls + [sep[0]] * (profile.max_seq - 1)])
+            longest = [cls + [sep[0]] * (profile.max_seq - 1)]
+            self._run_batch(longest)
+        if longest is not None:
+            started = time.perf_counter()
+            self._run_batch(longest)
+            self.batcher.seed_timing(time.perf_counter() - started)

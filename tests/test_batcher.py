@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,57 @@ def test_engine_matches_sentence_transformers(model, reference_encoder):
     want = reference_encoder.encode(texts, normalize_embeddings=True)
     cosine = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cosine.min() >= 0.999, cosine
+
+
+def _sleeping(seconds: float):
+    def run(sequences):
+        time.sleep(seconds)
+        return [len(s) for s in sequences]
+    return run
+
+
+def _flood(batcher: Batcher, count: int, deadline: float | None):
+    admitted, refused = [], 0
+    for i in range(count):
+        try:
+            admitted.append(batcher.enqueue([101, i, 102], deadline))
+        except Overloaded as exc:
+            assert "retry later" in str(exc)
+            refused += 1
+    return admitted, refused
+
+
+def test_admission_refuses_what_cannot_start_before_the_deadline():
+    async def run():
+        loop = asyncio.get_running_loop()
+        # Estimated 50 ms per batch of 4 (the real ones take 5 ms): 1 s allows 20 batches ahead = 80 waiting.
+        batcher = Batcher(_sleeping(0.005), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
+        batcher.seed_timing(0.05)
+        admitted, refused = _flood(batcher, 400, loop.time() + 1.025)
+        results = await asyncio.gather(*admitted, return_exceptions=True)
+        await batcher.close()
+        return admitted, refused, results, batcher
+
+    admitted, refused, results, batcher = asyncio.run(run())
+    assert len(admitted) == 81 and refused == 319  # waiting 0..80 admitted, the rest refused at once
+    assert all(r == 3 for r in results), [r for r in results if r != 3][:3]  # every admitted one ran in time
+    assert batcher.counters["rejected_wait"] == 319 and "dropped_expired" not in batcher.counters
+    assert 0.0 < batcher.batch_s < 0.05  # the estimate moved toward the real batches
+
+
+def test_admission_bound_without_deadline_and_without_an_estimate():
+    async def run():
+        bounded = Batcher(_sleeping(0.001), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000,
+                          max_wait_s=0.52)
+        bounded.seed_timing(0.05)
+        first = _flood(bounded, 100, None)  # 0.52 s: 10 batches ahead = 40 waiting
+        untimed = Batcher(_sleeping(0.001), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
+        second = _flood(untimed, 100, None)  # no estimate yet: only max_queue bounds admission
+        for batcher, (admitted, _) in ((bounded, first), (untimed, second)):
+            await asyncio.gather(*admitted)
+            await batcher.close()
+        return first, second
+
+    (admitted, refused), (admitted_untimed, refused_untimed) = asyncio.run(run())
+    assert (len(admitted), refused) == (41, 59)
+    assert (len(admitted_untimed), refused_untimed) == (100, 0)
