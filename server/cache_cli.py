@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from cachestore import results
+from cachestore import integrity, results
 from cachestore.env import DB_RESULTS, DB_SEMLOG, Store
 from cachestore.errors import StoreError
 from server.config import Config, store_settings
 
 
 def _open(config: Config) -> Store | None:
+    why = integrity.problem(store_settings(config).path)
+    if why is not None:  # mapping it could kill this process (SIGBUS)
+        print(f"infercache: the store is damaged and was not opened: {why}; the server moves it aside at its next start")
+        return None
     try:
         return Store(store_settings(config), readonly=True)
     except StoreError as exc:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 log = logging.getLogger("infercache.errors")
 
@@ -86,11 +88,65 @@ def from_worker_error(code: grpc.StatusCode, details: str) -> InferCacheError:
     return WorkerUnavailable(f"inference worker failed: {code.name}: {details}")
 
 
+QUOTE_CHARS = 64  # an error message quotes at most this much of a client's input
+
+
+def quoted(value: str) -> str:
+    """repr of a client's string for an error message, cut to QUOTE_CHARS (with its full length)."""
+    return repr(value) if len(value) <= QUOTE_CHARS else f"{value[:QUOTE_CHARS]!r}... ({len(value)} characters)"
+
+
+class Malformed:
+    """What the lenient deserializer returns for bytes that do not parse: the handler answers
+    INVALID_ARGUMENT instead of gRPC's UNKNOWN with a traceback in the log per request."""
+
+    __slots__ = ("message", "error")
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message = message
+        self.error = error
+
+
+def lenient(message_class):
+    """A request deserializer that never raises (see Malformed)."""
+    def parse(raw: bytes):
+        try:
+            return message_class.FromString(raw)
+        except DecodeError as exc:
+            return Malformed(message_class.__name__, str(exc))
+    return parse
+
+
+class _MalformedLog:
+    """One warning per interval with the count, not one per request (a flood must not flood the log)."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.next_at = 0.0
+
+    def note(self, request: Malformed) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now >= self.next_at:
+            log.warning("%d malformed request(s) answered INVALID_ARGUMENT since the last report (latest: %s: %s)",
+                        self.count, request.message, request.error)
+            self.count, self.next_at = 0, now + self.INTERVAL_S
+
+
+_malformed = _MalformedLog()
+
+
 def grpc_errors(handler):
-    """Decorates an async servicer method: domain errors become their status code, anything else INTERNAL."""
+    """Decorates an async servicer method: domain errors become their status code, anything else INTERNAL;
+    a request that did not parse (lenient deserializer) is INVALID_ARGUMENT."""
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                _malformed.note(request)
+                raise InvalidArgument(f"request is not a valid {request.message} message")
             return await handler(self, request, context)
         except InferCacheError as exc:
             code, message = status_of(exc)

@@ -24,14 +24,15 @@ from grpc_reflection.v1alpha import reflection
 
 from cachestore.env import Store
 from cachestore.errors import StoreError
-from cachestore.keys import NS_ID_BYTES, entry_key, namespace_id, parse_hex_key
+from cachestore.keys import KEY_BYTES, NS_ID_BYTES, entry_key, namespace_id, parse_hex_key
 from cachestore import wire
 from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server import metrics, process
 from server.config import Config, store_settings
-from server.errors import InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors
+from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors, lenient,
+                           quoted)
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder
@@ -45,6 +46,16 @@ _ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per reques
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
+# Identifiers a client sends; longer ones are INVALID_ARGUMENT (they become store rows and cached strings).
+LIMITS = {"tenant": 256, "model": 128, "version": 64, "key": 2 * KEY_BYTES}
+
+
+def check_identifiers(request) -> None:
+    """INVALID_ARGUMENT naming the first identifier over its limit (LIMITS)."""
+    for field, limit in LIMITS.items():
+        value = getattr(request, field, "")
+        if len(value) > limit:
+            raise InvalidArgument(f"{field} has {len(value)} characters; at most {limit}: {quoted(value)}")
 
 
 @dataclass(slots=True)
@@ -121,6 +132,7 @@ class FrontendCore:
         return found
 
     def _plan(self, request) -> _Plan:
+        check_identifiers(request)
         if not request.model:
             raise InvalidArgument("model is required; ListModels shows the served models")
         spec = self.repository.get(request.model)
@@ -238,6 +250,7 @@ class FrontendCore:
             raise InvalidArgument("set at least one of model, version, tenant, match_empty_tenant, text, key")
         if (request.version or request.text) and not request.model:
             raise InvalidArgument("version and text select within a model; set model too")
+        check_identifiers(request)
         forwarded = pb.InvalidateRequest()
         forwarded.CopyFrom(request)
         if request.key:
@@ -332,7 +345,7 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     handlers = {
         method.name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            request_deserializer=lenient(getattr(pb, method.input_type.name)),
             response_serializer=None if method.name in PASS_THROUGH else getattr(pb, method.output_type.name).SerializeToString,
         )
         for method in service.methods

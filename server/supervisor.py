@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from cachestore import integrity
 from server import devices, frontend, process, worker
 from server.config import Config
 
@@ -52,6 +54,7 @@ class Supervisor:
         self.ready = self.ctx.Queue()
         socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))
         socket_dir.mkdir(parents=True, exist_ok=True)
+        self._temporary_sockets = None if config.server.socket_dir else socket_dir  # ours to remove at the end
         # Decided here, before any child exists, without importing torch or touching CUDA.
         self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus(),
                                                config.server.workers_per_gpu)
@@ -91,6 +94,8 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         started = time.monotonic()
+        # Before any child maps the store: a truncated data file would kill them with SIGBUS.
+        integrity.quarantine_if_damaged(Path(self.config.cache.dir))
         # All at once: frontends answer L1 hits without the worker, so a warm pod serves hits while the
         # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
         for child in (*self.workers, *self.frontends):
@@ -99,6 +104,7 @@ class Supervisor:
             self._await_ready([*self.workers, *self.frontends])
         except SystemExit:
             self._stop([*self.frontends, *self.workers])  # or exiting would wait for them forever
+            self._remove_temporary_sockets()
             raise
         server = self.config.server
         workers = ", ".join(f"{p.device} {p.runtime}" for p in self.placements)
@@ -160,8 +166,13 @@ class Supervisor:
         log.info("draining")
         self._stop(self.frontends)
         self._stop(self.workers)
+        self._remove_temporary_sockets()
         print("infercache: stopped", flush=True)
         return 0
+
+    def _remove_temporary_sockets(self) -> None:
+        if self._temporary_sockets is not None:
+            shutil.rmtree(self._temporary_sockets, ignore_errors=True)
 
 
 def run(config: Config) -> int:

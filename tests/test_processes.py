@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import pytest
 from cachestore import records
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import infercache_pb2_grpc
 from tests.conftest import MODEL_VERSION_DIR, REPO
 from tests.helpers import is_cached, unique, wait_cached
 
@@ -153,6 +155,87 @@ def test_full_queue_answers_resource_exhausted_at_once(start_server):
     assert counters["batcher.minilm.1.rejected_full"] == codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
+    """400 concurrent misses against a queue that may hold 0.3 s of work: every call is answered OK or
+    RESOURCE_EXHAUSTED (refused by the expected wait, not by a full queue), never a deadline, UNAVAILABLE
+    or CANCELLED."""
+    server = start_server(settings=("server.max_queue_wait_s=0.3",))
+    long_text = " ".join(["a customer asks about a delayed refund"] * 6)
+
+    async def flood():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = infercache_pb2_grpc.InferenceCacheStub(channel)
+
+            async def call(i):
+                try:
+                    await stub.Infer(pb.InferRequest(model=MODEL, text=unique(f"{long_text} {i}")), timeout=20)
+                    return grpc.StatusCode.OK, ""
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), exc.details()
+            return await asyncio.gather(*(call(i) for i in range(400)))
+
+    answers = asyncio.run(flood())
+    codes = [code for code, _ in answers]
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, set(answers) - {(grpc.StatusCode.OK, "")}
+    refused = [details for code, details in answers if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert all("past the 0.30 s allowed" in d for d in refused), refused[:3]
+    counters = server.stats().worker.counters
+    assert counters["batcher.minilm.1.rejected_wait"] == len(refused)
+    assert counters.get("batcher.minilm.1.rejected_full", 0) == 0 and counters["batcher.minilm.1.batch_us"] > 0
+
+
+def test_malformed_requests_are_invalid_argument_and_logged_once(start_server):
+    server = start_server()
+    with grpc.insecure_channel(server.address) as channel:
+        infer = channel.unary_unary("/infercache.v1.InferenceCache/Infer", request_serializer=None,
+                                    response_deserializer=None)
+        for i in range(50):
+            with pytest.raises(grpc.RpcError) as caught:
+                infer(b"\xff\xff\xff garbage %d" % i, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid InferRequest message" in caught.value.details()
+    with server.client() as client:  # still serving
+        assert client.infer(MODEL, unique("after garbage")).source == "MISS"
+    log = server.log_text()
+    assert "Traceback" not in log and 1 <= log.count("malformed request(s)") <= 2, log[-2000:]
+
+
+@pytest.mark.parametrize("field, size", [("tenant", 300), ("tenant", 4_000_000), ("model", 129), ("version", 65)])
+def test_oversized_identifiers_are_refused_with_a_short_message(server_for_limits, field, size):
+    request = pb.InferRequest(model=MODEL, text=unique("limits"))
+    setattr(request, field, "x" * size)
+    channel, stub = server_for_limits.stub()
+    with channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Infer(request, timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+        details = caught.value.details()
+        assert details.startswith(f"{field} has {size} characters") and len(details) < 200
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Invalidate(pb.InvalidateRequest(**{"model": MODEL, field: "y" * size}), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(caught.value.details()) < 200
+
+
+@pytest.fixture(scope="module")
+def server_for_limits(tmp_path_factory, models_dir, engines_dir):
+    from infercache.testing import ServerProcess
+
+    srv = ServerProcess(tmp_path_factory.mktemp("limits"), models_dir, engines_dir=engines_dir)
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+
+
+def test_clean_stop_removes_its_temporary_socket_directory(start_server, tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # where the server's mkdtemp puts the sockets
+    server = start_server(settings=("server.socket_dir=",))
+    made = [p for p in scratch.iterdir() if p.name.startswith("infercache-")]
+    assert len(made) == 1 and any(made[0].glob("worker-0.*"))
+    assert server.stop() == 0
+    assert not made[0].exists()
+
+
 def test_broken_store_degrades_to_misses(start_server, tmp_path):
     not_a_dir = tmp_path / "cache-is-a-file"
     not_a_dir.write_text("this is not an LMDB directory")
@@ -165,6 +248,38 @@ def test_broken_store_degrades_to_misses(start_server, tmp_path):
             client.invalidate(model=MODEL)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "serving without it" in server.log_text()
+
+
+@pytest.mark.parametrize("keep", ["half", "8k"])
+def test_truncated_store_is_moved_aside_and_the_server_serves(start_server, tmp_path, keep):
+    """A data.mdb cut short while the server was stopped: LMDB would SIGBUS on the missing pages. The
+    CLI refuses to map it; the next start moves it aside (kept) and serves misses on a fresh store."""
+    cache_dir = tmp_path / "cache"
+    server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
+    texts = [unique(f"filling the store {i} " + "with a longer question about card payments " * 8) for i in range(300)]
+    with server.client() as client:
+        client.infer_batch(MODEL, texts[:150])
+        client.infer_batch(MODEL, texts[150:])
+        wait_cached(client, MODEL, texts[-1])
+    assert server.stop() == 0
+    data = cache_dir / "data.mdb"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size // 2 if keep == "half" else 8192)
+
+    shown = subprocess.run([sys.executable, "-m", "server", "cache", "stats", "--cache-dir", str(cache_dir)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 2 and "truncated" in shown.stdout, (shown.returncode, shown.stdout, shown.stderr)
+
+    again = start_server(cache_dir=cache_dir)
+    with again.client() as client:
+        for text in (texts[0], texts[-1], unique("after the damage")):
+            assert client.infer(MODEL, text).source == "MISS"  # the old entries went with the damaged file
+        wait_cached(client, MODEL, texts[0])
+        assert client.infer(MODEL, texts[0]).source == "RESULT_EXACT"  # the fresh store caches again
+    [aside] = tmp_path.glob("cache.damaged-*")
+    assert (aside / "data.mdb").stat().st_size == (size // 2 if keep == "half" else 8192)
+    assert "result store damaged" in again.log_text() and "exited with code" not in again.log_text()
 
 
 def test_missing_model_files_fail_fast_with_a_hint(tmp_path):
