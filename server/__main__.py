@@ -86,7 +86,7 @@ def _cache(args: argparse.Namespace) -> int:
     from server import cache_cli
 
     config = _config(args)
-    return cache_cli.stats(config) if args.cache_command == "stats" else cache_cli.readers(config)
+    return cache_cli.run(config, args.cache_command)
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import lmdb
+
 from cachestore import integrity, results
 from cachestore.env import DB_RESULTS, DB_SEMLOG, Store
 from cachestore.errors import StoreError
@@ -59,3 +61,13 @@ def readers(config: Config) -> int:
     print(store.env.readers().rstrip())
     store.close()
     return 0
+
+
+def run(config: Config, command: str) -> int:
+    """A store whose pages are damaged raises lmdb errors mid-read: a message and exit code 2, no traceback."""
+    try:
+        return stats(config) if command == "stats" else readers(config)
+    except lmdb.Error as exc:
+        print(f"infercache: the store at {config.cache.dir} is damaged: {exc}; the server serves it as misses, "
+              "and moving it aside (with the server stopped) starts a fresh one")
+        return 2

@@ -282,6 +282,26 @@ def test_truncated_store_is_moved_aside_and_the_server_serves(start_server, tmp_
     assert "result store damaged" in again.log_text() and "exited with code" not in again.log_text()
 
 
+def test_cache_cli_reports_garbage_pages_without_a_traceback(start_server, tmp_path):
+    cache_dir = tmp_path / "cache"
+    server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
+    texts = [unique(f"page filler {i} " + "about a card that was declined twice " * 8) for i in range(200)]
+    with server.client() as client:
+        client.infer_batch(MODEL, texts)
+        wait_cached(client, MODEL, texts[-1])
+    assert server.stop() == 0
+    data = cache_dir / "data.mdb"
+    pages = data.stat().st_size // 4096
+    with open(data, "r+b") as f:  # garbage in every page but the two meta pages; the file keeps its size
+        for page in range(2, pages):
+            f.seek(page * 4096)
+            f.write(os.urandom(4096))
+    shown = subprocess.run([sys.executable, "-m", "server", "cache", "stats", "--cache-dir", str(cache_dir)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in shown.stderr + shown.stdout, shown.stderr[-2000:]
+    assert shown.returncode == 2 and "MDB_CORRUPTED" in shown.stdout, shown.stdout  # named, not a traceback
+
+
 def test_missing_model_files_fail_fast_with_a_hint(tmp_path):
     (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "models" / "m" / "config.yaml").write_text(
