@@ -9,7 +9,9 @@ entries. A failed write is logged and dropped: a lost cache write is a future mi
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import shutil
 import threading
 import time
 from collections import Counter
@@ -28,6 +30,14 @@ log = logging.getLogger("infercache.writer")
 
 EVICT_CHUNK = 256
 LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
+# On a disk smaller than the budget the data file, not the budget, is the limit: it must stay below
+# DISK_SHARE of the disk it can use (its own size plus the free space), the rest being headroom for the
+# copy-on-write pages that deletes and Invalidate need. The file holds the live pages plus the churn of
+# the last few commits (pages freed by a commit are reusable two commits later), so the live budget is
+# that share less CHURN_COMMITS of the largest commit seen. Re-checked after every commit, so it
+# shrinks before the disk fills and grows back, up to the configured budget, when space returns.
+DISK_SHARE = 0.7
+CHURN_COMMITS = 3
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,9 @@ class WriteBehind:
         self.batch_max = batch_max
         self.sweep_interval_s = sweep_interval_s
         self.counters: Counter[str] = Counter()
+        self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
+        self._commit_bytes = 0               # the most bytes of records one commit has written
+        self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
         self._thread.start()
@@ -129,6 +142,7 @@ class WriteBehind:
                     if isinstance(op, _Put) and op.on_done is not None:
                         self._guarded(op.on_done)
             if time.monotonic() >= next_sweep:  # also under constant load, not only when idle
+                self._guarded(self._check_disk)  # space may have come back while nothing was written
                 self._guarded(self._sweep)
                 next_sweep = time.monotonic() + self.sweep_interval_s
             if _STOP in batch:
@@ -156,6 +170,7 @@ class WriteBehind:
             for op in batch:
                 if isinstance(op, _Invalidate) and not op.done.done():
                     op.done.set_exception(exc)
+            self._check_disk()  # a full disk: the next commits evict to the smaller budget
             raise
         finally:
             for op in batch:  # "handled", committed or dropped: failures are counted, not raised
@@ -167,10 +182,12 @@ class WriteBehind:
         added: list[Row] = []
         removed: list[tuple[bytes, int]] = []
         namespaces: set[bytes] = set()
+        written = 0
         with self.store.begin(write=True) as txn:
             for op in batch:
                 if isinstance(op, _Put):
                     results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces)
+                    written += len(op.record.payload) + records.HEADER.size + 3 * len(op.key)
                     if op.semantic is not None:
                         added.append(semantic.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):
@@ -179,6 +196,8 @@ class WriteBehind:
             self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
+        self._commit_bytes = max(self._commit_bytes, written)
+        self._check_disk()
         self._notify(added, removed)
         for op, count in invalidated:
             self.counters["invalidated"] += count
@@ -203,8 +222,28 @@ class WriteBehind:
         return sum(results.delete_namespace(self.store, txn, ns_id, removed)
                    for ns_id, ns in spaces if selector.matches(ns))
 
+    def _check_disk(self) -> None:
+        """Sets the effective budget from the disk (see DISK_SHARE); logs when that changes it by more
+        than a tenth or crosses the configured budget."""
+        configured = self.store.settings.budget
+        try:
+            free = shutil.disk_usage(self.store.settings.path).free
+            data = os.stat(self.store.settings.path / "data.mdb").st_size
+        except OSError:
+            return
+        budget = min(configured, max(0, int((free + data) * DISK_SHARE) - CHURN_COMMITS * self._commit_bytes))
+        if abs(budget - self.budget) > self.budget / 10 or (budget == configured) != (self.budget == configured):
+            mb = 1024 * 1024
+            if budget < configured:
+                log.warning("store budget limited by the disk: %.0f MiB (configured %.0f MiB; %.0f MiB free)",
+                            budget / mb, configured / mb, free / mb)
+            else:
+                log.info("store budget back to the configured %.0f MiB", configured / mb)
+        self.budget = budget
+        self.counters["budget_bytes"] = budget
+
     def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> None:
-        budget = self.store.settings.budget
+        budget = self.budget
         if self.store.used_bytes(txn) <= budget:
             return
         evicted = 0

@@ -302,6 +302,42 @@ def test_cache_cli_reports_garbage_pages_without_a_traceback(start_server, tmp_p
     assert shown.returncode == 2 and "MDB_CORRUPTED" in shown.stdout, shown.stdout  # named, not a traceback
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs (needs root with CAP_SYS_ADMIN, as CI has; skipped elsewhere with the reason)."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip() or made.returncode}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_disk_smaller_than_the_budget_keeps_caching_and_recovers_its_space(start_server, small_disk):
+    """Default 1.5 GiB budget on a 12 MiB disk, a third of it taken by another file: the writer sizes its
+    budget from the disk, evicts instead of failing, Invalidate works, and the budget grows when space returns."""
+    blocker = small_disk / "someone-elses-file"
+    blocker.write_bytes(b"\0" * (4 * 1024 * 1024))
+    server = start_server(cache_dir=small_disk / "cache", settings=("cache.sync=false",))
+    texts = [unique(f"small disk {i}") for i in range(6000)]  # about 10 MiB of entries: more than fits
+    with server.client() as client:
+        for start in range(0, len(texts), 256):
+            client.infer_batch(MODEL, texts[start:start + 256])
+        wait_cached(client, MODEL, texts[-1], timeout=30)
+        counters = server.stats().worker.counters
+        assert counters["writer.evicted"] > 0 and counters.get("writer.write_errors", 0) == 0, counters
+        squeezed = counters["writer.budget_bytes"]
+        assert squeezed < 8 * 1024 * 1024
+        assert client.invalidate(model=MODEL) > 0  # deletes still have room
+        blocker.unlink()
+        _wait_for(lambda: server.stats().worker.counters["writer.budget_bytes"] > squeezed * 1.2, 30,
+                  "the budget to grow once space returned")
+    assert server.stop() == 0  # before the small disk goes away
+    log = server.log_text()
+    assert "store budget limited by the disk" in log and "write-behind failed" not in log
+
+
 def test_missing_model_files_fail_fast_with_a_hint(tmp_path):
     (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "models" / "m" / "config.yaml").write_text(
