@@ -154,7 +154,18 @@ def _delete_index_prefix(store: Store, txn: lmdb.Transaction, index: bytes, stop
     for row in victims:
         txn.delete(row, db=store.dbs[index])
         delete(store, txn, row[_U64.size:], removed)
+    for ns_id in {row[_U64.size:_U64.size + NS_ID_BYTES] for row in victims}:
+        drop_namespace_if_empty(store, txn, ns_id)
     return len(victims)
+
+
+def drop_namespace_if_empty(store: Store, txn: lmdb.Transaction, ns_id: bytes) -> bool:
+    """Deletes the namespace row of a namespace with no entry left: rows of namespaces that come and go
+    (many tenants) must not outlive their entries and grow the store past its budget."""
+    with txn.cursor(db=store.dbs[DB_RESULTS]) as cursor:
+        if cursor.set_range(ns_id) and bytes(cursor.key()).startswith(ns_id):
+            return False
+    return txn.delete(ns_id, db=store.dbs[DB_NAMESPACES])
 
 
 def sweep_expired(store: Store, txn: lmdb.Transaction, now: int, limit: int = 10_000,

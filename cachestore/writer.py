@@ -218,7 +218,9 @@ class WriteBehind:
             ns = dict(spaces).get(selector.key[:NS_ID_BYTES])
             if ns is None or not selector.matches(ns):
                 return 0
-            return int(results.delete(self.store, txn, selector.key, removed))
+            deleted = results.delete(self.store, txn, selector.key, removed)
+            results.drop_namespace_if_empty(self.store, txn, selector.key[:NS_ID_BYTES])
+            return int(deleted)
         return sum(results.delete_namespace(self.store, txn, ns_id, removed)
                    for ns_id, ns in spaces if selector.matches(ns))
 

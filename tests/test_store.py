@@ -149,6 +149,29 @@ def test_budget_evicts_least_recently_stored(tmp_path):
     store.close()
 
 
+def test_namespace_rows_go_with_their_last_entry(tmp_path):
+    """Evicted, expired or invalidated: a namespace without entries leaves no row behind."""
+    store = open_store(tmp_path / "small", map_mb=16, budget_mb=2)
+    writer = WriteBehind(store, sweep_interval_s=0.2)
+    once = [Namespace(f"tenant-{i}", "m", "1") for i in range(40)]
+    for ns in once:  # forty tenants seen once, then enough of another tenant to evict them all
+        put_all(writer, ns, [f"{ns.tenant} question"], payload=bytes(4000))
+    brief = Namespace("brief", "m", "1")
+    put_all(writer, brief, ["expires soon"], ttl_us=100_000)
+    for batch in range(30):
+        put_all(writer, Namespace("steady", "m", "1"), [f"{batch}-{i}" for i in range(50)], payload=bytes(4000))
+    [only] = put_all(writer, Namespace("single", "m", "1"), ["the only entry"])
+    assert writer.invalidate(Selector(key=only)).result(10) == 1
+    deadline = time.monotonic() + 10
+    while writer.counters["swept"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with store.begin() as txn:
+        left = {ns.tenant for _, ns in results.namespaces(store, txn)}
+    assert left == {"steady"}, left
+    writer.close()
+    store.close()
+
+
 def test_map_full_is_absorbed_not_raised(tmp_path):
     # Budget deliberately close to the map size: a put can hit MapFullError before eviction runs.
     store = open_store(tmp_path / "tiny", map_mb=2, budget_mb=1)
