@@ -160,7 +160,13 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
              placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))
     await stop.wait()
     log.info("draining")
-    # Frontends drained first and close their connections; what is still in flight finishes here.
+    # Frontends drain first: the supervisor stops them before the workers, and when the supervisor died
+    # they noticed it as this worker did. Until their connections close, items may still arrive and are
+    # answered; then what is still in flight finishes here.
+    loop = asyncio.get_running_loop()
+    frontends_gone_by = loop.time() + config.server.drain_s
+    while connections and loop.time() < frontends_gone_by:
+        await asyncio.sleep(0.05)
     items.close()
     await server.stop(config.server.drain_s)
     await core.close()

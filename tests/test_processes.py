@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -118,6 +119,34 @@ def test_sigterm_drains_in_flight_requests_and_loses_no_write(start_server, tmp_
     again = start_server(cache_dir=server.cache_dir)
     with again.client() as client:
         assert all(is_cached(client, MODEL, t) for t in texts)
+
+
+def test_killed_supervisor_lets_in_flight_calls_finish_and_children_exit(start_server):
+    server = start_server()
+    children = {server.stats().frontend.pid} | {w.pid for w in server.stats().workers}
+    channel, stub = server.stub()
+    long_text = " ".join(["my transfer to a savings account has not arrived"] * 6)
+    texts = [unique(f"{long_text} {i}") for i in range(48)]
+    with channel:
+        stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        with ThreadPoolExecutor(len(texts)) as pool:
+            futures = [pool.submit(stub.Infer, pb.InferRequest(model=MODEL, text=t), timeout=30) for t in texts]
+            time.sleep(0.1)
+            server.proc.kill()  # the supervisor only: its children notice on their own
+            responses = [f.result() for f in futures]
+    assert all(r.cache.source in (pb.CacheInfo.MISS, pb.CacheInfo.COALESCED) for r in responses)
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # exited, not reaped
+
+    _wait_for(lambda: all(gone(pid) for pid in children), 40, "the orphaned children to exit")
+    again = start_server(cache_dir=server.cache_dir)
+    with again.client() as client:
+        assert all(is_cached(client, MODEL, t) for t in texts)  # the worker flushed its writes on the way out
 
 
 def test_killed_frontend_is_restarted(start_server):
