@@ -22,10 +22,10 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cachestore import wire
 from cachestore.env import Store
 from cachestore.errors import StoreError
 from cachestore.keys import KEY_BYTES, NS_ID_BYTES, entry_key, namespace_id, parse_hex_key
-from cachestore import wire
 from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
@@ -46,6 +46,7 @@ _ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per reques
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
+PLANS_KEPT = 1024  # plans of distinct (model, version, tenant, mode) kept; past it they start over
 # Identifiers a client sends; longer ones are INVALID_ARGUMENT (they become store rows and cached strings).
 LIMITS = {"tenant": 256, "model": 128, "version": 64, "key": 2 * KEY_BYTES}
 
@@ -98,6 +99,7 @@ class FrontendCore:
         self._cache_retry_at = 0.0
         self._cache_warn_at = 0.0
         self._served: dict[tuple[str, str], _Served] = {}
+        self._plans: dict[tuple[str, str, str, int], _Plan] = {}  # see _plan
 
     def l1(self) -> ResultCache | None:
         """The result cache, opened on first use and re-tried while the store is unavailable."""
@@ -132,6 +134,21 @@ class FrontendCore:
         return found
 
     def _plan(self, request) -> _Plan:
+        """The call's validated plan. The common request (no max_age_s, no semantic overrides) reuses the
+        plan of its (model, version, tenant, mode): a hit then skips the lookups and checks."""
+        simple = not request.HasField("semantic") and not request.cache.HasField("max_age_s")
+        if simple:
+            key = (request.model, request.version, request.tenant, request.cache.mode)
+            if (found := self._plans.get(key)) is not None:
+                return found
+        plan = self._new_plan(request)
+        if simple:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _new_plan(self, request) -> _Plan:
         check_identifiers(request)
         if not request.model:
             raise InvalidArgument("model is required; ListModels shows the served models")
@@ -340,7 +357,8 @@ PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer alre
 
 def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     """The generated registration, except that Infer and InferBatch answers go out as the bytes their
-    handlers compose (no response serializer): the hit path never builds a message."""
+    handlers compose (no response serializer: the hit path never builds a message), and that request
+    bytes that do not parse reach the handler as Malformed (INVALID_ARGUMENT, see server/errors.py)."""
     service = pb.DESCRIPTOR.services_by_name["InferenceCache"]
     handlers = {
         method.name: grpc.unary_unary_rpc_method_handler(
