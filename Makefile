@@ -8,7 +8,7 @@ STUBS  := infercache/v1/infercache_pb2.py
 MODEL  := models/minilm/1/model.onnx
 ARGS   ?=
 
-.PHONY: setup stubs model run test bench clean
+.PHONY: setup stubs model run test bench clean soak
 
 setup: $(STAMP) $(STUBS) $(MODEL)
 
@@ -36,6 +36,9 @@ test: setup
 
 bench: setup
 	$(PY) -m bench $(ARGS)
+
+soak: setup
+	$(PY) -m bench.soak $(ARGS)
 
 clean:
 	rm -rf $(VENV) var build infercache/v1/*_pb2*.py infercache/v1/*_pb2*.pyi models/minilm/1

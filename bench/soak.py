@@ -1,0 +1,272 @@
+"""Soak and fault suite (`make soak`; not part of `make test`).
+
+A real server (two workers, one frontend per CPU) takes a fixed number of mixed requests from one
+closed-loop load process while a kill -9 of a random child (frontend or worker) lands every
+`--kill-every` seconds. The mix: exact hits on a hot set, fresh misses (each stored), fuzz (garbage
+bytes, oversized identifiers, bad modes, empty texts, unknown models) and key invalidations of a set kept
+apart from everything else. Reported: answers by status code (the fuzz must only ever get
+INVALID_ARGUMENT or NOT_FOUND, or UNAVAILABLE from a killed frontend; never INTERNAL or UNKNOWN), p99 per window, the RSS of every child each `--rss-every` seconds, and
+entries lost: every key seen answered RESULT_EXACT (so committed) is asked for again at the end with
+ONLY_IF_CACHED (the hot set, and earlier misses asked for again), and each one missing is a lost entry (must be 0; nothing is evicted or expires in a run).
+Writes bench/results/soak.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from bench import RESULTS
+from bench.__main__ import load_texts, warm
+from bench.gpu import _children
+from infercache.testing import REPO, ServerProcess
+from infercache.v1 import infercache_pb2 as pb
+
+INFER = "/infercache.v1.InferenceCache/Infer"
+INVALIDATE = "/infercache.v1.InferenceCache/Invalidate"
+MIX = (("hit", 0.82), ("miss", 0.04), ("repeat", 0.03), ("fuzz", 0.08), ("invalidate", 0.03))
+SERVER_FAULTS = {"INTERNAL", "UNKNOWN", "DATA_LOSS"}  # codes no request may ever get
+
+
+def _fuzz(rng: random.Random) -> bytes:
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 200))
+    if kind == 1:
+        return pb.InferRequest(model="minilm", text="hello", tenant="t" * rng.randrange(300, 5000)).SerializeToString()
+    if kind == 2:
+        return pb.InferRequest(model="minilm", text="hello", cache=pb.CachePolicy(mode=rng.randrange(9, 99))).SerializeToString()
+    if kind == 3:
+        return pb.InferRequest(model="minilm", text=" ?! ").SerializeToString()
+    if kind == 4:
+        return pb.InferRequest(model=f"no-such-model-{rng.randrange(10**6)}", text="hi").SerializeToString()
+    return pb.InferRequest(model="minilm", text="x" * 100_000).SerializeToString()
+
+
+class _Run:
+    """What the load process saw; one event loop writes it."""
+
+    def __init__(self, window_s: float) -> None:
+        self.codes: dict[str, Counter] = {kind: Counter() for kind, _ in MIX}
+        self.window_s = window_s
+        self.windows: dict[int, list[float]] = {}
+        self.committed: set[str] = set()   # texts answered RESULT_EXACT at least once
+        self.missed: list[str] = []        # texts sent as misses (a repeat asks for one again)
+        self.sent = 0
+
+
+async def _load(address: str, hot: list[str], victims: list[str], total: int, concurrency: int, seed: int,
+                started: float, run: _Run) -> None:
+    rng = random.Random(seed)
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(8)]
+    infers = [c.unary_unary(INFER, request_serializer=None, response_deserializer=None) for c in channels]
+    invalidates = [c.unary_unary(INVALIDATE, request_serializer=None, response_deserializer=None) for c in channels]
+    kinds, weights = zip(*MIX)
+    fresh = iter(range(10**9))
+
+    async def caller(n: int) -> None:
+        while run.sent < total:
+            run.sent += 1
+            kind = rng.choices(kinds, weights)[0]
+            text = None
+            if kind == "hit":
+                text = rng.choice(hot)
+                payload, call = pb.InferRequest(model="minilm", text=text).SerializeToString(), infers[n % 8]
+            elif kind == "miss" or (kind == "repeat" and not run.missed):
+                text = f"soak miss {seed}-{next(fresh)}: {rng.choice(hot)}"
+                run.missed.append(text)
+                payload, call = pb.InferRequest(model="minilm", text=text).SerializeToString(), infers[n % 8]
+            elif kind == "repeat":  # an earlier miss: RESULT_EXACT once its write was committed
+                text = rng.choice(run.missed)
+                payload, call = pb.InferRequest(model="minilm", text=text).SerializeToString(), infers[n % 8]
+            elif kind == "fuzz":
+                payload, call = _fuzz(rng), infers[n % 8]
+            else:
+                victim = rng.choice(victims)
+                payload = pb.InvalidateRequest(model="minilm", text=victim).SerializeToString()
+                call = invalidates[n % 8]
+            t0 = time.perf_counter()
+            try:
+                raw = await call(payload, timeout=10)
+                code = "OK"
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+                raw = None
+            latency = time.perf_counter() - t0
+            run.codes[kind][code] += 1
+            run.windows.setdefault(int((time.monotonic() - started) // run.window_s), []).append(latency * 1000)
+            if raw is not None and text is not None and kind != "invalidate":
+                if pb.InferResponse.FromString(raw).cache.source == pb.CacheInfo.RESULT_EXACT:
+                    run.committed.add(text)
+
+    await asyncio.gather(*(caller(n) for n in range(concurrency)))
+    for channel in channels:
+        await channel.close()
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _roles(server: ServerProcess) -> dict[int, str]:
+    """pid -> 'worker-N' / 'frontend' for the server's live children (not multiprocessing's helpers)."""
+    try:
+        workers = {w.pid: f"worker-{w.index}" for w in server.stats().workers}
+    except grpc.RpcError:
+        workers = {}
+    roles = {}
+    for pid in _children(server.proc.pid):
+        try:
+            if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+        except OSError:
+            continue
+        roles[pid] = workers.get(pid, "frontend")
+    return roles
+
+
+def _chaos(server: ServerProcess, stop: threading.Event, kill_every: float, rss_every: float, started: float,
+           out: dict) -> None:
+    rng = random.Random(7)
+    next_kill, next_rss = time.monotonic() + kill_every, time.monotonic()
+    while not stop.wait(0.2):
+        now = time.monotonic()
+        if now >= next_rss:
+            sample = {str(pid): {"role": role, "rss_mb": _rss_mb(pid)} for pid, role in _roles(server).items()}
+            out["rss"].append({"t_s": round(now - started, 1), "processes": sample})
+            next_rss = now + rss_every
+        if kill_every > 0 and now >= next_kill:
+            roles = _roles(server)
+            if roles:
+                pid = rng.choice(sorted(roles))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    out["kills"].append({"t_s": round(now - started, 1), "role": roles[pid], "pid": pid})
+                except ProcessLookupError:
+                    pass
+            next_kill = now + kill_every
+
+
+def _lost(address: str, texts: set[str]) -> list[str]:
+    lost = []
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        for text in sorted(texts):
+            request = pb.InferRequest(model="minilm", text=text, cache=pb.CachePolicy(mode=pb.CachePolicy.ONLY_IF_CACHED))
+            for attempt in range(20):
+                try:
+                    call(request.SerializeToString(), timeout=10)
+                    break
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        lost.append(text)
+                        break
+                    time.sleep(0.5)  # a frontend restarting: ask again
+    return lost
+
+
+def _rss_growth(samples: list[dict], warmup_s: float) -> dict:
+    """Per process (role and pid; a restarted child is a new pid and warms up again): RSS at its first
+    sample after warm-up and at its last, with the ratio; processes sampled fewer than twice are left out."""
+    out = {}
+    for pid in sorted({pid for s in samples for pid in s["processes"]}, key=int):
+        seen = [(s["t_s"], s["processes"][pid]) for s in samples if pid in s["processes"]]
+        warm_from = max(warmup_s, seen[0][0] + warmup_s)  # a restarted child warms up again
+        mine = [(t, p) for t, p in seen if t >= warm_from]
+        mine = [(t, p) for t, p in mine if p["rss_mb"]]
+        if len(mine) >= 2:
+            (t0, first), (t1, last) = mine[0], mine[-1]
+            out[f"{first['role']} {pid}"] = {"from_mb": round(first["rss_mb"], 1), "to_mb": round(last["rss_mb"], 1),
+                                            "ratio": round(last["rss_mb"] / first["rss_mb"], 3), "span_s": round(t1 - t0)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak")
+    parser.add_argument("--requests", type=int, default=1_000_000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--kill-every", type=float, default=30.0,
+                        help="seconds between kill -9 of a random child (0: none, to watch RSS over a long life)")
+    parser.add_argument("--rss-every", type=float, default=60.0)
+    parser.add_argument("--window", type=float, default=60.0, help="seconds per p99 window")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds before RSS must be flat")
+    parser.add_argument("--out", default=str(RESULTS / "soak.json"))
+    args = parser.parse_args()
+    texts = load_texts()
+    hot, victims = texts[:500], texts[500:520]
+    report: dict = {"requests": args.requests, "concurrency": args.concurrency, "kill_every_s": args.kill_every,
+                    "mix": dict(MIX), "cpus": os.cpu_count(), "kills": [], "rss": []}
+    with tempfile.TemporaryDirectory(prefix="infercache-soak-") as tmp:
+        server = ServerProcess(Path(tmp), REPO / "models", frontends=os.cpu_count() or 2,
+                               settings=("server.workers=2", "cache.sync=false"))
+        try:
+            print(f"soak: warming {len(hot) + len(victims)} texts ...", flush=True)
+            warm(server.address, [pb.InferRequest(model="minilm", text=t) for t in hot + victims])
+            run = _Run(args.window)
+            started = time.monotonic()
+            stop = threading.Event()
+            chaos = threading.Thread(target=_chaos, args=(server, stop, args.kill_every, args.rss_every, started,
+                                                          report), daemon=True)
+            chaos.start()
+            progress = threading.Thread(target=_progress, args=(run, args.requests, stop), daemon=True)
+            progress.start()
+            asyncio.run(_load(server.address, hot, victims, args.requests, args.concurrency, 1, started, run))
+            stop.set()
+            chaos.join()
+            report["seconds"] = round(time.monotonic() - started, 1)
+            print(f"soak: {args.requests} requests in {report['seconds']} s; checking {len(run.committed)} "
+                  "committed entries ...", flush=True)
+            time.sleep(2.0)  # restarts after the last kill
+            lost = _lost(server.address, run.committed - set(victims))
+            report["codes"] = {kind: dict(c) for kind, c in run.codes.items()}
+            report["p99_ms_by_window"] = {f"{k * args.window:.0f}s": round(statistics.quantiles(v, n=100)[98], 2)
+                                          for k, v in sorted(run.windows.items()) if len(v) >= 100}
+            report["committed_checked"] = len(run.committed - set(victims))
+            report["entries_lost"] = len(lost)
+            report["lost_examples"] = lost[:5]
+            report["rss_growth_after_warmup"] = _rss_growth(report["rss"], args.warmup)
+            report["server_faults"] = sum(c[code] for c in run.codes.values() for code in SERVER_FAULTS)
+        finally:
+            server.stop()
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    _print(report)
+    print(f"wrote {args.out}")
+
+
+def _progress(run: _Run, total: int, stop: threading.Event) -> None:
+    while not stop.wait(30):
+        print(f"soak: {run.sent}/{total} sent", flush=True)
+
+
+def _print(report: dict) -> None:
+    print(f"\nsoak: {report['requests']} requests, {report['seconds']} s, {len(report['kills'])} kill -9 "
+          f"({Counter(k['role'].split('-')[0] for k in report['kills'])})")
+    for kind, codes in report["codes"].items():
+        print(f"  {kind:<10} {codes}")
+    print(f"  answers with {sorted(SERVER_FAULTS)} (must be 0): {report['server_faults']}")
+    print(f"  p99 by window (ms): {report['p99_ms_by_window']}")
+    print(f"  entries lost: {report['entries_lost']} of {report['committed_checked']} committed")
+    for name, row in report["rss_growth_after_warmup"].items():
+        print(f"  RSS {name:<16} {row['from_mb']} -> {row['to_mb']} MB ({row['ratio']}x over {row['span_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
