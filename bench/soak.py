@@ -2,12 +2,17 @@
 
 A real server (two workers, one frontend per CPU) takes a fixed number of mixed requests from one
 closed-loop load process while a kill -9 of a random child (frontend or worker) lands every
-`--kill-every` seconds. The mix: exact hits on a hot set, fresh misses (each stored), fuzz (garbage
-bytes, oversized identifiers, bad modes, empty texts, unknown models) and key invalidations of a set kept
-apart from everything else. Reported: answers by status code (the fuzz must only ever get
-INVALID_ARGUMENT or NOT_FOUND, or UNAVAILABLE from a killed frontend; never INTERNAL or UNKNOWN), p99 per window, the RSS of every child each `--rss-every` seconds, and
-entries lost: every key seen answered RESULT_EXACT (so committed) is asked for again at the end with
-ONLY_IF_CACHED (the hot set, and earlier misses asked for again), and each one missing is a lost entry (must be 0; nothing is evicted or expires in a run).
+`--kill-every` seconds. The mix: exact hits on a hot set, fresh misses (each stored), earlier misses
+asked for again, fuzz (garbage bytes, oversized identifiers, bad modes, empty texts, unknown models) and
+key invalidations of a set kept apart from everything else. Reported:
+- answers by status code: none may be INTERNAL or UNKNOWN (the fuzz gets INVALID_ARGUMENT or NOT_FOUND,
+  or UNAVAILABLE from a killed frontend);
+- p99 per window;
+- every child's RSS and its anonymous part (its heap) each `--rss-every` seconds: the rest of RSS is
+  mostly LMDB's file pages, shared and growing with the store, not with a leak;
+- entries lost: every key seen answered RESULT_EXACT (so committed) is asked for again at the end with
+  ONLY_IF_CACHED (the hot set, and earlier misses asked for again); each one missing is a lost entry
+  (must be 0; nothing is evicted or expires in a run).
 Writes bench/results/soak.json.
 """
 
@@ -116,14 +121,14 @@ async def _load(address: str, hot: list[str], victims: list[str], total: int, co
         await channel.close()
 
 
-def _rss_mb(pid: int) -> float | None:
+def _memory_mb(pid: int) -> dict[str, float] | None:
+    """RSS, and its anonymous part (the process's own heap). The rest is mostly the LMDB map's pages: file
+    pages shared with every process and the page cache, which grow with the store, not with a leak."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "anon_mb": int(fields["RssAnon"].split()[0]) / 1024}
+    except (OSError, KeyError, ValueError):
         return None
-    return None
 
 
 def _roles(server: ServerProcess) -> dict[int, str]:
@@ -150,7 +155,7 @@ def _chaos(server: ServerProcess, stop: threading.Event, kill_every: float, rss_
     while not stop.wait(0.2):
         now = time.monotonic()
         if now >= next_rss:
-            sample = {str(pid): {"role": role, "rss_mb": _rss_mb(pid)} for pid, role in _roles(server).items()}
+            sample = {str(pid): {"role": role, **(_memory_mb(pid) or {})} for pid, role in _roles(server).items()}
             out["rss"].append({"t_s": round(now - started, 1), "processes": sample})
             next_rss = now + rss_every
         if kill_every > 0 and now >= next_kill:
@@ -191,11 +196,13 @@ def _rss_growth(samples: list[dict], warmup_s: float) -> dict:
         seen = [(s["t_s"], s["processes"][pid]) for s in samples if pid in s["processes"]]
         warm_from = max(warmup_s, seen[0][0] + warmup_s)  # a restarted child warms up again
         mine = [(t, p) for t, p in seen if t >= warm_from]
-        mine = [(t, p) for t, p in mine if p["rss_mb"]]
+        mine = [(t, p) for t, p in mine if p.get("rss_mb")]
         if len(mine) >= 2:
             (t0, first), (t1, last) = mine[0], mine[-1]
-            out[f"{first['role']} {pid}"] = {"from_mb": round(first["rss_mb"], 1), "to_mb": round(last["rss_mb"], 1),
-                                            "ratio": round(last["rss_mb"] / first["rss_mb"], 3), "span_s": round(t1 - t0)}
+            out[f"{first['role']} {pid}"] = {
+                "rss_from_mb": round(first["rss_mb"], 1), "rss_to_mb": round(last["rss_mb"], 1),
+                "anon_from_mb": round(first["anon_mb"], 1), "anon_to_mb": round(last["anon_mb"], 1),
+                "anon_ratio": round(last["anon_mb"] / first["anon_mb"], 3), "span_s": round(t1 - t0)}
     return out
 
 
@@ -265,7 +272,8 @@ def _print(report: dict) -> None:
     print(f"  p99 by window (ms): {report['p99_ms_by_window']}")
     print(f"  entries lost: {report['entries_lost']} of {report['committed_checked']} committed")
     for name, row in report["rss_growth_after_warmup"].items():
-        print(f"  RSS {name:<16} {row['from_mb']} -> {row['to_mb']} MB ({row['ratio']}x over {row['span_s']} s)")
+        print(f"  memory {name:<16} RSS {row['rss_from_mb']} -> {row['rss_to_mb']} MB, of it anonymous "
+              f"{row['anon_from_mb']} -> {row['anon_to_mb']} MB ({row['anon_ratio']}x over {row['span_s']} s)")
 
 
 if __name__ == "__main__":

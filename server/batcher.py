@@ -8,8 +8,8 @@ queue implies exceeds the caller's deadline or `max_wait_s`, so an admitted requ
 start in time. The implied wait is the full batches ahead, shared by the engine slots, times the recent
 batch duration (an average of the last batches: under overload they are full, so it is the real cost;
 under light load short batches make it an underestimate, which admits rather than refuses). The worker
-seeds it from a timed warmup batch; with no estimate only max_queue bounds admission. Cancelled and expired requests are dropped when
-the batch is cut, before they reach the engine.
+seeds it from a timed warmup batch; with no estimate only max_queue bounds admission. Cancelled and
+expired requests are dropped when the batch is cut, before they reach the engine.
 """
 
 from __future__ import annotations

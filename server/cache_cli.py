@@ -13,7 +13,8 @@ from server.config import Config, store_settings
 def _open(config: Config) -> Store | None:
     why = integrity.problem(store_settings(config).path)
     if why is not None:  # mapping it could kill this process (SIGBUS)
-        print(f"infercache: the store is damaged and was not opened: {why}; the server moves it aside at its next start")
+        print(f"infercache: the store is damaged and was not opened: {why}; "
+              "the server moves it aside at its next start")
         return None
     try:
         return Store(store_settings(config), readonly=True)

@@ -36,7 +36,7 @@ class ServerSection:
     worker_wait_s: float = 2.0         # how long a call waits for a restarting worker before UNAVAILABLE
     drain_s: float = 10.0              # grace for in-flight requests on SIGTERM
     max_queue: int = 1024              # requests admitted to the batcher before RESOURCE_EXHAUSTED
-    max_queue_wait_s: float = 0.0      # refuse (RESOURCE_EXHAUSTED) when the queue implies a longer wait; 0 = deadline only
+    max_queue_wait_s: float = 0.0      # refuse a miss when the queue implies a longer wait; 0 = the deadline only
     max_batch_texts: int = 256         # most texts in one InferBatch call
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     log_level: str = "INFO"

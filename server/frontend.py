@@ -360,14 +360,14 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     handlers compose (no response serializer: the hit path never builds a message), and that request
     bytes that do not parse reach the handler as Malformed (INVALID_ARGUMENT, see server/errors.py)."""
     service = pb.DESCRIPTOR.services_by_name["InferenceCache"]
-    handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
+    handlers = {}
+    for method in service.methods:
+        response = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
             request_deserializer=lenient(getattr(pb, method.input_type.name)),
-            response_serializer=None if method.name in PASS_THROUGH else getattr(pb, method.output_type.name).SerializeToString,
+            response_serializer=None if method.name in PASS_THROUGH else response.SerializeToString,
         )
-        for method in service.methods
-    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
 
