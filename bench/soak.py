@@ -35,11 +35,10 @@ import grpc
 
 from bench import RESULTS
 from bench.__main__ import load_texts, warm
-from bench.gpu import _children
+from bench.gpu import INFER, _children
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
-INFER = "/infercache.v1.InferenceCache/Infer"
 INVALIDATE = "/infercache.v1.InferenceCache/Invalidate"
 MIX = (("hit", 0.82), ("miss", 0.04), ("repeat", 0.03), ("fuzz", 0.08), ("invalidate", 0.03))
 SERVER_FAULTS = {"INTERNAL", "UNKNOWN", "DATA_LOSS"}  # codes no request may ever get

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cachestore.engines import EngineStore, Manifest
 from server.config import Config
+from server.devices import GPU_RUNTIMES
 from server.engines.artifacts import artifact_key, get_runtime, prepare
 from server.engines.base import EngineBuildError, RuntimeUnavailable
 from server.errors import ModelNotFound
@@ -83,7 +84,7 @@ def prune(config: Config, *, dry_run: bool) -> int:
     repository = ModelRepository(Path(config.server.models_dir))
     store = EngineStore(Path(config.engines.dir))
     installed = {}
-    for name in ("onnxruntime", "torch-cuda", "tensorrt"):
+    for name in ("onnxruntime", *GPU_RUNTIMES):
         try:
             runtime = get_runtime(name)
             installed[runtime.name] = runtime.version

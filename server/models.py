@@ -16,7 +16,8 @@ from server.errors import ModelNotFound
 from server.match_policy import MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
-TORCH_SOURCE_FILE = "torch.safetensors"  # the torch form (server/engines/torch_bert.py): GPU runtime source
+TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch_bert.py): its architecture
+TORCH_WEIGHTS_FILE = "torch.safetensors"  # and its weights, the torch-cuda runtime's source
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.json"       # classification models: score column -> label
 
@@ -85,7 +86,7 @@ def load_model(root: Path) -> ModelSpec:
             task=_get(data, "task", str),
             serving_version=str(_get(data, "serving_version", str)),
             versions=tuple(sorted(p.name for p in root.iterdir()
-                                  if (p / MODEL_FILE).is_file() or (p / TORCH_SOURCE_FILE).is_file())),
+                                  if (p / MODEL_FILE).is_file() or (p / TORCH_WEIGHTS_FILE).is_file())),
             outputs=tuple(_get(data, "outputs", list)),
             max_text_chars=_get(data, "input.max_text_chars", int),
             max_tokens=max_tokens,

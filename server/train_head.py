@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from server.engines.onnxruntime import OrtEngine
-from server.models import LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, load_model
+from server.models import LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE, load_model
 from server.labelled_csv import read_labelled_csv
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder, pad_batch
@@ -94,11 +94,11 @@ def torch_source_with_head(encoder_dir: Path, out: Path, w: np.ndarray, b: np.nd
     except ImportError as exc:  # torch comes with the prepare extra, like onnx
         progress(f"infercache: no torch source for the new version ({exc})")
         return
-    if not (encoder_dir / torch_bert.TORCH_CONFIG_FILE).is_file():
+    if not (encoder_dir / TORCH_CONFIG_FILE).is_file():
         progress(f"infercache: {encoder_dir} has no torch source; the new version gets none (ONNX only)")
         return
     arch, tensors = torch_bert.with_head(torch_bert.read_architecture(encoder_dir),
-                                         load_file(str(encoder_dir / torch_bert.TORCH_WEIGHTS_FILE)),
+                                         load_file(str(encoder_dir / TORCH_WEIGHTS_FILE)),
                                          torch.tensor(w, dtype=torch.float32), torch.tensor(b, dtype=torch.float32))
     torch_bert.write_torch_source(out, arch, tensors)
 

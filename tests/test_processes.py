@@ -230,10 +230,10 @@ def test_malformed_requests_are_invalid_argument_and_logged_once(start_server):
 
 
 @pytest.mark.parametrize("field, size", [("tenant", 300), ("tenant", 4_000_000), ("model", 129), ("version", 65)])
-def test_oversized_identifiers_are_refused_with_a_short_message(server_for_limits, field, size):
+def test_oversized_identifiers_are_refused_with_a_short_message(server, field, size):
     request = pb.InferRequest(model=MODEL, text=unique("limits"))
     setattr(request, field, "x" * size)
-    channel, stub = server_for_limits.stub()
+    channel, stub = server.stub()
     with channel:
         with pytest.raises(grpc.RpcError) as caught:
             stub.Infer(request, timeout=30)
@@ -243,15 +243,6 @@ def test_oversized_identifiers_are_refused_with_a_short_message(server_for_limit
         with pytest.raises(grpc.RpcError) as caught:
             stub.Invalidate(pb.InvalidateRequest(**{"model": MODEL, field: "y" * size}), timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(caught.value.details()) < 200
-
-
-@pytest.fixture(scope="module")
-def server_for_limits(tmp_path_factory, models_dir, engines_dir):
-    from infercache.testing import ServerProcess
-
-    srv = ServerProcess(tmp_path_factory.mktemp("limits"), models_dir, engines_dir=engines_dir)
-    yield srv
-    assert srv.stop() == 0, srv.log_text()
 
 
 def test_clean_stop_removes_its_temporary_socket_directory(start_server, tmp_path, monkeypatch):
@@ -279,18 +270,24 @@ def test_broken_store_degrades_to_misses(start_server, tmp_path):
     assert "serving without it" in server.log_text()
 
 
+def _filled_store(start_server, cache_dir: Path, count: int) -> list[str]:
+    """`count` long texts committed to a store at cache_dir by a server that is stopped again."""
+    server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
+    texts = [unique(f"filling the store {i} " + "with a longer question about card payments " * 8) for i in range(count)]
+    with server.client() as client:
+        for start in range(0, count, 150):
+            client.infer_batch(MODEL, texts[start:start + 150])
+        wait_cached(client, MODEL, texts[-1])
+    assert server.stop() == 0
+    return texts
+
+
 @pytest.mark.parametrize("keep", ["half", "8k"])
 def test_truncated_store_is_moved_aside_and_the_server_serves(start_server, tmp_path, keep):
     """A data.mdb cut short while the server was stopped: LMDB would SIGBUS on the missing pages. The
     CLI refuses to map it; the next start moves it aside (kept) and serves misses on a fresh store."""
     cache_dir = tmp_path / "cache"
-    server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
-    texts = [unique(f"filling the store {i} " + "with a longer question about card payments " * 8) for i in range(300)]
-    with server.client() as client:
-        client.infer_batch(MODEL, texts[:150])
-        client.infer_batch(MODEL, texts[150:])
-        wait_cached(client, MODEL, texts[-1])
-    assert server.stop() == 0
+    texts = _filled_store(start_server, cache_dir, 300)
     data = cache_dir / "data.mdb"
     size = data.stat().st_size
     with open(data, "r+b") as f:
@@ -313,12 +310,7 @@ def test_truncated_store_is_moved_aside_and_the_server_serves(start_server, tmp_
 
 def test_cache_cli_reports_garbage_pages_without_a_traceback(start_server, tmp_path):
     cache_dir = tmp_path / "cache"
-    server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
-    texts = [unique(f"page filler {i} " + "about a card that was declined twice " * 8) for i in range(200)]
-    with server.client() as client:
-        client.infer_batch(MODEL, texts)
-        wait_cached(client, MODEL, texts[-1])
-    assert server.stop() == 0
+    _filled_store(start_server, cache_dir, 200)
     data = cache_dir / "data.mdb"
     pages = data.stat().st_size // 4096
     with open(data, "r+b") as f:  # garbage in every page but the two meta pages; the file keeps its size

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-TORCH_CONFIG_FILE = "torch.json"
-TORCH_WEIGHTS_FILE = "torch.safetensors"
+from server.models import TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE
+
 FORMAT = 1
 _SOURCE = {"format": FORMAT, "pooling": "mean", "normalize": True}  # what the module computes
 

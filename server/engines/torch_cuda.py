@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable
+from server.models import TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE
 
 log = logging.getLogger("infercache.torch_cuda")
 
@@ -163,7 +164,7 @@ class TorchCudaEngine(Engine):
 class TorchCudaRuntime(Runtime):
     name = "torch-cuda"
     suffix = ".safetensors"
-    source_file = "torch.safetensors"
+    source_file = TORCH_WEIGHTS_FILE
 
     def __init__(self) -> None:
         if torch is None:
@@ -188,8 +189,6 @@ class TorchCudaRuntime(Runtime):
         return "fp32" if requested == "fp32" else "fp16"  # int8-qdq is a TensorRT (Q/DQ graph) feature
 
     def cannot_serve(self, version_dir: Path) -> str | None:
-        from server.engines.torch_bert import TORCH_CONFIG_FILE
-
         missing = super().cannot_serve(version_dir)
         if missing is None and not (version_dir / TORCH_CONFIG_FILE).is_file():
             missing = f"{version_dir / TORCH_CONFIG_FILE} is missing"
