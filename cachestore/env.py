@@ -12,12 +12,13 @@ import json
 import logging
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
 
 from cachestore.errors import StoreError, StoreFormatError
+from cachestore.sealing import KeyRing
 
 log = logging.getLogger("infercache.store")
 
@@ -32,6 +33,7 @@ DB_SEMKEYS = b"semkeys"
 DB_SEMNEXT = b"semnext"
 ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META, DB_SEMLOG, DB_SEMKEYS, DB_SEMNEXT)
 READER_DBS = (DB_RESULTS, DB_META)  # what read-only (frontend) handles open
+DIR_MODE, FILE_MODE = 0o700, 0o600  # the store holds users' answers: the server's own user only
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,17 @@ class StoreSettings:
     map_size: int
     budget: int  # eviction starts above this many bytes of live pages
     sync: bool = True
+    keys: tuple[bytes, ...] = field(default=(), repr=False)  # encryption at rest: sealing key first; () = off
+
+
+def restrict(path: Path) -> None:
+    """Makes a store directory and the files in it private to this user (0700 / 0600), also one created
+    by an earlier release or by hand; logs what it tightened."""
+    loose = [p for p in (path, *path.iterdir()) if p.stat().st_mode & 0o077]
+    for p in loose:
+        p.chmod(DIR_MODE if p.is_dir() else FILE_MODE)
+    if loose:
+        log.warning("made %d path(s) under %s private to this user (they were readable by others)", len(loose), path)
 
 
 class Store:
@@ -49,6 +62,7 @@ class Store:
         self.settings = settings
         self.readonly = readonly
         self._pid = os.getpid()
+        self.ring = KeyRing(settings.keys) if settings.keys else None  # seals and opens payloads
         self.env = self._open()
         self.dbs = {name: db for name in ALL_DBS if (db := self._open_db(name)) is not None}
         self._check_format()
@@ -62,10 +76,12 @@ class Store:
         path = self.settings.path
         try:
             if not self.readonly:
-                path.mkdir(parents=True, exist_ok=True)
+                path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+                restrict(path)
             return lmdb.open(
                 str(path), map_size=self.settings.map_size, max_dbs=len(ALL_DBS), readonly=self.readonly,
                 sync=self.settings.sync, readahead=False, max_readers=512, subdir=True, create=not self.readonly,
+                mode=FILE_MODE,
             )
         except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot open store at {path}: {exc}") from exc

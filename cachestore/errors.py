@@ -11,3 +11,8 @@ class StoreFormatError(StoreError):
 
 class CorruptRecord(StoreError):
     """A record failed its checksum or does not parse; it is treated as absent."""
+
+
+class Unsealable(CorruptRecord):
+    """An encrypted payload that no loaded key opens (tampered, moved to another key, or its key was
+    retired), or a payload whose sealing does not match the configuration (see cachestore/sealing.py)."""

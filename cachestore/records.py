@@ -3,14 +3,17 @@
     header (24 bytes, little-endian) + payload
 
     B   format version (1)
-    B   flags (bit 0: payload encrypted; reserved for encryption at rest)
-    H   key id of the sealing key (0 = none)
-    I   crc32 of the payload
+    B   flags (bit 0: payload sealed with AES-256-GCM, cachestore/sealing.py)
+    H   key id of the sealing key (0 = not sealed)
+    I   crc32 of the payload as stored
     q   created, microseconds since the epoch
     q   expires, microseconds since the epoch (0 = never)
 
 The payload is a serialized protobuf message (never pickle: a cache file must not be able to run code).
-A record whose version is unknown or whose checksum fails is treated as absent.
+With encryption on it is sealed, with the header (less its checksum) and the entry's key as associated
+data: a record copied under another key, or whose times were edited, does not open. A record whose
+version is unknown, whose checksum fails, or that does not open is treated as absent; so is a sealed
+record without a key ring, and a record in clear while encryption is on (written before it was turned on).
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from cachestore.errors import CorruptRecord
+from cachestore.errors import CorruptRecord, Unsealable
+from cachestore.sealing import KeyRing
 
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<BBHIqq")
 FLAG_ENCRYPTED = 0x01
+_TABLE = b"results\x00"  # associated data names the table: a semantic-log row cannot pass for a record
 
 
 @dataclass(slots=True)  # not frozen: one is made per stored answer, and frozen ones cost 2-3x more to make
 class Record:
     created_us: int
     expires_us: int  # 0 = never
-    payload: bytes
+    payload: bytes   # in clear (sealing happens in encode, opening in decode)
     flags: int = 0
     key_id: int = 0
 
@@ -45,12 +50,18 @@ class Record:
         return max(0, now_us - self.created_us) / 1e6
 
 
-def encode(record: Record) -> bytes:
-    header = HEADER.pack(
-        FORMAT_VERSION, record.flags, record.key_id, zlib.crc32(record.payload),
-        record.created_us, record.expires_us,
-    )
-    return header + record.payload
+def _aad(key: bytes, flags: int, kid: int, created: int, expires: int) -> bytes:
+    return _TABLE + key + HEADER.pack(FORMAT_VERSION, flags, kid, 0, created, expires)
+
+
+def encode(record: Record, key: bytes = b"", ring: KeyRing | None = None) -> bytes:
+    """The stored form; with `ring`, the payload sealed and bound to `key` (the entry's LMDB key)."""
+    payload, flags, kid = record.payload, 0, 0
+    if ring is not None:
+        flags, kid = FLAG_ENCRYPTED, ring.sealing_id
+        payload = ring.seal(payload, _aad(key, flags, kid, record.created_us, record.expires_us))
+    header = HEADER.pack(FORMAT_VERSION, flags, kid, zlib.crc32(payload), record.created_us, record.expires_us)
+    return header + payload
 
 
 def decode_times(raw: bytes | memoryview) -> tuple[int, int]:
@@ -61,13 +72,20 @@ def decode_times(raw: bytes | memoryview) -> tuple[int, int]:
     return created, expires
 
 
-def decode(raw: bytes | memoryview) -> Record:
+def decode(raw: bytes | memoryview, key: bytes = b"", ring: KeyRing | None = None) -> Record:
+    """The record with its payload in clear; CorruptRecord (Unsealable for sealing) when it is unusable."""
     if len(raw) < HEADER.size:
         raise CorruptRecord("record shorter than its header")
-    version, flags, key_id, crc, created, expires = HEADER.unpack_from(raw)
+    version, flags, kid, crc, created, expires = HEADER.unpack_from(raw)
     if version != FORMAT_VERSION:
         raise CorruptRecord(f"record format {version}, expected {FORMAT_VERSION}")
     payload = bytes(raw[HEADER.size:])
     if zlib.crc32(payload) != crc:
         raise CorruptRecord("record checksum mismatch")
-    return Record(created, expires, payload, flags, key_id)
+    if flags & FLAG_ENCRYPTED:
+        if ring is None:
+            raise Unsealable("record is encrypted and no encryption key is configured")
+        payload = ring.open(kid, payload, _aad(key, flags, kid, created, expires))
+    elif ring is not None:
+        raise Unsealable("record stored in clear, and encryption is on")
+    return Record(created, expires, payload, flags, kid)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from collections import Counter
 
 import lmdb
 from google.protobuf.message import DecodeError
 
 from cachestore import records, semantic, wire
 from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
-from cachestore.errors import CorruptRecord
+from cachestore.errors import CorruptRecord, Unsealable
 from cachestore.keys import NS_ID_BYTES, Namespace
 from infercache.v1 import infercache_pb2 as pb
 
@@ -30,12 +31,26 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+WARN_EVERY_S = 10.0  # unreadable records are counted each time, logged at most this often
+
+
 class ResultCache:
-    """Read side of L1. Every failure is logged and reported as a miss."""
+    """Read side of L1. Every failure is counted, logged (at most every WARN_EVERY_S) and a miss."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._results = store.dbs[DB_RESULTS]
+        self._ring = store.ring
+        self.counters: Counter[str] = Counter()  # written by the thread that reads (the event loop)
+        self._warn_at = 0.0
+
+    def _unreadable(self, key: bytes, exc: Exception) -> None:
+        self.counters["records_unsealable" if isinstance(exc, Unsealable) else "records_unreadable"] += 1
+        now = time.monotonic()
+        if now >= self._warn_at:
+            self._warn_at = now + WARN_EVERY_S
+            log.warning("serving a miss for record %s: %s (counted in GetStats; logged once per %.0f s)",
+                        key.hex(), exc, WARN_EVERY_S)
 
     def get(self, key: bytes, now: int, max_age_us: int | None = None, txn: lmdb.Transaction | None = None
             ) -> records.Record | None:
@@ -43,13 +58,13 @@ class ResultCache:
         try:
             if txn is not None:
                 raw = txn.get(key, db=self._results)
-                record = None if raw is None else records.decode(raw)
+                record = None if raw is None else records.decode(raw, key, self._ring)
             else:
                 with self.store.begin(buffers=True) as own:
                     raw = own.get(key, db=self._results)
-                    record = None if raw is None else records.decode(raw)
+                    record = None if raw is None else records.decode(raw, key, self._ring)
         except CorruptRecord as exc:
-            log.warning("ignoring record %s: %s", key.hex(), exc)
+            self._unreadable(key, exc)
             return None
         except lmdb.Error as exc:
             log.warning("result cache read failed, serving a miss: %s", exc)
@@ -67,8 +82,8 @@ class ResultCache:
             return None
         try:
             response = pb.InferResponse.FromString(record.payload)
-        except DecodeError:
-            log.warning("ignoring record %s: payload does not parse", key.hex())
+        except DecodeError as exc:
+            self._unreadable(key, exc)
             return None
         response.cache.source = source
         response.cache.age_s = record.age_s(now)
@@ -93,7 +108,7 @@ def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: 
     """`namespaces_written`: ns ids whose namespace row this transaction already wrote (one per batch)."""
     dbs = store.dbs
     delete(store, txn, key, removed)
-    txn.put(key, records.encode(record), db=dbs[DB_RESULTS])
+    txn.put(key, records.encode(record, key, store.ring), db=dbs[DB_RESULTS])
     txn.put(_U64.pack(record.created_us) + key, b"", db=dbs[DB_STORED])
     if record.expires_us:
         txn.put(_U64.pack(record.expires_us) + key, b"", db=dbs[DB_EXPIRY])
@@ -171,6 +186,12 @@ def drop_namespace_if_empty(store: Store, txn: lmdb.Transaction, ns_id: bytes) -
 def sweep_expired(store: Store, txn: lmdb.Transaction, now: int, limit: int = 10_000,
                   removed: list | None = None) -> int:
     return _delete_index_prefix(store, txn, DB_EXPIRY, now, limit, removed)
+
+
+def sweep_created_before(store: Store, txn: lmdb.Transaction, cutoff: int, limit: int = 10_000,
+                         removed: list | None = None) -> int:
+    """Retention: deletes entries created at or before `cutoff`, whatever their expiry."""
+    return _delete_index_prefix(store, txn, DB_STORED, cutoff, limit, removed)
 
 
 def evict_oldest(store: Store, txn: lmdb.Transaction, count: int, removed: list | None = None) -> int:

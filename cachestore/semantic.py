@@ -1,15 +1,19 @@
 """Semantic log: the entries of the semantic index, kept in LMDB beside the results they point to.
 
     semlog:  ns_id(8) + label(8, big-endian) -> key(24) + answer length(2) + answer (utf-8) + float32 embedding
+             with encryption on: key(24) + 0xFFFF + key id(2) + sealed(answer length + answer + embedding)
     semkeys: key(24) -> ns_id(8) + label(8)               (to drop the row when the result goes)
     semnext: ns_id(8) -> next label(8)
 
-Only the writer thread calls add/remove (inside its transactions); the worker rebuilds its in-memory
-hnswlib index per namespace from `scan` (after loading a snapshot, only the labels it lacks).
+The sealed form binds a row to its row key and entry key (cachestore/sealing.py); a row that does not
+open is skipped (a lost match, never a wrong one). Only the writer thread calls add/remove (inside its
+transactions); the worker rebuilds its in-memory hnswlib index per namespace from `scan` (after loading a
+snapshot, only the labels it lacks).
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass
 from typing import Iterator
@@ -18,10 +22,16 @@ import lmdb
 import numpy as np
 
 from cachestore.env import DB_SEMKEYS, DB_SEMLOG, DB_SEMNEXT, Store
+from cachestore.errors import Unsealable
 from cachestore.keys import KEY_BYTES, NS_ID_BYTES
+
+log = logging.getLogger("infercache.store")
 
 _U64 = struct.Struct(">Q")
 _ANSWER_LEN = struct.Struct("<H")
+_SEALED = 0xFFFF              # in the answer-length field: the rest is sealed (answers are shorter)
+_KEY_ID = struct.Struct("<H")
+_TABLE = b"semlog\x00"
 
 
 @dataclass(frozen=True)
@@ -47,11 +57,15 @@ def add(store: Store, txn: lmdb.Transaction, key: bytes, entry: SemanticEntry) -
     raw = txn.get(entry.ns_id, db=dbs[DB_SEMNEXT])
     label = _U64.unpack(raw)[0] if raw else 0
     txn.put(entry.ns_id, _U64.pack(label + 1), db=dbs[DB_SEMNEXT])
-    answer = entry.answer.encode()
+    answer = entry.answer.encode()[:_SEALED - 1]
     vector = np.ascontiguousarray(entry.embedding, dtype=np.float32)
-    txn.put(entry.ns_id + _U64.pack(label), key + _ANSWER_LEN.pack(len(answer)) + answer + vector.tobytes(),
-            db=dbs[DB_SEMLOG])
-    txn.put(key, entry.ns_id + _U64.pack(label), db=dbs[DB_SEMKEYS])
+    row_key = entry.ns_id + _U64.pack(label)
+    body = _ANSWER_LEN.pack(len(answer)) + answer + vector.tobytes()
+    if store.ring is not None:
+        sealed = store.ring.seal(body, _TABLE + row_key + key)
+        body = _ANSWER_LEN.pack(_SEALED) + _KEY_ID.pack(store.ring.sealing_id) + sealed
+    txn.put(row_key, key + body, db=dbs[DB_SEMLOG])
+    txn.put(key, row_key, db=dbs[DB_SEMKEYS])
     return Row(entry.ns_id, label, key, entry.answer, vector)
 
 
@@ -67,12 +81,20 @@ def remove(store: Store, txn: lmdb.Transaction, key: bytes) -> tuple[bytes, int]
     return raw[:NS_ID_BYTES], _U64.unpack(raw[NS_ID_BYTES:])[0]
 
 
-def _decode(ns_id: bytes, row_key: bytes, value: bytes) -> Row:
-    key = value[:KEY_BYTES]
-    (length,) = _ANSWER_LEN.unpack_from(value, KEY_BYTES)
-    start = KEY_BYTES + _ANSWER_LEN.size
-    answer = value[start:start + length].decode()
-    vector = np.frombuffer(value[start + length:], dtype=np.float32).copy()
+def _decode(store: Store, ns_id: bytes, row_key: bytes, value: bytes) -> Row:
+    key, body = value[:KEY_BYTES], value[KEY_BYTES:]
+    (length,) = _ANSWER_LEN.unpack_from(body)
+    if length == _SEALED:
+        if store.ring is None:
+            raise Unsealable("semantic row is encrypted and no encryption key is configured")
+        (kid,) = _KEY_ID.unpack_from(body, _ANSWER_LEN.size)
+        body = store.ring.open(kid, body[_ANSWER_LEN.size + _KEY_ID.size:], _TABLE + row_key + key)
+        (length,) = _ANSWER_LEN.unpack_from(body)
+    elif store.ring is not None:
+        raise Unsealable("semantic row stored in clear, and encryption is on")
+    start = _ANSWER_LEN.size
+    answer = body[start:start + length].decode()
+    vector = np.frombuffer(body[start + length:], dtype=np.float32).copy()
     return Row(ns_id, _U64.unpack(row_key[NS_ID_BYTES:])[0], key, answer, vector)
 
 
@@ -82,12 +104,22 @@ def namespaces(store: Store, txn: lmdb.Transaction) -> list[bytes]:
 
 
 def scan(store: Store, txn: lmdb.Transaction, ns_id: bytes, labels_only: bool = False) -> Iterator[Row | int]:
-    """Every live row of a namespace in label order (or just the labels)."""
+    """Every live row of a namespace in label order (or just the labels); rows that do not open or
+    parse are skipped, with one warning per scan."""
+    skipped = 0
     with txn.cursor(db=store.dbs[DB_SEMLOG]) as cursor:
         if not cursor.set_range(ns_id):
             return
         for row_key, value in cursor:
             row_key = bytes(row_key)
             if not row_key.startswith(ns_id):
-                return
-            yield _U64.unpack(row_key[NS_ID_BYTES:])[0] if labels_only else _decode(ns_id, row_key, bytes(value))
+                break
+            if labels_only:
+                yield _U64.unpack(row_key[NS_ID_BYTES:])[0]
+                continue
+            try:
+                yield _decode(store, ns_id, row_key, bytes(value))
+            except (Unsealable, ValueError, struct.error):
+                skipped += 1
+    if skipped:
+        log.warning("skipped %d unreadable semantic row(s) of namespace %s (they match nothing)", skipped, ns_id.hex())

@@ -5,6 +5,8 @@ thread owns every index (lookups, inserts, deletions, resizes, snapshots run the
 event loop never blocks on them. Entries come from the write-behind after each commit; the semantic
 log in LMDB is the source of truth, and an index is rebuilt on start from its snapshot plus the log
 rows the snapshot lacks. Until that finishes, lookups report no neighbours (requests just miss).
+With encryption at rest on, no snapshot is written (an hnswlib file holds the embeddings in clear) and
+any left from before is deleted: indexes are rebuilt from the sealed log alone.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +25,7 @@ import numpy as np
 
 from cachestore import records
 from cachestore import semantic as log_rows
-from cachestore.env import DB_RESULTS, Store
+from cachestore.env import DB_RESULTS, DIR_MODE, FILE_MODE, Store
 from cachestore.errors import CorruptRecord
 from cachestore.results import now_us
 from cachestore.semantic import Row
@@ -90,6 +93,7 @@ class SemanticTier:
     def __init__(self, store: Store, snapshot_dir: Path, dim: int) -> None:
         self.store = store
         self.snapshot_dir = snapshot_dir
+        self.snapshots = store.ring is None  # see the module docstring
         self.dim = dim
         self.ready = False
         self.counters: Counter[str] = Counter()
@@ -184,6 +188,9 @@ class SemanticTier:
 
     def _load_all(self) -> None:
         started = time.monotonic()
+        if not self.snapshots and self.snapshot_dir.exists():
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            log.info("encryption at rest is on: deleted the semantic snapshots in clear (%s)", self.snapshot_dir)
         try:
             with self.store.begin() as txn:
                 spaces = log_rows.namespaces(self.store, txn)
@@ -220,6 +227,8 @@ class SemanticTier:
         self.counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
 
     def _try_snapshot(self, ns_id: bytes) -> _Index | None:
+        if not self.snapshots:
+            return None
         path = self._snapshot_path(ns_id)
         meta_path = path.with_suffix(".json")
         try:
@@ -231,12 +240,15 @@ class SemanticTier:
             return None
 
     def _snapshot_all(self) -> None:
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        if not self.snapshots:
+            return
+        self.snapshot_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         for ns_id, index in self._indexes.items():
             path = self._snapshot_path(ns_id)
             try:
                 tmp = path.with_suffix(".tmp")
                 index.graph.save_index(str(tmp))
+                tmp.chmod(FILE_MODE)
                 tmp.replace(path)
                 meta = {"store_id": self.store.store_id, "dim": self.dim, "capacity": index.graph.get_max_elements()}
                 path.with_suffix(".json").write_text(json.dumps(meta))
