@@ -6,6 +6,7 @@ the cache policy. Frontends read it to validate requests; the worker also loads 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch
 TORCH_WEIGHTS_FILE = "torch.safetensors"  # and its weights, the torch-cuda runtime's source
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.json"       # classification models: score column -> label
+PII_MODES = ("off", "redact", "no_store")  # privacy.pii: see server/pii.py and README "Security"
 
 
 class ModelConfigError(ValueError):
@@ -42,6 +44,7 @@ class ModelSpec:
     ttl_s: int                        # 0 = results are never cached
     precision: str = ""               # engine precision override ("int8-qdq" for Q/DQ models); "" = server default
     semantic: MatchPolicy | None = None  # near-duplicate matching (classification models); None = exact only
+    pii: str = "off"                  # privacy.pii: redact (placeholders before keying), no_store, off
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -96,6 +99,7 @@ def load_model(root: Path) -> ModelSpec:
             ttl_s=_get(data, "cache.ttl_s", int),
             precision=str((data.get("engine") or {}).get("precision", "")),
             semantic=policy_from_config(data.get("semantic")),
+            pii=str((data.get("privacy") or {}).get("pii", "off")),
         )
     except (ModelConfigError, ValueError) as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None
@@ -103,20 +107,24 @@ def load_model(root: Path) -> ModelSpec:
         raise ModelConfigError(f"{config_path}: the largest bucket must be >= input.max_tokens ({max_tokens})")
     if spec.semantic is not None and spec.task != "classification":
         raise ModelConfigError(f"{config_path}: semantic matching needs a classification model (an answer to agree on)")
+    if spec.pii not in PII_MODES:
+        raise ModelConfigError(f"{config_path}: privacy.pii must be one of {', '.join(PII_MODES)}, got {spec.pii!r}")
     if spec.max_batch_size < 1 or spec.max_text_chars < 1 or spec.ttl_s < 0:
         raise ModelConfigError(f"{config_path}: max_batch_size and max_text_chars must be >= 1, ttl_s >= 0")
     return spec
 
 
 class ModelRepository:
-    def __init__(self, models_dir: Path) -> None:
+    """The models of a directory. `max_ttl_s` (cache.max_ttl_s, retention) caps every model's TTL."""
+
+    def __init__(self, models_dir: Path, max_ttl_s: int = 0) -> None:
         self.root = models_dir
         if not models_dir.is_dir():
             raise ModelConfigError(f"model repository {models_dir} does not exist")
-        self.models = {
-            spec.name: spec
-            for spec in (load_model(p) for p in sorted(models_dir.iterdir()) if (p / "config.yaml").is_file())
-        }
+        specs = [load_model(p) for p in sorted(models_dir.iterdir()) if (p / "config.yaml").is_file()]
+        if max_ttl_s:
+            specs = [dataclasses.replace(s, ttl_s=min(s.ttl_s, max_ttl_s)) for s in specs]
+        self.models = {spec.name: spec for spec in specs}
 
     def get(self, name: str) -> ModelSpec:
         spec = self.models.get(name)

@@ -1,7 +1,9 @@
 """Text normalization: the pipeline that decides which requests share a cache key.
 
-Each step is a plain function str -> str; `Normalizer` runs them in order. Later steps (configured
-synonyms, PII redaction) are added to the pipeline, not to the call sites.
+Each step is a plain function str -> str; `Normalizer` runs them in order. PII redaction (a model's
+`privacy.pii: redact`) is a step of its own, after NFKC (so full-width digits are digits) and before
+case and punctuation folding (which would break e-mail addresses and phone numbers apart): the key, the
+model's input and whatever is stored all come from the redacted text.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import re
 import unicodedata
 from typing import Callable
+
+from server import pii
 
 Step = Callable[[str], str]
 
@@ -35,6 +39,12 @@ def fold_whitespace(text: str) -> str:
 
 
 DEFAULT_STEPS: tuple[Step, ...] = (nfkc, casefold, fold_punctuation, fold_whitespace)
+REDACTING_STEPS: tuple[Step, ...] = (nfkc, pii.redact, casefold, fold_punctuation, fold_whitespace)
+
+
+def holds_pii(text: str) -> bool:
+    """privacy.pii: no_store: whether a request's text holds PII (then it is answered, never cached)."""
+    return pii.contains_pii(nfkc(text))
 
 
 class Normalizer:
