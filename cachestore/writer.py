@@ -82,8 +82,10 @@ _STOP = object()
 
 class WriteBehind:
     def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0,
-                 on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None) -> None:
+                 on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None,
+                 max_ttl_s: int = 0) -> None:
         self.store = store
+        self.max_ttl_us = max_ttl_s * 1_000_000  # retention: the sweep also deletes entries older than this
         # Told after each commit which semantic rows were added and which (ns_id, label) went.
         self.on_semantic = on_semantic
         self.batch_max = batch_max
@@ -123,7 +125,7 @@ class WriteBehind:
     # ---- the writer thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_sweep = time.monotonic() + self.sweep_interval_s
+        next_sweep = time.monotonic()  # one sweep at start: a retention cap lowered while down applies at once
         while True:
             batch = []
             try:
@@ -266,8 +268,11 @@ class WriteBehind:
 
     def _sweep(self) -> None:
         removed: list[tuple[bytes, int]] = []
+        now = results.now_us()
         with self.store.begin(write=True) as txn:
-            swept = results.sweep_expired(self.store, txn, results.now_us(), removed=removed)
+            swept = results.sweep_expired(self.store, txn, now, removed=removed)
+            if self.max_ttl_us:  # entries stored before the cap was lowered
+                swept += results.sweep_created_before(self.store, txn, now - self.max_ttl_us, removed=removed)
         self._notify([], removed)
         if swept:
             self.counters["swept"] += swept

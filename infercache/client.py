@@ -42,11 +42,28 @@ def to_result(response: pb.InferResponse) -> Result:
                   response.classification.probability, info.similarity)
 
 
+def channel(target: str, *, ca: bytes | None = None, cert: bytes | None = None, key: bytes | None = None,
+            server_name: str | None = None) -> grpc.Channel:
+    """A channel to the server: plaintext, or TLS when `ca` (PEM of the CA that signed the server's
+    certificate) is given; `cert` and `key` (PEM) are this client's certificate for mutual TLS."""
+    if ca is None:
+        return grpc.insecure_channel(target)
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout_s: float = 10.0) -> None:
-        self.channel = grpc.insecure_channel(target)
+    """token: sent as `authorization: Bearer <token>` on every call (security.tokens_file on the server).
+    ca / cert / key / server_name: TLS, see `channel`."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout_s: float = 10.0, token: str | None = None,
+                 ca: bytes | None = None, cert: bytes | None = None, key: bytes | None = None,
+                 server_name: str | None = None) -> None:
+        self.channel = channel(target, ca=ca, cert=cert, key=key, server_name=server_name)
         self.stub = infercache_pb2_grpc.InferenceCacheStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def infer(self, model: str, text: str, *, version: str = "", tenant: str = "", mode: str = "DEFAULT",
               max_age_s: int | None = None, semantic: bool | None = None,
@@ -55,7 +72,7 @@ class Client:
         matching = pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity)
         request = pb.InferRequest(model=model, version=version, tenant=tenant, text=text, cache=policy,
                                   semantic=matching)
-        return to_result(self.stub.Infer(request, timeout=self.timeout_s))
+        return to_result(self.stub.Infer(request, timeout=self.timeout_s, metadata=self.metadata))
 
     def infer_batch(self, model: str, texts: list[str], *, version: str = "", tenant: str = "",
                     mode: str = "DEFAULT", max_age_s: int | None = None, semantic: bool | None = None,
@@ -66,16 +83,18 @@ class Client:
             cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s),
             semantic=pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity),
         )
-        return [to_result(r) for r in self.stub.InferBatch(request, timeout=self.timeout_s).results]
+        response = self.stub.InferBatch(request, timeout=self.timeout_s, metadata=self.metadata)
+        return [to_result(r) for r in response.results]
 
     def invalidate(self, **selector) -> int:
-        return self.stub.Invalidate(pb.InvalidateRequest(**selector), timeout=self.timeout_s).removed
+        request = pb.InvalidateRequest(**selector)
+        return self.stub.Invalidate(request, timeout=self.timeout_s, metadata=self.metadata).removed
 
     def stats(self) -> pb.GetStatsResponse:
-        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s, metadata=self.metadata)
 
     def models(self) -> list[pb.ModelInfo]:
-        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s).models)
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self.metadata).models)
 
     def close(self) -> None:
         self.channel.close()

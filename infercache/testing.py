@@ -33,8 +33,11 @@ class ServerProcess:
     """`python -m server serve` on a free port, its output in workdir/server.log."""
 
     def __init__(self, workdir: Path, models_dir: Path, *, frontends: int = 2, settings: tuple[str, ...] = (),
-                 cache_dir: Path | None = None, engines_dir: Path | None = None, wait: bool = True) -> None:
+                 cache_dir: Path | None = None, engines_dir: Path | None = None, wait: bool = True,
+                 client_options: dict | None = None) -> None:
+        """client_options: what `client()` passes to Client (a token, TLS material) for a secured server."""
         self.workdir = workdir
+        self.client_options = client_options or {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.cache_dir = cache_dir or workdir / "cache"
@@ -74,8 +77,8 @@ class ServerProcess:
     def log_text(self) -> str:
         return self.log_path.read_text()
 
-    def client(self) -> Client:
-        return Client(self.address)
+    def client(self, **options) -> Client:
+        return Client(self.address, **{**self.client_options, **options})
 
     def stub(self) -> tuple[grpc.Channel, infercache_pb2_grpc.InferenceCacheStub]:
         channel = grpc.insecure_channel(self.address)

@@ -2,12 +2,15 @@
 
 Sources, later ones winning: built-in defaults < YAML file < environment (INFERCACHE_<SECTION>_<FIELD>)
 < command-line overrides. Only `server.__main__` calls `load`; everything else receives the frozen
-object (spawned children receive it as an argument and never read argv or the environment).
+object (spawned children receive it as an argument and never read argv or the environment). The files
+that settings name (tokens, TLS certificates, the encryption key) are read by `load` too, once, into
+`Config.secrets`, which never appears in a repr or a log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +19,8 @@ from typing import Any, Mapping
 import yaml
 
 from cachestore.env import StoreSettings
+from cachestore.sealing import KeyFileError, read_key_file
+from server.auth import Grant, TokenFileError, read_tokens
 from server.devices import RUNTIMES
 
 
@@ -50,6 +55,8 @@ class CacheSection:
     sync: bool = True                  # fsync each write-behind transaction
     write_batch: int = 512             # most operations per write transaction
     sweep_interval_s: float = 30.0     # how often expired entries are deleted
+    max_ttl_s: int = 0                 # retention: no entry lives longer, whatever its model's TTL; 0 = no cap
+    encryption_key_file: str = ""      # AES-256-GCM at rest (cachestore/sealing.py); "" = stored in clear
 
 
 @dataclass(frozen=True)
@@ -61,17 +68,37 @@ class EnginesSection:
 
 
 @dataclass(frozen=True)
+class SecuritySection:
+    tokens_file: str = ""              # bearer tokens (server/auth.py); "" = no authentication
+    allow_anonymous: bool = False      # serve a non-loopback address without tokens_file (not advised)
+    tls_cert_file: str = ""            # PEM certificate chain of the public port; "" = plaintext
+    tls_key_file: str = ""             # its PEM private key
+    tls_client_ca_file: str = ""       # PEM CA bundle: set = mutual TLS, clients need a certificate it signed
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """What the files named by the security settings hold, read once by `load`."""
+
+    keys: tuple[bytes, ...] = field(default=(), repr=False)          # encryption at rest, sealing key first
+    tokens: dict[bytes, Grant] | None = field(default=None, repr=False)  # sha256(token) -> grant; None = off
+    tls: tuple[bytes, bytes, bytes | None] | None = field(default=None, repr=False)  # cert, key, client CA
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerSection = field(default_factory=ServerSection)
     cache: CacheSection = field(default_factory=CacheSection)
     engines: EnginesSection = field(default_factory=EnginesSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
+    secrets: Secrets = field(default_factory=Secrets, repr=False)  # not a section: derived from the files
 
     @property
     def frontend_count(self) -> int:
         return self.server.frontends or os.cpu_count() or 1
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "secrets"}
 
 
 def _coerce(section: str, name: str, kind: type, value: Any) -> Any:
@@ -123,7 +150,47 @@ def load(path: str | None, environ: Mapping[str, str], overrides: Mapping[str, A
         section, _, key = dotted.partition(".")
         config = _apply(config, section, {key: value}, f"option {dotted}")
     validate(config)
-    return config
+    return dataclasses.replace(config, secrets=read_secrets(config))
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def read_secrets(config: Config) -> Secrets:
+    """Reads the token, certificate and key files the settings name; ConfigError saying what is wrong."""
+    security = config.security
+    try:
+        keys = read_key_file(config.cache.encryption_key_file) if config.cache.encryption_key_file else ()
+        tokens = read_tokens(security.tokens_file) if security.tokens_file else None
+    except (KeyFileError, TokenFileError) as exc:
+        raise ConfigError(str(exc)) from None
+    tls = None
+    if security.tls_cert_file or security.tls_key_file:
+        if not (security.tls_cert_file and security.tls_key_file):
+            raise ConfigError("TLS needs both security.tls_cert_file and security.tls_key_file")
+        tls = (_read(security.tls_cert_file, "TLS certificate"), _read(security.tls_key_file, "TLS key"),
+               _read(security.tls_client_ca_file, "TLS client CA") if security.tls_client_ca_file else None)
+    elif security.tls_client_ca_file:
+        raise ConfigError("security.tls_client_ca_file (mutual TLS) needs TLS: set tls_cert_file and tls_key_file")
+    if tokens is None and not security.allow_anonymous and not _loopback(config.server.host):
+        raise ConfigError(
+            f"server.host {config.server.host} is reachable from other hosts and no security.tokens_file is set: "
+            "anyone who can reach the port could read every tenant's answers and invalidate them. Set "
+            "security.tokens_file (README: Security), or security.allow_anonymous=true to serve without it")
+    return Secrets(keys=keys, tokens=tokens, tls=tls)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def validate(config: Config) -> None:
@@ -148,6 +215,8 @@ def validate(config: Config) -> None:
         raise ConfigError("server.max_queue must be >= 1")
     if config.engines.runtime not in RUNTIMES:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
+    if config.cache.max_ttl_s < 0:
+        raise ConfigError("cache.max_ttl_s must be >= 0 (0 = no cap beyond each model's TTL)")
     if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):
         raise ConfigError(f"engines.precision must be fp16, fp32 or int8-qdq, got {config.engines.precision!r}")
 
@@ -156,5 +225,5 @@ def store_settings(config: Config) -> StoreSettings:
     mb = 1024 * 1024
     return StoreSettings(
         path=Path(config.cache.dir), map_size=config.cache.map_size_mb * mb,
-        budget=config.cache.budget_mb * mb, sync=config.cache.sync,
+        budget=config.cache.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
     )

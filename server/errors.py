@@ -44,6 +44,14 @@ class DeadlineExceeded(InferCacheError):
     pass
 
 
+class Unauthenticated(InferCacheError):
+    """No token, or one the server does not know (server/auth.py)."""
+
+
+class PermissionDenied(InferCacheError):
+    """A known token whose role or tenant does not allow the call."""
+
+
 STATUS_CODES: dict[type[InferCacheError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
@@ -51,6 +59,8 @@ STATUS_CODES: dict[type[InferCacheError], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 # Codes the worker may return that the frontend passes to its client unchanged.
@@ -138,15 +148,20 @@ class _MalformedLog:
 _malformed = _MalformedLog()
 
 
+def parsed(request):
+    """The request, or INVALID_ARGUMENT when the lenient deserializer could not parse it. Called by the
+    handler, after authentication: an unauthenticated caller learns nothing about its request."""
+    if isinstance(request, Malformed):
+        _malformed.note(request)
+        raise InvalidArgument(f"request is not a valid {request.message} message")
+    return request
+
+
 def grpc_errors(handler):
-    """Decorates an async servicer method: domain errors become their status code, anything else INTERNAL;
-    a request that did not parse (lenient deserializer) is INVALID_ARGUMENT."""
+    """Decorates an async servicer method: domain errors become their status code, anything else INTERNAL."""
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
-            if isinstance(request, Malformed):
-                _malformed.note(request)
-                raise InvalidArgument(f"request is not a valid {request.message} message")
             return await handler(self, request, context)
         except InferCacheError as exc:
             code, message = status_of(exc)

@@ -30,11 +30,12 @@ from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server import metrics, process
+from server.auth import ADMIN, ANONYMOUS, CLIENT, Gate, Grant, bind_tenant
 from server.config import Config, store_settings
 from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors, lenient,
-                           quoted)
+                           parsed, quoted)
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.normalize import Normalizer
+from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
 from server.tokenization import TextEncoder
 from server.worker_pool import WorkerPool
 
@@ -68,6 +69,8 @@ class _Served:
     encoder: TextEncoder
     embed_encoder: TextEncoder | None  # the semantic embedder's, when its ids differ from the model's
     by_namespace: bool                 # semantic models: a namespace's index lives in one worker
+    normalize: Normalizer              # with the PII redaction step when the model's privacy.pii says redact
+    no_store: bool                     # privacy.pii: no_store: texts holding PII are never cached
 
     def route(self, key: bytes) -> int:
         return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
@@ -82,7 +85,7 @@ class _Plan:
     mode: int
     cached_ok: bool
     store: bool
-    max_age_us: int | None
+    max_age_us: int  # the model's TTL, or less by the request's max_age_s
     semantic: pb.SemanticPolicy | None
 
 
@@ -93,7 +96,6 @@ class FrontendCore:
         self.config = config
         self.repository = repository
         self.workers = workers
-        self.normalize = Normalizer()
         self.counters = counters  # the process's counters, written on its event loop only
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
@@ -129,8 +131,9 @@ class FrontendCore:
                 embedder = self.repository.get(spec.semantic.embedder)  # an embedding model: no recursion
                 other = self.served(embedder, embedder.serving_version).encoder
                 embed_encoder = None if other.fingerprint == encoder.fingerprint else other
-            found = self._served[(spec.name, version)] = _Served(spec, version, encoder, embed_encoder,
-                                                                  spec.semantic is not None)
+            found = self._served[(spec.name, version)] = _Served(
+                spec, version, encoder, embed_encoder, spec.semantic is not None,
+                Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store")
         return found
 
     def _plan(self, request) -> _Plan:
@@ -160,51 +163,60 @@ class FrontendCore:
         if request.semantic.HasField("min_similarity") and not 0.0 <= request.semantic.min_similarity <= 1.0:
             raise InvalidArgument(f"semantic.min_similarity must be within 0..1, got {request.semantic.min_similarity}")
         cached_at_all = spec.ttl_s > 0
+        # No entry older than the model's TTL (capped by cache.max_ttl_s) is served, also one stored
+        # while the TTL was longer: retention holds from the moment the setting does.
+        max_age_us = spec.ttl_s * 1_000_000
+        if request.cache.HasField("max_age_s"):
+            max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
         return _Plan(
             served=self.served(spec, version), tenant=request.tenant, mode=mode,
             cached_ok=mode != Mode.BYPASS and cached_at_all, store=cached_at_all and mode != Mode.NO_STORE,
-            max_age_us=request.cache.max_age_s * 1_000_000 if request.cache.HasField("max_age_s") else None,
-            semantic=request.semantic if request.HasField("semantic") else None,
+            max_age_us=max_age_us, semantic=request.semantic if request.HasField("semantic") else None,
         )
 
-    def _keyed(self, tenant: str, spec: ModelSpec, version: str, text: str) -> tuple[str, bytes]:
-        """(normalized text, cache key) of a request's text; INVALID_ARGUMENT when unusable."""
+    def _keyed(self, tenant: str, served: _Served, text: str) -> tuple[str, bytes, bool]:
+        """(normalized text, cache key, private) of a request's text; INVALID_ARGUMENT when unusable.
+        private: the text holds PII and its model says no_store (answered, never looked up or stored)."""
+        spec = served.spec
         if len(text) > spec.max_text_chars:
             raise InvalidArgument(f"text has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
-        normalized = self.normalize(text)
+        normalized = served.normalize(text)
         if not normalized:
             raise InvalidArgument("text is empty (or only punctuation and whitespace); send the text to run")
-        return normalized, entry_key(_ns_id(tenant, spec.name, version), normalized)
+        private = served.no_store and holds_pii(text)
+        if private:
+            self.counters["pii_not_stored"] += 1
+        return normalized, entry_key(_ns_id(tenant, spec.name, served.version), normalized), private
 
-    def _hit(self, plan: _Plan, key: bytes) -> bytes | None:
+    def _hit(self, plan: _Plan, key: bytes, private: bool = False) -> bytes | None:
         """The serialized answer of a fresh entry (stored bytes, never parsed), or None."""
-        if plan.cached_ok and (cache := self.l1()) is not None:
+        if plan.cached_ok and not private and (cache := self.l1()) is not None:
             answer = cache.lookup(key, plan.max_age_us)
             if answer is not None:
                 self.counters["hit_exact"] += 1
                 return answer
         return None
 
-    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes]]) -> list[tuple[int, object]]:
-        """(route, fill) for each missed (text, key): token ids here, in this process."""
+    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]]) -> list[tuple[int, object]]:
+        """(route, fill) for each missed (text, key, private): token ids here, in this process."""
         served = plan.served
-        texts = [text for text, _ in keyed]
+        texts = [text for text, _, _ in keyed]
         ids = served.encoder.encode_batch(texts) if len(texts) > 1 else [served.encoder.encode(texts[0])]
         embed_ids = served.embed_encoder.encode_batch(texts) if served.embed_encoder is not None else None
         spec, version = served.spec, served.version
 
-        def fill(item, n: int, key: bytes) -> None:
+        def fill(item, n: int, key: bytes, private: bool) -> None:
             item.model, item.version, item.tenant, item.key = spec.name, version, plan.tenant, key
             item.ids = np.asarray(ids[n], dtype="<i4").tobytes()
             if embed_ids is not None:
                 item.embed_ids = np.asarray(embed_ids[n], dtype="<i4").tobytes()
-            item.store, item.cached_ok = plan.store, plan.cached_ok
-            if plan.max_age_us is not None:
-                item.max_age_us = plan.max_age_us
+            item.store, item.cached_ok = plan.store and not private, plan.cached_ok and not private
+            item.max_age_us = plan.max_age_us
             if plan.semantic is not None:
                 item.semantic.CopyFrom(plan.semantic)
 
-        return [(served.route(key), functools.partial(fill, n=n, key=key)) for n, (_, key) in enumerate(keyed)]
+        return [(served.route(key), functools.partial(fill, n=n, key=key, private=private))
+                for n, (_, key, private) in enumerate(keyed)]
 
     @staticmethod
     def _answer(result) -> bytes:
@@ -214,21 +226,19 @@ class FrontendCore:
     async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> bytes:
         """The serialized InferResponse (answers leave as bytes: cachestore/wire.py)."""
         plan = self._plan(request)
-        spec = plan.served.spec
-        text, key = self._keyed(request.tenant, spec, plan.served.version, request.text)
-        if (hit := self._hit(plan, key)) is not None:
+        keyed = self._keyed(request.tenant, plan.served, request.text)
+        if (hit := self._hit(plan, keyed[1], keyed[2])) is not None:
             return hit
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
         self.counters["forwarded"] += 1
-        [result] = await self.workers.compute(self._items(plan, [(text, key)]), time_remaining)
+        [result] = await self.workers.compute(self._items(plan, [keyed]), time_remaining)
         return self._answer(result)
 
     async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None) -> bytes:
         """The serialized InferBatchResponse."""
         plan = self._plan(request)
-        spec, version = plan.served.spec, plan.served.version
         limit = self.config.server.max_batch_texts
         if not request.texts:
             raise InvalidArgument("texts is empty; send at least one text")
@@ -237,10 +247,10 @@ class FrontendCore:
         keyed, answers, missed = [], [], []
         for n, text in enumerate(request.texts):
             try:
-                keyed.append(self._keyed(request.tenant, spec, version, text))
+                keyed.append(self._keyed(request.tenant, plan.served, text))
             except InvalidArgument as exc:
                 raise InvalidArgument(f"texts[{n}]: {exc}") from None
-            answers.append(self._hit(plan, keyed[-1][1]))
+            answers.append(self._hit(plan, keyed[-1][1], keyed[-1][2]))
             if answers[-1] is None:
                 missed.append(n)
         self.counters["batch_calls"] += 1
@@ -277,8 +287,8 @@ class FrontendCore:
                 raise InvalidArgument(str(exc)) from None
         if request.text:
             spec = self.repository.get(request.model)
-            version = spec.resolve_version(request.version)
-            _, key = self._keyed(request.tenant, spec, version, request.text)
+            _, key, _ = self._keyed(request.tenant, self.served(spec, spec.resolve_version(request.version)),
+                                    request.text)
             if request.key and request.key != key.hex():
                 raise InvalidArgument("text and key name different entries; set one of them")
             forwarded.key, forwarded.text = key.hex(), ""
@@ -299,8 +309,14 @@ class FrontendCore:
         found = await asyncio.gather(*(one(link) for link in self.workers.links if link.up))
         return [stats for stats in found if stats is not None]
 
-    async def stats(self) -> pb.GetStatsResponse:
-        response = pb.GetStatsResponse(frontend=metrics.process_stats("frontend", ("frontend", self.counters)))
+    async def stats(self, full: bool = True) -> pb.GetStatsResponse:
+        """full=False (a client token): the answering frontend's own counters only."""
+        groups = [("frontend", self.counters)]
+        if self._cache is not None:
+            groups.append(("l1", self._cache.counters))
+        response = pb.GetStatsResponse(frontend=metrics.process_stats("frontend", *groups))
+        if not full:
+            return response
         workers = await self._worker_stats()
         response.workers.extend(workers)
         if workers:
@@ -328,27 +344,44 @@ class FrontendCore:
 
 
 class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
-    def __init__(self, core: FrontendCore) -> None:
+    """Each call is authenticated (server/auth.py) before its request is looked at."""
+
+    def __init__(self, core: FrontendCore, gate: Gate) -> None:
         self.core = core
+        self.gate = gate
+
+    def _admit(self, request, context, role: str) -> Grant:
+        """The caller's grant for a call that needs `role`; then the request must have parsed, and a
+        tenant-bound token's tenant is filled in (or another tenant refused)."""
+        grant = ANONYMOUS if self.gate.tokens is None else self.gate.admit(context.invocation_metadata(), role)
+        parsed(request)
+        if grant.tenant is not None and hasattr(request, "tenant"):
+            bind_tenant(grant, request)
+        return grant
 
     @grpc_errors
     async def Infer(self, request, context):
+        self._admit(request, context, CLIENT)
         return await self.core.infer(request, context.time_remaining())
 
     @grpc_errors
     async def InferBatch(self, request, context):
+        self._admit(request, context, CLIENT)
         return await self.core.infer_batch(request, context.time_remaining())
 
     @grpc_errors
     async def Invalidate(self, request, context):
+        self._admit(request, context, ADMIN)
         return await self.core.invalidate(request, context.time_remaining())
 
     @grpc_errors
     async def GetStats(self, request, context):
-        return await self.core.stats()
+        grant = self._admit(request, context, CLIENT)
+        return await self.core.stats(full=grant.role == ADMIN)
 
     @grpc_errors
     async def ListModels(self, request, context):
+        self._admit(request, context, CLIENT)
         return await self.core.list_models()
 
 
@@ -372,20 +405,31 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+def listen(server: grpc.aio.Server, address: str, tls: tuple[bytes, bytes, bytes | None] | None) -> int:
+    """The public port: plaintext, TLS, or mutual TLS when a client CA is given (clients without a
+    certificate it signed fail the handshake). The port number, 0 when it cannot listen."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    cert, key, client_ca = tls
+    credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                              require_client_auth=client_ca is not None)
+    return server.add_secure_port(address, credentials)
+
+
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event) -> None:
-    repository = ModelRepository(Path(config.server.models_dir))
+    repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
                          default_timeout_s=config.server.worker_timeout_s, counters=counters)
     core = FrontendCore(config, repository, workers, counters)
     core.l1()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    add_servicer(FrontendServicer(core), server)
+    add_servicer(FrontendServicer(core, Gate(config.secrets.tokens)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.server.host}:{config.server.port}"
-    if server.add_insecure_port(address) == 0:
+    if listen(server, address, config.secrets.tls) == 0:
         raise SystemExit(f"frontend {index}: cannot listen on {address}")
     await server.start()
 

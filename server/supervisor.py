@@ -52,8 +52,8 @@ class Supervisor:
         self.config = config
         self.ctx = multiprocessing.get_context("spawn")
         self.ready = self.ctx.Queue()
-        socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))
-        socket_dir.mkdir(parents=True, exist_ok=True)
+        socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))  # mkdtemp: 0700
+        socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._temporary_sockets = None if config.server.socket_dir else socket_dir  # ours to remove at the end
         # Decided here, before any child exists, without importing torch or touching CUDA.
         self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus(),

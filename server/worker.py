@@ -95,7 +95,8 @@ def _open_writer(config: Config) -> WriteBehind | None:
     except StoreError as exc:
         log.error("result store unavailable, serving without it: %s", exc)
         return None
-    return WriteBehind(store, batch_max=config.cache.write_batch, sweep_interval_s=config.cache.sweep_interval_s)
+    return WriteBehind(store, batch_max=config.cache.write_batch, sweep_interval_s=config.cache.sweep_interval_s,
+                       max_ttl_s=config.cache.max_ttl_s)
 
 
 def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
@@ -133,7 +134,7 @@ def _engine_threads(config: Config, cpu_workers: int) -> int:
 
 async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: Path, ready,
                  stop: asyncio.Event) -> None:
-    repository = ModelRepository(Path(config.server.models_dir))
+    repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     engine_counters: Counter[str] = Counter()
     engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
                                       threads=_engine_threads(config, cpu_workers))
@@ -155,6 +156,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     items = await asyncio.get_running_loop().create_unix_server(
         lambda: _Connection(core, connections).protocol, path=str(items_path))
     await server.start()
+    for path in (socket_path, items_path):  # the server's own user only (the folder is private too)
+        path.chmod(0o600)
     ready.put(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
              placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from infercache.testing import REPO, ServerProcess
 from tests.helpers import link_model
 
 MODEL_VERSION_DIR = REPO / "models" / "minilm" / "1"
+FAQ = REPO / "examples" / "faq.csv"
 MINILM_CONFIG = (REPO / "models" / "minilm" / "config.yaml").read_text()
 SHORT_TTL_S = 2
 
@@ -32,6 +35,21 @@ def models_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
     link_model(root, "shortlived", SHORT_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR})
+    return root
+
+
+@pytest.fixture(scope="session")
+def faq_models(tmp_path_factory) -> Path:
+    """minilm and faq (a head trained on examples/faq.csv by the CLI), and faq-short (its entries live 2 s)."""
+    root = tmp_path_factory.mktemp("semantic-models")
+    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    trained = subprocess.run(
+        [sys.executable, "-m", "server", "train-head", str(FAQ), "--name", "faq", "--label-column", "intent",
+         "--models-dir", str(root)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert "accuracy" in trained.stdout and (root / "faq" / "1" / "labels.json").is_file()
+    config = (root / "faq" / "config.yaml").read_text()  # the same head, entries living 2 s:
+    link_model(root, "faq-short", config.replace("ttl_s: 604800", "ttl_s: 2"), {"1": root / "faq" / "1"})
     return root
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,24 +14,8 @@ from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.match_policy import MatchPolicy, Neighbor
 from server.semantic import INITIAL_CAPACITY, _Index
-from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
+from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique
-
-FAQ = REPO / "examples" / "faq.csv"
-
-
-@pytest.fixture(scope="module")
-def faq_models(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("semantic-models")
-    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
-    trained = subprocess.run(
-        [sys.executable, "-m", "server", "train-head", str(FAQ), "--name", "faq", "--label-column", "intent",
-         "--models-dir", str(root)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert trained.returncode == 0, trained.stdout + trained.stderr
-    assert "accuracy" in trained.stdout and (root / "faq" / "1" / "labels.json").is_file()
-    config = (root / "faq" / "config.yaml").read_text()  # the same head, entries living 2 s:
-    link_model(root, "faq-short", config.replace("ttl_s: 604800", "ttl_s: 2"), {"1": root / "faq" / "1"})
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,118 @@
+"""Who may do what: bearer tokens in call metadata, each mapped to a role and optionally a tenant.
+
+The token file (`security.tokens_file`, YAML) is read once at start:
+
+    - token: "..."          # at least 24 characters; e.g. `openssl rand -base64 32`
+      role: client          # Infer, InferBatch, ListModels, and GetStats of the answering process only
+      tenant: acme          # optional: this token acts as tenant "acme" and as no other
+    - token: "..."
+      role: admin           # everything: also Invalidate and the whole of GetStats
+
+A call carries `authorization: Bearer <token>`. A missing or unknown token is UNAUTHENTICATED, a role
+too low PERMISSION_DENIED. A token bound to a tenant fills an empty `tenant` of its requests and refuses
+any other (PERMISSION_DENIED), in Infer, InferBatch and Invalidate alike. Without a token file every
+caller is an unbound admin (the default on loopback; server/config.py refuses other addresses unless
+`security.allow_anonymous` says so). Health checks and reflection stay open: probes carry no token.
+
+Tokens are kept only as SHA-256 digests, and a presented token is looked up by its digest: the time a
+lookup takes depends on digest bytes, which say nothing usable about any token (no byte-by-byte
+comparison of a secret is ever made, so there is no timing oracle). Tokens never reach a log or a message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from server.errors import PermissionDenied, Unauthenticated
+
+CLIENT, ADMIN = "client", "admin"
+_RANK = {CLIENT: 0, ADMIN: 1}
+MIN_TOKEN_CHARS = 24
+_PREFIX = "bearer "
+
+
+class TokenFileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Grant:
+    role: str
+    tenant: str | None = None  # None: may act as any tenant
+
+
+ANONYMOUS = Grant(ADMIN)  # authentication off
+
+
+def digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def read_tokens(path: str) -> dict[bytes, Grant]:
+    """sha256(token) -> Grant from a token file; TokenFileError naming the entry that is wrong."""
+    try:
+        entries = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise TokenFileError(f"cannot read token file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise TokenFileError(f"token file {path} is not valid YAML: {exc}") from None
+    if not isinstance(entries, list) or not entries:
+        raise TokenFileError(f"token file {path}: expected a list of {{token, role, tenant}} entries")
+    table: dict[bytes, Grant] = {}
+    for n, entry in enumerate(entries):
+        where = f"token file {path}, entry {n}"
+        if not isinstance(entry, dict) or set(entry) - {"token", "role", "tenant"}:
+            raise TokenFileError(f"{where}: expected a mapping with token, role and optionally tenant")
+        token, role, tenant = entry.get("token"), entry.get("role"), entry.get("tenant")
+        if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or token != token.strip():
+            raise TokenFileError(f"{where}: token must be a string of at least {MIN_TOKEN_CHARS} characters "
+                                 "without surrounding spaces (e.g. openssl rand -base64 32)")
+        if role not in _RANK:
+            raise TokenFileError(f"{where}: role must be {CLIENT} or {ADMIN}, got {role!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TokenFileError(f"{where}: tenant must be a string")
+        key = digest(token)
+        if key in table:
+            raise TokenFileError(f"{where}: the same token appears twice")
+        table[key] = Grant(role, tenant)
+    return table
+
+
+class Gate:
+    """Checks each call's token against the table (None: authentication off)."""
+
+    def __init__(self, tokens: dict[bytes, Grant] | None) -> None:
+        self.tokens = tokens
+
+    def grant(self, metadata) -> Grant:
+        if self.tokens is None:
+            return ANONYMOUS
+        for name, value in metadata or ():
+            if name == "authorization":
+                if not value[:len(_PREFIX)].lower() == _PREFIX:
+                    raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+                found = self.tokens.get(digest(value[len(_PREFIX):].strip()))
+                if found is None:
+                    raise Unauthenticated("unknown token")
+                return found
+        raise Unauthenticated("this server needs a token: send metadata 'authorization: Bearer <token>'")
+
+    def admit(self, metadata, role: str) -> Grant:
+        grant = self.grant(metadata)
+        if _RANK[grant.role] < _RANK[role]:
+            raise PermissionDenied(f"this call needs the {role} role; the token has {grant.role}")
+        return grant
+
+
+def bind_tenant(grant: Grant, request) -> None:
+    """A tenant-bound token acts as its tenant: fills an empty `tenant`, refuses another one."""
+    if grant.tenant is None:
+        return
+    if not request.tenant:
+        request.tenant = grant.tenant
+    elif request.tenant != grant.tenant:
+        raise PermissionDenied("this token may act only as its own tenant; leave tenant empty or set it to that")

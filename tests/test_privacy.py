@@ -1,0 +1,123 @@
+"""PII through the real server: 1,000 requests with planted PII of every kind in `redact` mode leave no
+trace of it in any file under the cache directory (semantic snapshots included) or in the log, while the
+redacted variants share entries; `no_store` answers such requests and never caches them."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from infercache.testing import ServerProcess
+from infercache.v1 import infercache_pb2 as pb
+from server.normalize import DEFAULT_STEPS, Normalizer
+from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.helpers import is_cached, link_model, wait_cached
+
+REDACT = "privacy:\n  pii: redact\n"
+TEMPLATES = {
+    "email": "please send the statement to {} today",
+    "iban": "my transfer to {} has not arrived",
+    "card": "my card {} was declined at the shop",
+    "national_id": "my social security number is {}, update my profile",
+    "ip": "my login was blocked from {} this morning",
+    "phone": "call me back at {} about my refund",
+}
+
+
+def luhn_card(rng: random.Random) -> str:
+    digits = [4] + [rng.randrange(10) for _ in range(14)]
+    total = sum(d if i % 2 else (2 * d if 2 * d < 10 else 2 * d - 9) for i, d in enumerate(reversed(digits)))
+    number = "".join(map(str, digits + [(10 - total % 10) % 10]))
+    return " ".join(number[i:i + 4] for i in range(0, 16, 4))
+
+
+def iban(rng: random.Random) -> str:
+    bban = "".join(str(rng.randrange(10)) for _ in range(18))
+    check = 98 - int(bban + "131400") % 97  # D=13, E=14, check digits 00
+    return f"DE{check:02d}{bban}"
+
+
+def planted(kind: str, n: int, rng: random.Random) -> str:
+    return {
+        "email": lambda: f"customer.{n}+bank@example{n % 7}.com",
+        "iban": lambda: iban(rng),
+        "card": lambda: luhn_card(rng),
+        "national_id": lambda: f"{rng.randrange(100, 665)}-{rng.randrange(10, 99)}-{rng.randrange(1000, 9999)}",
+        "ip": lambda: f"10.{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(1, 255)}",
+        "phone": lambda: f"+1 415 555 {rng.randrange(10000):04d}",
+    }[kind]()
+
+
+def traces(value: str) -> set[bytes]:
+    """The forms a value could be stored in: as sent, case-folded, normalized without redaction, digits only."""
+    forms = {value, value.lower(), Normalizer(DEFAULT_STEPS)(value)}
+    digits = "".join(c for c in value if c.isdigit())
+    if len(digits) >= 7:
+        forms.add(digits)
+    return {form.encode() for form in forms}
+
+
+@pytest.fixture(scope="module")
+def private_server(tmp_path_factory, faq_models, engines_dir):
+    root = tmp_path_factory.mktemp("private-models")
+    link_model(root, "minilm", MINILM_CONFIG + REDACT, {"1": MODEL_VERSION_DIR})
+    link_model(root, "minilm-no-store", MINILM_CONFIG + "privacy:\n  pii: no_store\n", {"1": MODEL_VERSION_DIR})
+    faq = (faq_models / "faq" / "config.yaml").read_text()
+    link_model(root, "faq", faq + REDACT, {"1": faq_models / "faq" / "1"})
+    srv = ServerProcess(tmp_path_factory.mktemp("private-server"), root, engines_dir=engines_dir, frontends=1)
+    yield srv
+    srv.stop()
+
+
+def test_text_of_a_refused_request_stays_out_of_the_log(private_server):
+    channel, stub = private_server.stub()
+    with channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Infer(pb.InferRequest(model="minilm", text="x" * 5000 + " my card 4111 1111 1111 1111"), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "4111" not in private_server.log_text()
+
+
+def test_planted_pii_is_nowhere_on_disk_nor_in_the_log_and_variants_share_entries(private_server):
+    rng = random.Random(77)
+    jobs = []
+    for n in range(1000):
+        kind = list(TEMPLATES)[n % len(TEMPLATES)]
+        model = "faq" if (n // len(TEMPLATES)) % 2 else "minilm"
+        jobs.append((model, kind, planted(kind, n, rng)))
+    with private_server.client() as client, ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda job: client.infer(job[0], TEMPLATES[job[1]].format(job[2])), jobs))
+        keys: dict[tuple[str, str], set[str]] = {}
+        for (model, kind, _), answer in zip(jobs, answers):
+            keys.setdefault((model, kind), set()).add(answer.key)
+        assert all(len(found) == 1 for found in keys.values()), keys  # every variant: one entry
+        sources = [a.source for a in answers]
+        assert sources.count("RESULT_EXACT") >= 900, sources
+        card_answers = [a for (m, k, _), a in zip(jobs, answers) if (m, k) == ("faq", "card")]
+        assert len({a.label for a in card_answers}) == 1
+        for model, kind in keys:
+            wait_cached(client, model, TEMPLATES[kind].format(planted(kind, 10_000, rng)))
+        assert client.stats().store.entries == len(keys)
+        secret = "my card 4539 1488 0343 6467 expired, call +44 20 7946 0958"
+        for _ in range(2):  # no_store: answered every time, never cached, never looked up
+            assert client.infer("minilm-no-store", secret).source == "MISS"
+        assert not is_cached(client, "minilm-no-store", secret)
+        assert client.stats().frontend.counters["frontend.pii_not_stored"] >= 3
+        clean = "how long does a transfer take"
+        client.infer("minilm-no-store", clean)
+        wait_cached(client, "minilm-no-store", clean)
+    assert private_server.stop() == 0  # the worker writes its semantic snapshots on the way out
+
+    files = [p for p in private_server.cache_dir.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".hnsw" for p in files), "no semantic snapshot was written"
+    haystacks = {p: p.read_bytes() for p in files}
+    haystacks[private_server.log_path] = private_server.log_path.read_bytes()
+    needles = set().union(*(traces(value) for _, _, value in jobs), traces("4539 1488 0343 6467"),
+                          traces("+44 20 7946 0958"))
+    found = [(needle, path.name) for needle in needles for path, data in haystacks.items() if needle in data]
+    assert not found, found[:10]
+    # The search reads what is stored: the answers' labels are there in clear (no encryption here).
+    assert card_answers[0].label.encode() in haystacks[private_server.cache_dir / "data.mdb"]
