@@ -9,6 +9,8 @@
 3. Start-up: process start to the first served hit (warm store) and to the first served miss.
 4. L3 engine store: cold (build) vs warm (find, verify, load) for ONNX Runtime, TensorRT(-RTX) and the
    whole server's start to ready.
+5. Security (`--sections security`, bench/security.py): exact hits with auth + encryption + redaction
+   on vs all off, and redaction's cost per Banking77 text.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -31,6 +33,7 @@ from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
+from bench.security import bench_hit_path, bench_redaction, print_security
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
 from bench.load import run_load
 from infercache.testing import REPO, ServerProcess
@@ -272,8 +275,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, gpu and workers (the "
-                             "lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, gpu and "
+                             "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--gpu-parts", default=",".join(PARTS),
                         help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
     parser.add_argument("--gpu-workers", default="1",
@@ -300,6 +303,12 @@ def main() -> None:
                                    limit=None if not args.quick else 2000),
                 "rebuild": bench_rebuild(models, workdir, 100_000 if not args.quick else 10_000),
             }
+        if "security" in sections:
+            print("benchmarking auth + encryption + redaction on the hit path ...", flush=True)
+            report["security"] = {
+                "hit_path": bench_hit_path(workdir / "security", texts, rounds, scale),
+                "redaction": bench_redaction(texts),
+            }
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
@@ -321,6 +330,8 @@ def main() -> None:
         print_l3(report["l3_engines"])
     if "semantic" in report:
         print_semantic(report["semantic"])
+    if "security" in report:
+        print_security(report["security"])
     if "gpu" in report:
         print_gpu(report["gpu"])
     if "workers" in report:

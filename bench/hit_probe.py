@@ -37,7 +37,7 @@ async def _probe(cache_dir: Path, calls: int) -> None:
             t0 = time.perf_counter()
             plan = core._plan(request)
             t1 = time.perf_counter()
-            _, key = core._keyed(request.tenant, plan.served.spec, plan.served.version, request.text)
+            _, key, _ = core._keyed(request.tenant, plan.served, request.text)
             t2 = time.perf_counter()
             cache.lookup(key, None)
             t3 = time.perf_counter()

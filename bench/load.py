@@ -38,7 +38,7 @@ class LoadResult:
 
 
 async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency: int, total: int,
-                   channels: int = 16, timeout: float = 30.0) -> LoadResult:
+                   channels: int = 16, timeout: float = 30.0, metadata: tuple | None = None) -> LoadResult:
     """Sends `total` requests cycling through `requests`. Many channels (connections), so that
     SO_REUSEPORT's hashing spreads them evenly over the server's processes: with 4 connections on 2
     processes one process often gets 3, and the run measures that imbalance instead of the server."""
@@ -57,7 +57,7 @@ async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency
         for request in source:
             started = time.perf_counter()
             try:
-                response = await stub.Infer(request, timeout=timeout)
+                response = await stub.Infer(request, timeout=timeout, metadata=metadata)
             except grpc.aio.AioRpcError:
                 errors += 1
                 continue
