@@ -1,6 +1,6 @@
 """Who may do what: bearer tokens in call metadata, each mapped to a role and optionally a tenant.
 
-The token file (`security.tokens_file`, YAML) is read once at start:
+The token file (`security.tokens_file`, YAML) is read at start and again on SIGHUP:
 
     - token: "..."          # at least 24 characters; e.g. `openssl rand -base64 32`
       role: client          # Infer, InferBatch, ListModels, and GetStats of the answering process only

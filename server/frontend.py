@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server import metrics, process
-from server.auth import ADMIN, ANONYMOUS, CLIENT, Gate, Grant, bind_tenant
+from server.auth import ADMIN, ANONYMOUS, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
 from server.config import Config, store_settings
 from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors, lenient,
                            parsed, quoted)
@@ -405,6 +406,16 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+async def reload_tokens(gate: Gate, path: str) -> None:
+    """SIGHUP (forwarded by the supervisor): the token file again; a file that does not load keeps the
+    tokens in force. Authentication cannot be turned on or off this way, only its tokens changed."""
+    try:
+        gate.tokens = await asyncio.to_thread(read_tokens, path)
+        log.info("token file reloaded: %d token(s)", len(gate.tokens))
+    except TokenFileError as exc:
+        log.error("token file not reloaded, the previous tokens stay in force: %s", exc)
+
+
 def listen(server: grpc.aio.Server, address: str, tls: tuple[bytes, bytes, bytes | None] | None) -> int:
     """The public port: plaintext, TLS, or mutual TLS when a client CA is given (clients without a
     certificate it signed fail the handshake). The port number, 0 when it cannot listen."""
@@ -424,7 +435,16 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     core = FrontendCore(config, repository, workers, counters)
     core.l1()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-    add_servicer(FrontendServicer(core, Gate(config.secrets.tokens)), server)
+    gate = Gate(config.secrets.tokens)
+    add_servicer(FrontendServicer(core, gate), server)
+    if config.security.tokens_file:
+        loop, reloads = asyncio.get_running_loop(), set()  # tasks referenced until done
+
+        def on_sighup() -> None:
+            task = loop.create_task(reload_tokens(gate, config.security.tokens_file))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -458,5 +478,6 @@ def main(config: Config, index: int, socket_paths: list[str], ready) -> None:
     """Entry point of a spawned frontend process."""
     # The frontends are the parallelism: each tokenizes on its own thread, not on a pool per process.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload that arrives before the loop's handler is not an exit
     process.setup_logging(config.server.log_level, f"frontend-{index}")
     process.run(lambda stop: _serve(config, index, [Path(p) for p in socket_paths], ready, stop))

@@ -67,6 +67,7 @@ class Supervisor:
             for i in range(config.frontend_count)
         ]
         self._stopping = False
+        self._reload = False
 
     def _start(self, child: _Child) -> None:
         child.process = self.ctx.Process(target=child.target, args=child.args, name=child.name)
@@ -93,6 +94,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_reload)
         started = time.monotonic()
         # Before any child maps the store: a truncated data file would kill them with SIGBUS.
         integrity.quarantine_if_damaged(Path(self.config.cache.dir))
@@ -122,7 +124,20 @@ class Supervisor:
     def _on_signal(self, signum, frame) -> None:
         self._stopping = True
 
+    def _on_reload(self, signum, frame) -> None:
+        """SIGHUP: the frontends read the token file again (server/frontend.py reload_tokens)."""
+        self._reload = True
+
+    def _forward_reload(self) -> None:
+        self._reload = False
+        live = [c.process.pid for c in self.frontends if c.process is not None and c.process.is_alive()]
+        for pid in live:
+            os.kill(pid, signal.SIGHUP)
+        log.info("SIGHUP: %d frontend(s) reload the token file", len(live))
+
     def _watch(self) -> None:
+        if self._reload:
+            self._forward_reload()
         children = [*self.workers, *self.frontends]
         sentinels = [c.process.sentinel for c in children if c.process is not None and c.process.is_alive()]
         wait(sentinels, timeout=0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
 import stat
 import time
 
@@ -282,3 +283,37 @@ def test_store_and_sockets_are_private_and_names_never_become_paths(start_server
     run = srv.workdir / "run"
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
     assert {stat.S_IMODE(p.stat().st_mode) for p in run.iterdir()} == {0o600}
+
+
+def test_sighup_reloads_the_token_file_and_a_broken_one_keeps_the_tokens_in_force(start_server, tmp_path):
+    tokens = tmp_path / "tokens.yaml"
+    old, new = TOKENS["admin"], f"rotated-{os.urandom(16).hex()}"
+    tokens.write_text(yaml.safe_dump([{"token": old, "role": "admin"}]))
+    srv = start_server(frontends=2, settings=(f"security.tokens_file={tokens}",))
+
+    def code(token: str) -> grpc.StatusCode:
+        try:
+            with srv.client(token=token) as client:  # a fresh connection: either frontend
+                client.models()
+            return OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    def settle(expect: dict[str, grpc.StatusCode]) -> None:
+        deadline = time.monotonic() + 10
+        while any(code(token) != wanted for token, wanted in expect.items() for _ in range(4)):
+            assert time.monotonic() < deadline, {token[:8]: code(token) for token in expect}
+            time.sleep(0.1)
+
+    assert code(old) == OK and code(new) == grpc.StatusCode.UNAUTHENTICATED
+    tokens.write_text(yaml.safe_dump([{"token": new, "role": "admin"}]))
+    srv.proc.send_signal(signal.SIGHUP)
+    settle({new: OK, old: grpc.StatusCode.UNAUTHENTICATED})
+    tokens.write_text("- {token: short, role: admin}\n")
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while srv.log_text().count("previous tokens stay in force") < 2:
+        assert time.monotonic() < deadline, srv.log_text()[-2000:]
+        time.sleep(0.1)
+    settle({new: OK})
+    assert srv.stop() == 0
