@@ -8,6 +8,7 @@ import os
 import signal
 import stat
 import time
+import zlib
 
 import grpc
 import lmdb
@@ -215,7 +216,6 @@ def test_encrypted_store_holds_no_plaintext_tampering_is_a_miss_and_keys_rotate(
         flipped[records.HEADER.size + 30] ^= 0x40
         version, flags, kid, _, created, expires = records.HEADER.unpack_from(flipped)
         body = bytes(flipped[records.HEADER.size:])
-        import zlib
         txn.put(keys["a"], records.HEADER.pack(version, flags, kid, zlib.crc32(body), created, expires) + body, db=db)
         txn.put(keys["c"], txn.get(keys["b"], db=db), db=db)  # b's record copied under c's key
     env.close()
