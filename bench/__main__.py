@@ -35,7 +35,7 @@ from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
 from bench.security import bench_hit_path, bench_redaction, print_security
 from bench.semantic import bench_eval, bench_rebuild, print_semantic
-from bench.load import run_load
+from bench.load import run_load, warm
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
@@ -60,26 +60,6 @@ def make_models(root: Path) -> Path:
         (root / name / "config.yaml").write_text(config)
         (root / name / "1").symlink_to(source / "1")
     return root
-
-
-def warm(address: str, requests: list[pb.InferRequest]) -> None:
-    with grpc.insecure_channel(address) as channel:
-        stub = infercache_pb2_grpc.InferenceCacheStub(channel)
-        for request in requests:
-            stub.Infer(request, timeout=30)
-        deadline = time.monotonic() + 30
-        for request in requests:  # until the write-behind has committed every entry
-            cached = pb.InferRequest()
-            cached.CopyFrom(request)
-            cached.cache.mode = pb.CachePolicy.ONLY_IF_CACHED
-            while True:
-                try:
-                    stub.Infer(cached, timeout=30)
-                    break
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
 
 
 def bench_hits(server: ServerProcess, baselines: dict[str, str], texts: list[str], rounds: int, scale: float) -> dict:

@@ -73,6 +73,27 @@ async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency
     return LoadResult(len(latencies), errors, seconds, np.array(latencies), sources)
 
 
+def warm(address: str, requests: list[pb.InferRequest], metadata: tuple | None = None) -> None:
+    """Sends each request once, then waits until the write-behind has committed every entry."""
+    with grpc.insecure_channel(address) as channel:
+        stub = infercache_pb2_grpc.InferenceCacheStub(channel)
+        for request in requests:
+            stub.Infer(request, timeout=30, metadata=metadata)
+        deadline = time.monotonic() + 30
+        for request in requests:
+            cached = pb.InferRequest()
+            cached.CopyFrom(request)
+            cached.cache.mode = pb.CachePolicy.ONLY_IF_CACHED
+            while True:
+                try:
+                    stub.Infer(cached, timeout=30, metadata=metadata)
+                    break
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+
+
 # ---- several load processes, raw bytes ----------------------------------------------------------------
 
 CHANNELS_PER_PROCESS = 16

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from bench.gpu import _children, _cpu_seconds
-from bench.load import run_load
+from bench.load import run_load, warm
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
@@ -68,22 +68,6 @@ def _servers(workdir: Path, frontends: int, round_: int, token: str) -> tuple[Se
     return off, on
 
 
-def _warm(server: ServerProcess, texts: list[str]) -> None:
-    with server.client() as client:
-        for text in texts:
-            client.infer("minilm", text)
-        deadline = time.monotonic() + 60
-        for text in texts:
-            while True:
-                try:
-                    client.infer("minilm", text, mode="ONLY_IF_CACHED")
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
-
-
 def frontend_cpu_us_per_hit(server: ServerProcess, requests: list, total: int, metadata) -> float:
     """The frontends' CPU seconds over a 32-caller run of hits, per hit, in microseconds."""
     pids = [pid for pid in _children(server.proc.pid) if pid not in {w.pid for w in server.stats().workers}]
@@ -107,8 +91,8 @@ def bench_hit_path(workdir: Path, texts: list[str], rounds: int, scale: float, f
         off, on = _servers(workdir, frontends, round_, token)
         calls = (("off", off, None), ("off_token", off, metadata), ("on", on, metadata))
         try:
-            for server in (off, on):
-                _warm(server, chosen)
+            for server, md in ((off, None), (on, metadata)):
+                warm(server.address, requests, md)
             for name, server, md in calls:
                 for concurrency, total in plan.items():
                     asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total // 10,

@@ -34,8 +34,9 @@ from pathlib import Path
 import grpc
 
 from bench import RESULTS
-from bench.__main__ import load_texts, warm
+from bench.__main__ import load_texts
 from bench.gpu import INFER, _children
+from bench.load import warm
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 

@@ -19,6 +19,8 @@ import struct
 import time
 from pathlib import Path
 
+from cachestore.env import DIR_MODE
+
 log = logging.getLogger("infercache.store")
 
 DATA_FILE = "data.mdb"
@@ -75,7 +77,7 @@ def quarantine_if_damaged(store_dir: Path) -> Path | None:
     if why is None:
         return None
     aside = store_dir.with_name(f"{store_dir.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
-    aside.mkdir(mode=0o700, parents=True, exist_ok=True)  # a damaged store still holds users' answers
+    aside.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)  # a damaged store still holds users' answers
     for name in (DATA_FILE, LOCK_FILE):
         if (store_dir / name).exists():
             (store_dir / name).rename(aside / name)

@@ -94,7 +94,8 @@ class Client:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s, metadata=self.metadata)
 
     def models(self) -> list[pb.ModelInfo]:
-        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self.metadata).models)
+        response = self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self.metadata)
+        return list(response.models)
 
     def close(self) -> None:
         self.channel.close()

@@ -88,9 +88,17 @@ class Gate:
     def __init__(self, tokens: dict[bytes, Grant] | None) -> None:
         self.tokens = tokens
 
-    def grant(self, metadata) -> Grant:
+    def admit(self, context, role: str) -> Grant:
+        """The grant of a call (its context's metadata) that needs `role`. With authentication off,
+        ANONYMOUS, without reading the metadata (the hit path pays nothing)."""
         if self.tokens is None:
             return ANONYMOUS
+        grant = self._grant(context.invocation_metadata())
+        if _RANK[grant.role] < _RANK[role]:
+            raise PermissionDenied(f"this call needs the {role} role; the token has {grant.role}")
+        return grant
+
+    def _grant(self, metadata) -> Grant:
         for name, value in metadata or ():
             if name == "authorization":
                 if not value[:len(_PREFIX)].lower() == _PREFIX:
@@ -100,12 +108,6 @@ class Gate:
                     raise Unauthenticated("unknown token")
                 return found
         raise Unauthenticated("this server needs a token: send metadata 'authorization: Bearer <token>'")
-
-    def admit(self, metadata, role: str) -> Grant:
-        grant = self.grant(metadata)
-        if _RANK[grant.role] < _RANK[role]:
-            raise PermissionDenied(f"this call needs the {role} role; the token has {grant.role}")
-        return grant
 
 
 def bind_tenant(grant: Grant, request) -> None:

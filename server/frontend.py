@@ -31,7 +31,7 @@ from cachestore.results import ResultCache
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server import metrics, process
-from server.auth import ADMIN, ANONYMOUS, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
+from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
 from server.config import Config, store_settings
 from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors, lenient,
                            parsed, quoted)
@@ -354,7 +354,7 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     def _admit(self, request, context, role: str) -> Grant:
         """The caller's grant for a call that needs `role`; then the request must have parsed, and a
         tenant-bound token's tenant is filled in (or another tenant refused)."""
-        grant = ANONYMOUS if self.gate.tokens is None else self.gate.admit(context.invocation_metadata(), role)
+        grant = self.gate.admit(context, role)
         parsed(request)
         if grant.tenant is not None and hasattr(request, "tenant"):
             bind_tenant(grant, request)

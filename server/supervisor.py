@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from cachestore import integrity
+from cachestore.env import DIR_MODE
 from server import devices, frontend, process, worker
 from server.config import Config
 
@@ -53,7 +54,7 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.ready = self.ctx.Queue()
         socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))  # mkdtemp: 0700
-        socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        socket_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._temporary_sockets = None if config.server.socket_dir else socket_dir  # ours to remove at the end
         # Decided here, before any child exists, without importing torch or touching CUDA.
         self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus(),

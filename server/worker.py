@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from cachestore.env import Store
+from cachestore.env import FILE_MODE, Store
 from cachestore.errors import StoreError
 from cachestore.writer import WriteBehind
 from infercache.v1 import infercache_pb2 as pb
@@ -157,7 +157,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         lambda: _Connection(core, connections).protocol, path=str(items_path))
     await server.start()
     for path in (socket_path, items_path):  # the server's own user only (the folder is private too)
-        path.chmod(0o600)
+        path.chmod(FILE_MODE)
     ready.put(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
              placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))

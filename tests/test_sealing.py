@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import os
 import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from cachestore.errors import Unsealable
 from cachestore.keys import Namespace, entry_key
 from cachestore.sealing import KeyFileError, KeyRing, key_id, parse_keys
 from cachestore.writer import WriteBehind
+from tests.helpers import reseal_crc
 
 MB = 1 << 20
 K1, K2 = os.urandom(32), os.urandom(32)
@@ -36,13 +36,6 @@ def write(store: Store, text: str, payload: bytes = PLANTED, embedding: np.ndarr
     writer.flush().result(10)
     writer.close()
     return key
-
-
-def reseal_crc(raw: bytes) -> bytes:
-    """The record with its header checksum made valid again (so only the GCM tag can catch a change)."""
-    version, flags, kid, _, created, expires = records.HEADER.unpack_from(raw)
-    payload = raw[records.HEADER.size:]
-    return records.HEADER.pack(version, flags, kid, zlib.crc32(payload), created, expires) + payload
 
 
 def test_key_file_formats_and_errors():

@@ -8,7 +8,6 @@ import os
 import signal
 import stat
 import time
-import zlib
 
 import grpc
 import lmdb
@@ -26,7 +25,7 @@ from infercache.v1 import infercache_pb2 as pb
 from server import config as config_mod
 from server.auth import TokenFileError, read_tokens
 from tests import certs
-from tests.helpers import is_cached, unique, wait_cached
+from tests.helpers import is_cached, reseal_crc, unique, wait_cached
 
 TOKENS = {role: f"{role}-{os.urandom(16).hex()}" for role in ("admin", "client", "acme")}
 
@@ -214,9 +213,7 @@ def test_encrypted_store_holds_no_plaintext_tampering_is_a_miss_and_keys_rotate(
         db = env.open_db(DB_RESULTS, txn=txn)
         flipped = bytearray(txn.get(keys["a"], db=db))
         flipped[records.HEADER.size + 30] ^= 0x40
-        version, flags, kid, _, created, expires = records.HEADER.unpack_from(flipped)
-        body = bytes(flipped[records.HEADER.size:])
-        txn.put(keys["a"], records.HEADER.pack(version, flags, kid, zlib.crc32(body), created, expires) + body, db=db)
+        txn.put(keys["a"], reseal_crc(bytes(flipped)), db=db)
         txn.put(keys["c"], txn.get(keys["b"], db=db), db=db)  # b's record copied under c's key
     env.close()
 
