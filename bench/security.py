@@ -11,9 +11,10 @@ The load generator is one Python process, and gRPC Python's client spends 40-80 
 call on sending a metadata header (measured: 200 -> 240-280 us per call), which on a shared machine
 slows whatever it measures. So the "off" server is called twice: as is ("off") and with the same token
 header it ignores ("off_token"): on / off_token is the server's cost (the target), on / off adds the
-Python client's. Each round starts a fresh pair of servers: a process keeps its place on the machine's
-cores for its life, and on the H200 host that alone moved one-caller p50 between 0.70 and 0.97 ms across
-identical servers. Medians over rounds at 1 and 32 callers; each frontend's CPU per hit (its CPU seconds
+Python client's. Each round starts a fresh pair of servers and alternates which is measured first: a
+process keeps its place on the machine's cores for its life, and on the H200 host that alone moved
+one-caller p50 between 0.70 and 0.97 ms across identical servers. On a host of 8 CPUs or more the load
+generator runs on two physical cores of its own and the servers on the rest (bench/cores.py). Medians over rounds at 1 and 32 callers; each frontend's CPU per hit (its CPU seconds
 over a 32-caller run, from /proc). Then redaction alone, in this process, over every
 Banking77 text: the normalizer with and without its redaction step.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from bench import cores
 from bench.gpu import _children, _cpu_seconds
 from bench.load import run_load, warm
 from infercache.testing import REPO, ServerProcess
@@ -87,27 +89,31 @@ def bench_hit_path(workdir: Path, texts: list[str], rounds: int, scale: float, f
     names = ("off", "off_token", "on")
     runs: dict[str, dict[int, list[dict]]] = {name: {1: [], 32: []} for name in names}
     cpu_runs: dict[str, list[float]] = {name: [] for name in names}
+    placement = cores.split()
     for round_ in range(rounds):
-        off, on = _servers(workdir, frontends, round_, token)
+        with cores.affinity(placement and placement.servers):
+            off, on = _servers(workdir, frontends, round_, token)
         calls = (("off", off, None), ("off_token", off, metadata), ("on", on, metadata))
         try:
-            for server, md in ((off, None), (on, metadata)):
-                warm(server.address, requests, md)
-            for name, server, md in calls:
-                for concurrency, total in plan.items():
-                    asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total // 10,
-                                         metadata=md))
-                    result = asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total,
-                                                  metadata=md))
-                    assert result.errors == 0, f"{name}: {result.errors} errors"
-                    assert result.sources == {"RESULT_EXACT": result.requests}, (name, result.sources)
-                    runs[name][concurrency].append(result.summary())
-                cpu_runs[name].append(frontend_cpu_us_per_hit(server, requests, plan[32], md))
-            unsealable = int(on.stats().frontend.counters.get("l1.records_unsealable", 0))
+            with cores.affinity(placement and placement.load):
+                for server, md in ((off, None), (on, metadata)):
+                    warm(server.address, requests, md)
+                for name, server, md in (calls if round_ % 2 == 0 else calls[::-1]):  # neither always first
+                    for concurrency, total in plan.items():
+                        asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total // 10,
+                                             metadata=md))
+                        result = asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total,
+                                                      metadata=md))
+                        assert result.errors == 0, f"{name}: {result.errors} errors"
+                        assert result.sources == {"RESULT_EXACT": result.requests}, (name, result.sources)
+                        runs[name][concurrency].append(result.summary())
+                    cpu_runs[name].append(frontend_cpu_us_per_hit(server, requests, plan[32], md))
+                unsealable = int(on.stats().frontend.counters.get("l1.records_unsealable", 0))
         finally:
             assert off.stop() == 0 and on.stop() == 0
     cpu = {name: statistics.median(values) for name, values in cpu_runs.items()}
-    out: dict = {"frontends": frontends, "hits_cycled": len(chosen)}
+    out: dict = {"frontends": frontends, "hits_cycled": len(chosen),
+                 "placement": placement.describe() if placement else "scheduler (fewer than 8 CPUs)"}
     for concurrency in plan:
         row: dict = {name: {k: statistics.median(s[k] for s in runs[name][concurrency])
                       for k in ("p50_ms", "p99_ms", "throughput_rps")} for name in runs}

@@ -108,7 +108,7 @@ class KeyRing:
             raise Unsealable(f"sealed with key id {kid}, which is not in the key file")
         if len(sealed) < OVERHEAD:
             raise Unsealable("sealed payload shorter than its nonce and tag")
-        sealed = bytes(sealed)
+        sealed = memoryview(sealed)  # slices without copies
         try:
             return cipher.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
         except InvalidTag:
