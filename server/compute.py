@@ -9,6 +9,10 @@ A joiner shares the first item's deadline and policy (as before this worker core
 joinable until its entry is committed, so a request that missed L1 meanwhile joins it instead of
 computing the same thing again.
 
+With a fleet tier (server/fleet/), a flight first looks the key up in Redis and, on a miss that will be
+stored, takes the key's lease: a result another pod computes is waited for instead of computed again.
+A fleet answer is copied into L1 like a computed one; a computed answer goes to the fleet behind the reply.
+
 The event loop is the only writer of the flights and of `counters`.
 """
 
@@ -23,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cachestore import records
+from cachestore import records, wire
 from cachestore.keys import NS_ID_BYTES, Namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
@@ -59,13 +63,13 @@ class _Outcome:
     stored: bytes | None = None               # when it differs from payload (explain adds neighbours)
     embedding: np.ndarray | None = None       # the query's embedding (semantic models)
     label: str = ""
-    matched: records.Record | None = None     # a near-duplicate's record (RESULT_SEMANTIC)
+    matched: records.Record | None = None     # a stored record this answer came from (RESULT_SEMANTIC, RESULT_FLEET)
 
 
 class _Flight:
     """One computation that identical concurrent items share."""
 
-    __slots__ = ("key", "runtime", "item", "future", "waiters", "store", "outcome", "created_us")
+    __slots__ = ("key", "runtime", "item", "future", "waiters", "store", "outcome", "created_us", "leased")
 
     def __init__(self, key: bytes, runtime: ModelRuntime, item: worker_pb2.ComputeItem) -> None:
         self.key = key
@@ -76,6 +80,7 @@ class _Flight:
         self.store = False
         self.outcome: _Outcome | None = None
         self.created_us = now_us()
+        self.leased = False  # this pod holds the key's fleet lease (dropped when the flight ends)
 
 
 def token_ids(packed: bytes) -> np.ndarray:
@@ -84,15 +89,17 @@ def token_ids(packed: bytes) -> np.ndarray:
 
 
 namespace = lru_cache(maxsize=4096)(Namespace)  # one object per namespace, not one per stored answer
+_COUNTED = {Source.MISS: "computed", Source.RESULT_SEMANTIC: "semantic_hits", Source.RESULT_FLEET: "fleet_hits"}
 
 
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 writer: WriteBehind | None, semantic=None) -> None:
+                 writer: WriteBehind | None, semantic=None, fleet=None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
         self.semantic = semantic
+        self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
         self._inflight: dict[bytes, _Flight] = {}
@@ -167,13 +174,44 @@ class WorkerCore:
 
     def _start(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Flight:
         flight = _Flight(item.key, runtime, item)
-        if runtime.spec.semantic is not None and self.semantic is not None:
-            flight.future = asyncio.get_running_loop().create_task(self._semantic(runtime, item, deadline))
+        if self.fleet is not None and self.fleet.usable:
+            flight.future = asyncio.get_running_loop().create_task(self._through_fleet(flight, deadline))
         else:
-            flight.future = runtime.batcher.enqueue(token_ids(item.ids), deadline)  # Overloaded when full
+            flight.future = self._compute(runtime, item, deadline)
         flight.future.add_done_callback(lambda future: self._finished(flight, future))
         self._inflight[item.key] = flight
         return flight
+
+    def _compute(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> asyncio.Future:
+        if runtime.spec.semantic is not None and self.semantic is not None:
+            return asyncio.get_running_loop().create_task(self._semantic(runtime, item, deadline))
+        return runtime.batcher.enqueue(token_ids(item.ids), deadline)  # Overloaded when full
+
+    async def _through_fleet(self, flight: _Flight, deadline: float | None):
+        """The fleet's record of the flight's key, another pod's result once it lands, or a computation."""
+        fleet, item = self.fleet, flight.item
+        ns = namespace(item.tenant, item.model, item.version)
+        max_age = item.max_age_us if item.HasField("max_age_us") else None
+        if not item.cached_ok:  # BYPASS: neither a stored answer nor another pod's
+            return await self._compute(flight.runtime, item, deadline)
+        if (record := await fleet.get(flight.key, ns, max_age)) is not None:
+            return self._fleet_outcome(record)
+        if item.store:  # only a result that will be shared is worth a lease
+            claimed = await fleet.claim(flight.key, ns)
+            if claimed is False:
+                bound = fleet.settings.lease_wait_s
+                if deadline is not None:
+                    bound = min(bound, deadline - asyncio.get_running_loop().time())
+                record, claimed = await fleet.wait(flight.key, ns, max_age, bound)
+                if record is not None:
+                    return self._fleet_outcome(record)
+            flight.leased = bool(claimed)
+        return await self._compute(flight.runtime, item, deadline)
+
+    @staticmethod
+    def _fleet_outcome(record: records.Record) -> _Outcome:
+        payload = record.payload + wire.cache_info(Source.RESULT_FLEET, record.age_s(now_us()))
+        return _Outcome(payload, Source.RESULT_FLEET, matched=record)
 
     # ---- answers out -------------------------------------------------------------------------------
 
@@ -184,6 +222,7 @@ class WorkerCore:
             exc = future.exception()
         if exc is not None:
             self._forget(flight)
+            self._release(flight)
             for (replies, item_id) in flight.waiters:
                 replies.waiting.pop(item_id, None)
                 replies.fail(item_id, exc)
@@ -196,12 +235,18 @@ class WorkerCore:
             joined += was_joined
             self._reply(replies, item_id, outcome, was_joined)
         flight.waiters.clear()
-        self.counters["semantic_hits" if outcome.matched is not None else "computed"] += 1
+        self.counters[_COUNTED[outcome.source]] += 1
         self.counters["coalesced"] += joined
         if flight.store and self.writer is not None:
             self._store(flight, outcome)
         else:
             self._forget(flight)
+            self._release(flight)
+
+    def _release(self, flight: _Flight) -> None:
+        if flight.leased:
+            flight.leased = False
+            self.fleet.release(flight.key, namespace(flight.item.tenant, flight.item.model, flight.item.version))
 
     def _reply(self, replies: Replies, item_id: int, outcome: _Outcome, joined: bool) -> None:
         replies.waiting.pop(item_id, None)
@@ -213,8 +258,10 @@ class WorkerCore:
         ns = namespace(item.tenant, item.model, item.version)
         done = lambda: self._on_committed(flight)  # noqa: E731
         if outcome.matched is not None:
-            # An exact alias of the matched entry: the same text next time is a frontend RESULT_EXACT.
+            # A copy of the record it came from (a near-duplicate's, the fleet's): the same text next
+            # time is a frontend RESULT_EXACT.
             self.writer.put(flight.key, ns, outcome.matched, on_done=done)
+            self._release(flight)
             return
         ttl_us = flight.runtime.spec.ttl_s * 1_000_000
         record = records.Record(flight.created_us, flight.created_us + ttl_us, outcome.stored or outcome.payload)
@@ -222,6 +269,9 @@ class WorkerCore:
         if outcome.embedding is not None:
             entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
         self.writer.put(flight.key, ns, record, on_done=done, semantic=entry)
+        if self.fleet is not None:
+            self.fleet.put(flight.key, ns, record, release=flight.leased)
+            flight.leased = False
 
     def _on_committed(self, flight: _Flight) -> None:
         """On the writer thread: the flight's entry is committed (or dropped); forget it on the loop."""
@@ -294,7 +344,17 @@ class WorkerCore:
             version=request.version or None,
             key=parse_hex_key(request.key) if request.key else None,
         )
-        return await asyncio.wrap_future(self.writer.invalidate(selector))
+        removed = await asyncio.wrap_future(self.writer.invalidate(selector))
+        if self.fleet is not None:
+            from server.fleet.link import FleetUnavailable  # only with a fleet tier: redis-py is loaded then
+
+            try:
+                await self.fleet.invalidate(selector)
+            except FleetUnavailable as exc:
+                raise WorkerUnavailable(
+                    f"removed {removed} entries on this host, but the fleet tier (Redis) did not answer ({exc}): "
+                    "other pods may serve them until it does; retry") from None
+        return removed
 
     def stat_groups(self) -> list[tuple[str, dict]]:
         groups: list[tuple[str, dict]] = [("worker", self.counters)]
@@ -308,6 +368,10 @@ class WorkerCore:
             groups.append(("writer", self.writer.counters))
         if self.semantic is not None:
             groups.append(("semantic", self.semantic.counters))
+        if self.fleet is not None:
+            gauges = {"ready": int(self.fleet.ready), "breaker_open": int(self.fleet.link.open),
+                      "pending_writes": len(self.fleet.pending)}
+            groups.append(("fleet", {**self.fleet.counters, **gauges}))
         return groups
 
     async def close(self) -> None:
@@ -315,3 +379,5 @@ class WorkerCore:
             await runtime.batcher.close()
         pending = [f.future for f in list(self._inflight.values()) if f.future is not None and f.outcome is None]
         await asyncio.gather(*pending, return_exceptions=True)
+        if self.fleet is not None:
+            await self.fleet.close()

@@ -77,6 +77,22 @@ class SecuritySection:
 
 
 @dataclass(frozen=True)
+class FleetSection:
+    """The fleet tier (server/fleet/): results shared by every pod through Redis or a Redis Cluster."""
+
+    redis: str = ""                    # "" = off; redis://host:port[/db], or redis-cluster://host:port,host:port
+    prefix: str = "icache"             # of every Redis key and channel (several deployments on one Redis)
+    timeout_ms: float = 5.0            # budget of one lookup, lease or invalidation call; past it: a miss
+    write_timeout_ms: float = 100.0    # budget of one pipelined batch of writes (behind the replies)
+    breaker_failures: int = 3          # consecutive failures that open the circuit (the tier is skipped)
+    breaker_open_s: float = 2.0        # how long it stays open before one call probes Redis again
+    lease_ms: int = 10000              # a computing pod's claim on a key; expires if the pod dies
+    lease_wait_s: float = 2.0          # longest another pod's computation is waited for before computing
+    ttl_jitter: float = 0.05           # Redis expiry = remaining TTL less up to this share, at random
+    refresh_s: float = 5.0             # namespace generations re-read this often (missed broadcasts)
+
+
+@dataclass(frozen=True)
 class Secrets:
     """What the files named by the security settings hold, read once by `load`."""
 
@@ -91,6 +107,7 @@ class Config:
     cache: CacheSection = field(default_factory=CacheSection)
     engines: EnginesSection = field(default_factory=EnginesSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+    fleet: FleetSection = field(default_factory=FleetSection)
     secrets: Secrets = field(default_factory=Secrets, repr=False)  # not a section: derived from the files
 
     @property
@@ -217,6 +234,15 @@ def validate(config: Config) -> None:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.cache.max_ttl_s < 0:
         raise ConfigError("cache.max_ttl_s must be >= 0 (0 = no cap beyond each model's TTL)")
+    fleet = config.fleet
+    if fleet.redis and not fleet.redis.startswith(("redis://", "rediss://", "redis-cluster://")):
+        raise ConfigError(f"fleet.redis must start with redis://, rediss:// or redis-cluster://, got {fleet.redis!r}")
+    if fleet.timeout_ms <= 0 or fleet.write_timeout_ms <= 0 or fleet.lease_ms <= 0 or fleet.refresh_s <= 0:
+        raise ConfigError("fleet.timeout_ms, write_timeout_ms, lease_ms and refresh_s must be positive")
+    if not 0 <= fleet.ttl_jitter < 1:
+        raise ConfigError(f"fleet.ttl_jitter must be within 0..1, got {fleet.ttl_jitter}")
+    if fleet.breaker_failures < 1 or fleet.lease_wait_s < 0 or fleet.breaker_open_s < 0:
+        raise ConfigError("fleet.breaker_failures must be >= 1, lease_wait_s and breaker_open_s >= 0")
     if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):
         raise ConfigError(f"engines.precision must be fp16, fp32 or int8-qdq, got {config.engines.precision!r}")
 

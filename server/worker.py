@@ -128,6 +128,22 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     return tier
 
 
+def _fleet_tier(config: Config, writer: WriteBehind | None, index: int):
+    """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Worker 0 of the host
+    purges the host's L1 on other pods' invalidations: the store is shared, once is enough."""
+    if not config.fleet.redis:
+        return None
+    from cachestore.sealing import KeyRing
+    from server.fleet.tier import FleetTier
+
+    ring = KeyRing(config.secrets.keys) if config.secrets.keys else None
+    purging = index == 0 and writer is not None
+    tier = FleetTier(config.fleet, ring, purge=writer.invalidate if purging else None,
+                     state_path=Path(config.cache.dir) / "fleet-generations.json" if purging else None)
+    tier.start()
+    return tier
+
+
 def _engine_threads(config: Config, cpu_workers: int) -> int:
     return config.server.engine_threads or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
@@ -144,7 +160,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await asyncio.to_thread(runtime.warmup)
     writer = await asyncio.to_thread(_open_writer, config)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
-    core = WorkerCore(repository, runtimes, writer, tier)
+    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index))
     core.counters.update(engine_counters)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
