@@ -9,9 +9,10 @@ A joiner shares the first item's deadline and policy (as before this worker core
 joinable until its entry is committed, so a request that missed L1 meanwhile joins it instead of
 computing the same thing again.
 
-With a fleet tier (server/fleet/), a flight first looks the key up in Redis and, on a miss that will be
-stored, takes the key's lease: a result another pod computes is waited for instead of computed again.
-A fleet answer is copied into L1 like a computed one; a computed answer goes to the fleet behind the reply.
+With a fleet tier (server/fleet/), a flight looks the key up in Redis (unless its frontend already did)
+and, on a miss that will be stored, takes the key's lease: a result another pod computes is waited for
+instead of computed again. A fleet answer is copied into L1 like a computed one (so is one a frontend
+answered: an item that carries a record); a computed answer goes to the fleet behind the reply.
 
 The event loop is the only writer of the flights and of `counters`.
 """
@@ -28,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from cachestore import records, wire
+from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, Namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
@@ -139,6 +141,9 @@ class WorkerCore:
 
     def submit(self, replies: Replies, item: worker_pb2.ComputeItem, deadline: float | None, txn=None) -> None:
         """Takes one item; its answer (or error) reaches `replies` later, or at once."""
+        if item.fleet_record:
+            self._copy(item)
+            return
         try:
             flight = self._inflight.get(item.key)
             joined = flight is not None
@@ -161,6 +166,18 @@ class WorkerCore:
             return
         flight.waiters[(replies, item.id)] = joined
         replies.waiting[item.id] = flight
+
+    def _copy(self, item: worker_pb2.ComputeItem) -> None:
+        """A fleet hit a frontend answered: its record into L1 (read-through), no answer."""
+        if self.writer is None:
+            return
+        try:
+            record = records.decode(item.fleet_record, item.key)
+        except CorruptRecord:
+            self.counters["fleet_copies_unreadable"] += 1
+            return
+        self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record)
+        self.counters["fleet_copies"] += 1
 
     def cancel(self, replies: Replies, item_id: int) -> None:
         """The item's caller went away; the computation is dropped when nobody else waits for it."""
@@ -194,7 +211,7 @@ class WorkerCore:
         max_age = item.max_age_us if item.HasField("max_age_us") else None
         if not item.cached_ok:  # BYPASS: neither a stored answer nor another pod's
             return await self._compute(flight.runtime, item, deadline)
-        if (record := await fleet.get(flight.key, ns, max_age)) is not None:
+        if not item.fleet_looked and (record := await fleet.get(flight.key, ns, max_age)) is not None:
             return self._fleet_outcome(record)
         if item.store:  # only a result that will be shared is worth a lease
             claimed = await fleet.claim(flight.key, ns)

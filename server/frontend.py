@@ -23,11 +23,11 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cachestore import wire
+from cachestore import records, wire
 from cachestore.env import Store
 from cachestore.errors import StoreError
-from cachestore.keys import KEY_BYTES, NS_ID_BYTES, entry_key, namespace_id, parse_hex_key
-from cachestore.results import ResultCache
+from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, entry_key, namespace_id, parse_hex_key
+from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server import metrics, process
@@ -88,16 +88,19 @@ class _Plan:
     store: bool
     max_age_us: int  # the model's TTL, or less by the request's max_age_s
     semantic: pb.SemanticPolicy | None
+    ns: Namespace    # (tenant, model, version): the fleet tier's keys need it
 
 
 class FrontendCore:
     """Transport-free request handling: validation, normalization, keys, L1, tokenizing and sending misses."""
 
-    def __init__(self, config: Config, repository: ModelRepository, workers: WorkerPool, counters: Counter) -> None:
+    def __init__(self, config: Config, repository: ModelRepository, workers: WorkerPool, counters: Counter,
+                 fleet=None) -> None:
         self.config = config
         self.repository = repository
         self.workers = workers
         self.counters = counters  # the process's counters, written on its event loop only
+        self.fleet = fleet        # server/fleet/tier.py FleetTier (lookups only), or None
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
         self._cache_warn_at = 0.0
@@ -173,6 +176,7 @@ class FrontendCore:
             served=self.served(spec, version), tenant=request.tenant, mode=mode,
             cached_ok=mode != Mode.BYPASS and cached_at_all, store=cached_at_all and mode != Mode.NO_STORE,
             max_age_us=max_age_us, semantic=request.semantic if request.HasField("semantic") else None,
+            ns=Namespace(request.tenant, spec.name, version),
         )
 
     def _keyed(self, tenant: str, served: _Served, text: str) -> tuple[str, bytes, bool]:
@@ -198,7 +202,23 @@ class FrontendCore:
                 return answer
         return None
 
-    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]]) -> list[tuple[int, object]]:
+    async def _fleet_hit(self, plan: _Plan, key: bytes, private: bool) -> bytes | None:
+        """A fresh entry of the fleet tier as the answer, its copy sent to the key's worker for L1; or
+        None (and the worker need not look again)."""
+        if not plan.cached_ok or private:
+            return None
+        record = await self.fleet.get(key, plan.ns, plan.max_age_us)
+        if record is None:
+            return None
+        self.counters["hit_fleet"] += 1
+        if plan.store:
+            raw, served = records.encode(record), plan.served
+            self.workers.send(served.route(key), functools.partial(
+                _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw))
+        return record.payload + wire.cache_info(pb.CacheInfo.RESULT_FLEET, record.age_s(now_us()))
+
+    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], fleet_looked: bool = False
+               ) -> list[tuple[int, object]]:
         """(route, fill) for each missed (text, key, private): token ids here, in this process."""
         served = plan.served
         texts = [text for text, _, _ in keyed]
@@ -213,6 +233,7 @@ class FrontendCore:
                 item.embed_ids = np.asarray(embed_ids[n], dtype="<i4").tobytes()
             item.store, item.cached_ok = plan.store and not private, plan.cached_ok and not private
             item.max_age_us = plan.max_age_us
+            item.fleet_looked = fleet_looked
             if plan.semantic is not None:
                 item.semantic.CopyFrom(plan.semantic)
 
@@ -230,11 +251,14 @@ class FrontendCore:
         keyed = self._keyed(request.tenant, plan.served, request.text)
         if (hit := self._hit(plan, keyed[1], keyed[2])) is not None:
             return hit
+        looked = self.fleet is not None and self.fleet.usable
+        if looked and (hit := await self._fleet_hit(plan, keyed[1], keyed[2])) is not None:
+            return hit
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
         self.counters["forwarded"] += 1
-        [result] = await self.workers.compute(self._items(plan, [keyed]), time_remaining)
+        [result] = await self.workers.compute(self._items(plan, [keyed], looked), time_remaining)
         return self._answer(result)
 
     async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None) -> bytes:
@@ -256,6 +280,12 @@ class FrontendCore:
                 missed.append(n)
         self.counters["batch_calls"] += 1
         self.counters["batch_texts"] += len(keyed)
+        looked = bool(missed) and self.fleet is not None and self.fleet.usable
+        if looked:  # one pipeline for all of them
+            found = await asyncio.gather(*(self._fleet_hit(plan, keyed[n][1], keyed[n][2]) for n in missed))
+            for n, answer in zip(missed, found):
+                answers[n] = answer
+            missed = [n for n in missed if answers[n] is None]
         if missed and plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += len(missed)
             raise NotCached(f"texts[{missed[0]}]: no fresh cached entry ({len(missed)} of {len(keyed)} texts have "
@@ -265,9 +295,9 @@ class FrontendCore:
             miss_keyed = [keyed[n] for n in missed]
             self.counters["forwarded"] += len(missed)
             if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
-                items = await asyncio.to_thread(self._items, plan, miss_keyed)
+                items = await asyncio.to_thread(self._items, plan, miss_keyed, looked)
             else:
-                items = self._items(plan, miss_keyed)
+                items = self._items(plan, miss_keyed, looked)
             results = await self.workers.compute(items, time_remaining)
         computed = iter(results)
         return wire.batch_response([self._answer(next(computed)) if answer is None else answer for answer in answers])
@@ -315,6 +345,8 @@ class FrontendCore:
         groups = [("frontend", self.counters)]
         if self._cache is not None:
             groups.append(("l1", self._cache.counters))
+        if self.fleet is not None:
+            groups.append(("fleet", {**self.fleet.counters, "ready": int(self.fleet.ready)}))
         response = pb.GetStatsResponse(frontend=metrics.process_stats("frontend", *groups))
         if not full:
             return response
@@ -386,6 +418,10 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         return await self.core.list_models()
 
 
+def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes) -> None:
+    item.model, item.version, item.tenant, item.key, item.fleet_record = model, version, tenant, key, raw
+
+
 PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer already serialized
 
 
@@ -432,7 +468,12 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
                          default_timeout_s=config.server.worker_timeout_s, counters=counters)
-    core = FrontendCore(config, repository, workers, counters)
+    fleet = None
+    if config.fleet.redis:  # redis-py is imported only then
+        from server.fleet import tier
+
+        fleet = tier.start(config)
+    core = FrontendCore(config, repository, workers, counters, fleet)
     core.l1()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     gate = Gate(config.secrets.tokens)
@@ -471,6 +512,8 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.server.drain_s)
     await workers.close()
+    if fleet is not None:
+        await fleet.close()
     log.info("frontend stopped")
 
 

@@ -133,15 +133,11 @@ def _fleet_tier(config: Config, writer: WriteBehind | None, index: int):
     purges the host's L1 on other pods' invalidations: the store is shared, once is enough."""
     if not config.fleet.redis:
         return None
-    from cachestore.sealing import KeyRing
-    from server.fleet.tier import FleetTier
+    from server.fleet import tier
 
-    ring = KeyRing(config.secrets.keys) if config.secrets.keys else None
     purging = index == 0 and writer is not None
-    tier = FleetTier(config.fleet, ring, purge=writer.invalidate if purging else None,
-                     state_path=Path(config.cache.dir) / "fleet-generations.json" if purging else None)
-    tier.start()
-    return tier
+    return tier.start(config, purge=writer.invalidate if purging else None,
+                      state_path=Path(config.cache.dir) / "fleet-generations.json" if purging else None)
 
 
 def _engine_threads(config: Config, cpu_workers: int) -> int:

@@ -78,6 +78,11 @@ class WorkerLink:
         self._protocol.flush_soon()
         return future
 
+    def send(self, fill) -> None:
+        """Queues one item that gets no answer (a fleet record to copy into L1)."""
+        fill(self._protocol.out.items.add())
+        self._protocol.flush_soon()
+
     def _cancelled(self, item_id: int) -> None:
         if self._pending.pop(item_id, None) is not None and self.up:
             self._protocol.out.cancel.append(item_id)
@@ -234,6 +239,17 @@ class WorkerPool:
             for future in futures.values():
                 future.cancel()  # no-op for finished ones; a cancelled one tells its worker
         return results
+
+    def send(self, route: int, fill) -> bool:
+        """An item without an answer to the route's worker, or the next live one; False when none is up
+        (what it carries is then dropped: it is a copy)."""
+        n = len(self.links)
+        for step in range(n):
+            link = self.links[(route + step) % n]
+            if link.up:
+                link.send(fill)
+                return True
+        return False
 
     async def call_all(self, method: str, request, time_remaining: float | None) -> list:
         """The same unary call on every live worker (at least one, waiting for it as `compute` does)."""

@@ -1,9 +1,10 @@
-"""The fleet tier of one worker process: lookups, write-behind, leases, invalidation (see __init__.py).
+"""The fleet tier of one process: lookups, write-behind, leases, invalidation (see __init__.py).
 
-A worker consults it after its own L1 lookup missed (server/compute.py):
+A frontend looks an L1 miss up here (`get`) before sending it to a worker; a worker uses the rest
+(server/compute.py):
 
 1. `get`: the entry under its current fleet key (generations.py); a fresh record is the answer, and the
-   worker copies it into L1 (read-through).
+   key's worker copies it into L1 (read-through). A worker looks itself only when the frontend did not.
 2. `claim`: a miss that will be stored takes a lease (SET NX PX). If another pod holds it, `wait` polls
    for that pod's result and, when its lease lapsed without one (the pod died), takes the lease over:
    one waiter computes instead of all of them. The wait is bounded (`fleet.lease_wait_s`).
@@ -46,7 +47,7 @@ from cachestore.records import Record
 from cachestore.sealing import KeyRing
 from cachestore.writer import Selector
 from cachestore.results import now_us
-from server.config import FleetSection
+from server.config import Config, FleetSection
 from server.fleet import generations
 from server.fleet.generations import Generations, ns_hex
 from server.fleet.link import LATE_LOOK_TURNS, FleetUnavailable, Link, describe, subscriber
@@ -59,6 +60,16 @@ ADMIN_BUDGET_S = 1.0       # an invalidation is an administrator's call: it may 
 RESYNC_BUDGET_S = 1.0
 RETRY_S = 0.5              # between attempts to re-subscribe
 POLL_FIRST_S, POLL_MAX_S = 0.002, 0.02
+
+
+def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None
+          ) -> FleetTier | None:
+    """The tier of this process when `fleet.redis` is set (None otherwise), started on the running loop."""
+    if not config.fleet.redis:
+        return None
+    tier = FleetTier(config.fleet, KeyRing(config.secrets.keys) if config.secrets.keys else None, purge, state_path)
+    tier.start()
+    return tier
 
 
 class FleetTier:
