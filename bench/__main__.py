@@ -11,6 +11,8 @@
    whole server's start to ready.
 5. Security (`--sections security`, bench/security.py): exact hits with auth + encryption + redaction
    on vs all off, and redaction's cost per Banking77 text.
+6. Fleet (`--sections fleet`, bench/fleet.py): L1 hit, fleet hit and miss on a second pod sharing one
+   Redis, and the Redis round trip alone.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -31,6 +33,7 @@ import grpc
 
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
+from bench.fleet import bench_fleet, print_fleet
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
 from bench.security import bench_hit_path, bench_redaction, print_security
@@ -255,8 +258,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, gpu and "
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, fleet, gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
     parser.add_argument("--gpu-parts", default=",".join(PARTS),
                         help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
     parser.add_argument("--gpu-workers", default="1",
@@ -265,6 +270,7 @@ def main() -> None:
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
+    rounds = args.rounds or rounds
     texts = load_texts()
     report: dict = {"machine": {"cpus": multiprocessing.cpu_count(), "python": platform.python_version()},
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -289,6 +295,9 @@ def main() -> None:
                 "hit_path": bench_hit_path(workdir / "security", texts, 2 * rounds - 1, scale),
                 "redaction": bench_redaction(texts),
             }
+        if "fleet" in sections:
+            print("benchmarking the fleet tier (two pods on one Redis) ...", flush=True)
+            report["fleet"] = bench_fleet(workdir / "fleet", texts, scale)
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
@@ -312,6 +321,8 @@ def main() -> None:
         print_semantic(report["semantic"])
     if "security" in report:
         print_security(report["security"])
+    if "fleet" in report:
+        print_fleet(report["fleet"])
     if "gpu" in report:
         print_gpu(report["gpu"])
     if "workers" in report:
