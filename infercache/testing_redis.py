@@ -157,6 +157,17 @@ class RedisCluster:
         self.wait_ok()
         return victim
 
+    def reshard(self, slots: int) -> None:
+        """Moves `slots` slots (and their keys, by MIGRATE) from the first master to the second."""
+        source, target = self.masters()[:2]
+        moved = subprocess.run(
+            ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{source.port}",
+             "--cluster-from", cli(source.port, "cluster", "myid"), "--cluster-to", cli(target.port, "cluster", "myid"),
+             "--cluster-slots", str(slots), "--cluster-yes"], capture_output=True, text=True, timeout=120)
+        if moved.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster reshard failed:\n{moved.stdout[-2000:]}\n{moved.stderr}")
+        self.wait_ok()
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

@@ -82,6 +82,39 @@ def pods(start_server):
     return start
 
 
+class Load:
+    """Callers on each server until the block ends: half the calls repeat `known` texts (hits), half are
+    new (misses); every answer's source and every error code is kept."""
+
+    def __init__(self, servers: list[ServerProcess], known: list[str], prefix: str) -> None:
+        self.errors: list = []
+        self.answered: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(s, f"{prefix} {n}", known))
+                         for n, s in enumerate(servers)]
+
+    def _run(self, server: ServerProcess, prefix: str, known: list[str]) -> None:
+        with server.client() as client:
+            n = 0
+            while not self._stop.is_set():
+                text = known[n % len(known)] if n % 2 else f"{prefix}: new {n}"
+                try:
+                    self.answered.append(client.infer("minilm", text).source)
+                except grpc.RpcError as exc:
+                    self.errors.append(exc.code())
+                n += 1
+
+    def __enter__(self) -> "Load":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
 # ---- units -------------------------------------------------------------------------------------------
 
 def test_generations_cover_each_selector_and_only_grow():
@@ -255,36 +288,16 @@ def test_redis_down_is_a_miss_and_the_tier_comes_back(redis_server, pods):
     with a.client() as ca:
         for text in hot:
             ca.infer("minilm", text)
-    errors, answered, stop = [], [], threading.Event()
-
-    def load(server: ServerProcess, prefix: str) -> None:
-        with server.client() as client:
-            n = 0
-            while not stop.is_set():
-                text = hot[n % len(hot)] if n % 2 else f"fleet outage: {prefix} new {n}"
-                try:
-                    answered.append(client.infer("minilm", text).source)
-                except grpc.RpcError as exc:
-                    errors.append(exc.code())
-                n += 1
-
-    threads = [threading.Thread(target=load, args=(s, name)) for s, name in ((a, "a"), (b, "b"))]
-    for thread in threads:
-        thread.start()
-    try:
+    with Load([a, b], hot, "fleet outage") as load:
         time.sleep(1.0)
         redis_server.kill()
-        during = len(answered)
+        during = len(load.answered)
         time.sleep(2.0)
-        assert len(answered) > during + 10  # still serving, from L1 and the model
+        assert len(load.answered) > during + 10  # still serving, from L1 and the model
         redis_server.start()
         until(lambda: worker_counter(a, "fleet.ready") == 1 and worker_counter(b, "fleet.ready") == 1
               and worker_counter(a, "fleet.breaker_open") == 0, timeout=15)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-    assert errors == []
+    assert load.errors == []
     # The tier is back: a new entry computed on A is a fleet hit on B.
     text = "fleet outage: asked after Redis came back"
     with a.client() as ca, b.client() as cb:
@@ -320,32 +333,12 @@ def test_cluster_fleet_survives_a_master_killed_under_load(cluster, pods):
             ca.infer("minilm", text)
         until(lambda: worker_counter(a, "fleet.writes") >= len(texts))
         assert {cb.infer("minilm", t).source for t in texts} == {"RESULT_FLEET"}  # spread over the 3 masters
-    errors, answered, stop = [], [], threading.Event()
-
-    def load(server: ServerProcess, prefix: str) -> None:
-        with server.client() as client:
-            n = 0
-            while not stop.is_set():
-                text = texts[n % len(texts)] if n % 2 else f"fleet cluster: {prefix} new {n}"
-                try:
-                    answered.append(client.infer("minilm", text).source)
-                except grpc.RpcError as exc:
-                    errors.append(exc.code())
-                n += 1
-
-    threads = [threading.Thread(target=load, args=(s, name)) for s, name in ((a, "a"), (b, "b"))]
-    for thread in threads:
-        thread.start()
-    try:
+    with Load([a, b], texts, "fleet cluster") as load:
         time.sleep(1.0)
         victim = cluster.kill_master()  # returns once a replica has taken its slots over
         assert victim not in cluster.masters() and len(cluster.masters()) == 3
         time.sleep(1.0)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-    assert errors == [] and len(answered) > 20
+    assert load.errors == [] and len(load.answered) > 20
     # Fleet hits resume on the new topology, on every slot.
     fresh = [f"fleet cluster: after the failover {n}" for n in range(12)]
     with a.client() as ca, b.client() as cb:
@@ -353,3 +346,21 @@ def test_cluster_fleet_survives_a_master_killed_under_load(cluster, pods):
             ca.infer("minilm", text)
         until(lambda: all(cb.infer("minilm", t).source in ("RESULT_FLEET", "RESULT_EXACT") for t in fresh), timeout=15)
         assert fleet_hits(b) >= len(texts) + 1
+
+
+def test_cluster_fleet_survives_resharding_under_load(cluster, pods):
+    a, b = pods(cluster.url)
+    texts = [f"fleet reshard: question {n}" for n in range(8)]
+    kept = [f"fleet reshard: asked on B only after the move {n}" for n in range(24)]
+    with a.client() as ca:
+        for text in texts + kept:
+            ca.infer("minilm", text)
+        until(lambda: worker_counter(a, "fleet.writes") >= len(texts) + len(kept))
+    with Load([a, b], texts, "fleet reshard") as load:
+        time.sleep(0.5)
+        cluster.reshard(4000)  # keys move by MIGRATE; clients meet MOVED and ASK meanwhile
+        time.sleep(0.5)
+    assert load.errors == [] and len(load.answered) > 20
+    # Entries written before the move are found on B, wherever their slots went.
+    with b.client() as cb:
+        assert {cb.infer("minilm", t).source for t in kept} == {"RESULT_FLEET"}
