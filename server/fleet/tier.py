@@ -231,10 +231,10 @@ class FleetTier:
         while loop.time() + delay < deadline:
             await asyncio.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
-            try:
-                raw, took = await asyncio.gather(  # the lease only if it lapsed
-                    self._ask("get", value_key), self._ask("set", lease_key, self.origin, nx=True, px=self.settings.lease_ms))
-            except FleetUnavailable:
+            raw, took = await asyncio.gather(  # the lease only if it lapsed; both fail together
+                self._ask("get", value_key), self._ask("set", lease_key, self.origin, nx=True, px=self.settings.lease_ms),
+                return_exceptions=True)
+            if isinstance(raw, Exception) or isinstance(took, Exception):
                 return None, False
             if raw is not None:
                 record = self._record(key, raw, max_age_us, "misses")
@@ -380,16 +380,19 @@ class FleetTier:
     async def _on_broadcast(self, data: bytes) -> None:
         try:
             message = json.loads(data)
-        except ValueError:
+            origin, name, gen, key = message.get("o"), message.get("f"), int(message.get("g", 0)), message.get("k")
+            selector = generations.selector(name) if name else Selector(key=bytes.fromhex(key))
+        except (ValueError, TypeError, AttributeError):  # not ours: another writer on the channel
+            self.counters["broadcasts_unreadable"] += 1
             return
         self.counters["broadcasts_received"] += 1
-        if "f" in message:
-            if self.gens.advance(message["f"], int(message["g"])):
-                if message.get("o") != self.origin:
-                    self._purge(generations.selector(message["f"]))
+        if name:
+            if self.gens.advance(name, gen):
+                if origin != self.origin:
+                    self._purge(selector)
                 await self._save()
-        elif "k" in message and message.get("o") != self.origin:
-            self._purge(Selector(key=bytes.fromhex(message["k"])))
+        elif origin != self.origin:
+            self._purge(selector)
 
     def _purge(self, selector: Selector) -> None:
         if self.purge is not None:
