@@ -157,7 +157,7 @@ def test_computed_on_one_pod_is_a_fleet_hit_on_another(redis_server, pods):
         computed = ca.infer("minilm", text)
         assert computed.source == "MISS"
         until(lambda: worker_counter(a, "fleet.writes") >= 1)
-        shared = cb.infer("minilm", text)
+        shared = cb.infer("minilm", text, mode="ONLY_IF_CACHED")  # the fleet counts as cached
         assert shared.source == "RESULT_FLEET" and shared.age_s > 0
         assert (shared.outputs["embedding"] == computed.outputs["embedding"]).all()
         # Read through: B's own store holds it now, and its frontend answers it.
