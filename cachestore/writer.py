@@ -38,6 +38,9 @@ LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
 # shrinks before the disk fills and grows back, up to the configured budget, when space returns.
 DISK_SHARE = 0.7
 CHURN_COMMITS = 3
+# How long an invalidation keeps refusing entries created before it: a result computed before an
+# Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
+FENCE_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class WriteBehind:
         self.counters: Counter[str] = Counter()
         self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
         self._commit_bytes = 0               # the most bytes of records one commit has written
+        self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
@@ -188,12 +192,16 @@ class WriteBehind:
         with self.store.begin(write=True) as txn:
             for op in batch:
                 if isinstance(op, _Put):
+                    if self._fences and self._fenced(op):
+                        self.counters["fenced"] += 1
+                        continue
                     results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces)
                     written += len(op.record.payload) + records.HEADER.size + 3 * len(op.key)
                     if op.semantic is not None:
                         added.append(semantic.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
+                    self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
             self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
@@ -204,6 +212,17 @@ class WriteBehind:
         for op, count in invalidated:
             self.counters["invalidated"] += count
             op.done.set_result(count)
+
+    def _fence(self, selector: Selector) -> None:
+        now = results.now_us()
+        self._fences = [(s, t) for s, t in self._fences if now - t < FENCE_S * 1_000_000] + [(selector, now)]
+
+    def _fenced(self, op: "_Put") -> bool:
+        """The put's entry was created before an invalidation that covers it."""
+        for selector, at in self._fences:
+            if op.record.created_us < at and selector.matches(op.ns) and selector.key in (None, op.key):
+                return True
+        return False
 
     def _notify(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         """After a commit; a failing listener never turns a committed transaction into a failed one."""

@@ -214,15 +214,17 @@ class WorkerCore:
         if not item.fleet_looked and (record := await fleet.get(flight.key, ns, max_age)) is not None:
             return self._fleet_outcome(record)
         if item.store:  # only a result that will be shared is worth a lease
+            flight.leased = True  # from here on, whatever ends the flight releases it (a cancel included)
             claimed = await fleet.claim(flight.key, ns)
             if claimed is False:
                 bound = fleet.settings.lease_wait_s
-                if deadline is not None:
-                    bound = min(bound, deadline - asyncio.get_running_loop().time())
+                if deadline is not None:  # half of what is left: the rest is for computing after all
+                    bound = min(bound, (deadline - asyncio.get_running_loop().time()) / 2)
                 record, claimed = await fleet.wait(flight.key, ns, max_age, bound)
                 if record is not None:
+                    flight.leased = False
                     return self._fleet_outcome(record)
-            flight.leased = bool(claimed)
+            flight.leased = claimed is not False  # None: the claim's answer was lost, it may have been taken
         return await self._compute(flight.runtime, item, deadline)
 
     @staticmethod

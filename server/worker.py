@@ -129,15 +129,16 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
 
 
 def _fleet_tier(config: Config, writer: WriteBehind | None, index: int):
-    """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Worker 0 of the host
-    purges the host's L1 on other pods' invalidations: the store is shared, once is enough."""
+    """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Each worker purges
+    other pods' invalidations through its own writer (which then refuses entries created before them);
+    worker 0 keeps the generations the host's L1 reflects."""
     if not config.fleet.redis:
         return None
     from server.fleet import tier
 
-    purging = index == 0 and writer is not None
-    return tier.start(config, purge=writer.invalidate if purging else None,
-                      state_path=Path(config.cache.dir) / "fleet-generations.json" if purging else None)
+    keeper = index == 0 and writer is not None
+    return tier.start(config, purge=writer.invalidate if writer is not None else None,
+                      state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
 
 
 def _engine_threads(config: Config, cpu_workers: int) -> int:

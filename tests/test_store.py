@@ -118,6 +118,24 @@ def test_invalidate_selectors(store, writer):
     assert cache.get(keys[spaces[0]][1], results.now_us()) is not None
 
 
+def test_an_invalidation_refuses_entries_created_before_it(store, writer):
+    """A result computed before an Invalidate (here, or on another pod and arriving through the fleet
+    tier) is not stored after it; one created after it is."""
+    ns, other = Namespace("t", "m", "1"), Namespace("u", "m", "1")
+    before = results.now_us()
+    time.sleep(0.002)
+    assert writer.invalidate(Selector(tenant="t")).result(10) == 0
+    old, new, elsewhere = (entry_key(n.ns_id, text) for n, text in ((ns, "old"), (ns, "new"), (other, "old")))
+    writer.put(old, ns, records.Record(before, 0, b"stale"))
+    writer.put(new, ns, records.Record(results.now_us(), 0, b"fresh"))
+    writer.put(elsewhere, other, records.Record(before, 0, b"another tenant"))
+    writer.flush().result(10)
+    cache = results.ResultCache(store)
+    now = results.now_us()
+    assert cache.get(old, now) is None and writer.counters["fenced"] == 1
+    assert cache.get(new, now).payload == b"fresh" and cache.get(elsewhere, now).payload == b"another tenant"
+
+
 def test_sweeper_deletes_expired_entries(store, writer):
     ns = Namespace("t", "m", "1")
     put_all(writer, ns, [f"short {i}" for i in range(50)], ttl_us=100_000)

@@ -52,11 +52,13 @@ class Generations:
         self._sums: dict[Namespace, int] = {}
 
     def replace(self, values: dict[str, int]) -> list[str]:
-        """Adopts Redis' hash; the fields whose generation grew (their entries here are stale)."""
-        grown = [name for name, gen in values.items() if gen > self.values.get(name, 0)]
+        """Adopts Redis' hash; the fields whose generation changed. Grown: their entries here are stale.
+        Shrunk or gone (Redis lost the hash): sums may return to values already used, so those entries
+        are no more trustworthy than the others."""
+        changed = [name for name in set(values) | set(self.values) if values.get(name, 0) != self.values.get(name, 0)]
         self.values = dict(values)
         self._sums.clear()
-        return grown
+        return changed
 
     def advance(self, name: str, gen: int) -> bool:
         """A broadcast generation; True when it is news."""

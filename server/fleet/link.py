@@ -4,10 +4,9 @@ Every call has a budget (a few milliseconds on the request path): a slow Redis c
 answer. The budget measures Redis, not this process: when it runs out, the loop first gets a few turns to
 read what already arrived (after a stall of this process's own loop, timers fire before sockets are read,
 and a reply that came in time would count as late). A call that is late after all is left to finish in
-the background, so its connection is not torn down mid-reply. (`call` does this for one command;
-the tier's pipelined lookups, tier.py, do the same with a timer per pipeline.) Consecutive failures open a circuit breaker: while it is open the tier is
-skipped without a call, and a background probe (with a generous budget, off the request path) closes it
-once Redis answers again. MOVED, ASK and a cluster's failover are the cluster client's business
+the background, so its connection is not torn down mid-reply. Consecutive failures open a circuit
+breaker: while it is open the tier is skipped without a call, and a background probe (with a generous
+budget, off the request path) closes it once Redis answers again. MOVED, ASK and a cluster's failover are the cluster client's business
 (redis-py's RedisCluster refreshes its slot map); a call that fails meanwhile is one more failure here.
 """
 

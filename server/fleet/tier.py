@@ -23,9 +23,9 @@ is one round trip for many lookups (measured: one pipeline per connection per lo
 connections inside the budget, and under load missed it).
 
 Every failure is a miss: a pipeline not answered within `fleet.timeout_ms` of leaving answers nothing
-(so a lookup waits for at most the pipeline ahead of it and its own), and the breaker (link.py) keeps a
-failing Redis off the request path. A late pipeline is not cancelled (that would tear its connection down
-mid-reply): it finishes in the background, and the next one leaves when it has. Counters (GetStats group "fleet") are
+(so a lookup waits for at most the budget of the pipeline ahead of it and its own), and the breaker
+(link.py) keeps a failing Redis off the request path. A late pipeline is not cancelled (that would tear
+its connection down mid-reply): it finishes in the background while the next one leaves. Counters (GetStats group "fleet") are
 written on this process's event loop only.
 """
 
@@ -50,7 +50,7 @@ from cachestore.results import now_us
 from server.config import Config, FleetSection
 from server.fleet import generations
 from server.fleet.generations import Generations, ns_hex
-from server.fleet.link import LATE_LOOK_TURNS, FleetUnavailable, Link, describe, subscriber
+from server.fleet.link import FleetUnavailable, Link, describe, subscriber
 
 log = logging.getLogger("infercache.fleet")
 
@@ -60,6 +60,9 @@ ADMIN_BUDGET_S = 1.0       # an invalidation is an administrator's call: it may 
 RESYNC_BUDGET_S = 1.0
 RETRY_S = 0.5              # between attempts to re-subscribe
 POLL_FIRST_S, POLL_MAX_S = 0.002, 0.02
+# A lease is dropped only by its holder: another pod may hold the key's lease by now (it lapsed and was
+# taken over, or this pod's claim timed out after Redis took it).
+RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
 def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None
@@ -75,9 +78,10 @@ def start(config: Config, purge: Callable[[Selector], object] | None = None, sta
 class FleetTier:
     def __init__(self, settings: FleetSection, ring: KeyRing | None,
                  purge: Callable[[Selector], object] | None = None, state_path: Path | None = None) -> None:
-        """purge: removes a selector's entries from this host's L1 (given to one worker per host: the
-        others would repeat it). state_path: where that worker keeps the generations it has applied, so
-        that after a restart it purges what was invalidated while it was down."""
+        """purge: removes a selector's entries from this host's L1 and fences its writer against entries
+        created before (each worker, since each writes through its own writer). state_path: where one
+        worker keeps the generations applied, so that after a restart it purges what was invalidated
+        while it was down."""
         self.settings = settings
         self.ring = ring
         self.purge = purge
@@ -93,6 +97,8 @@ class FleetTier:
         self._registered: set[str] = set()  # namespaces written to <prefix>:ns by this process
         self._asked: list[tuple[str, tuple, dict, asyncio.Future]] = []  # commands for the next pipeline
         self._sending = False                # a pipeline is out
+        self._sender: asyncio.Task | None = None
+        self._known = False  # generations known from before (a file, or a sync): changes since are purged
 
     # ---- life ----------------------------------------------------------------------------------------
 
@@ -103,6 +109,7 @@ class FleetTier:
         if self.state_path is not None:
             try:
                 self.gens.replace({k: int(v) for k, v in json.loads(self.state_path.read_text()).items()})
+                self._known = True
             except (OSError, ValueError, AttributeError):
                 pass  # first start, or an unreadable file: nothing to compare with
         self._follower = asyncio.get_running_loop().create_task(self._follow())
@@ -140,45 +147,27 @@ class FleetTier:
         self._asked.append((command, args, kwargs, future))
         if not self._sending:
             self._sending = True
-            loop.create_task(self._send_asked())  # runs next turn: this turn's commands join the pipeline
+            self._sender = loop.create_task(self._send_asked())  # next turn: this turn's commands join it
         return future
 
-    def _late(self, batch: list, turns: int) -> None:
-        """The budget of `batch` ran out: after a few loop turns to read what arrived, what is still
-        unanswered is a miss. The pipeline itself finishes in the background."""
-        if all(future.done() for *_, future in batch):
-            return
-        if turns:
-            asyncio.get_running_loop().call_soon(self._late, batch, turns - 1)
-            return
-        self.link.failed("timeouts", "no answer within the budget")
-        for *_, future in batch:
-            if not future.done():
-                future.set_exception(FleetUnavailable("timeout"))
-
     async def _send_asked(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Pipelines of what was asked, one out at a time; one that runs past its budget is left to finish
+        in the background (link.py), so what was asked meanwhile waits at most that budget before leaving."""
         try:
             while self._asked:
                 batch, self._asked = self._asked, []
-                if self.link.open:  # opened while these waited
-                    replies = [FleetUnavailable("breaker open")] * len(batch)
-                else:
-                    pipe = self.link.redis.pipeline(transaction=False)
-                    for command, args, kwargs, _ in batch:
-                        getattr(pipe, command)(*args, **kwargs)
-                    timer = loop.call_at(loop.time() + self.link.timeout_s, self._late, batch, LATE_LOOK_TURNS)
-                    try:
-                        replies = await pipe.execute(raise_on_error=False)
-                    except Exception as exc:  # redis.RedisError, OSError, a cluster in failover
-                        self.link.failed("errors", repr(exc))
-                        replies = [FleetUnavailable(repr(exc))] * len(batch)
-                    else:
-                        self.link.succeeded()
-                    timer.cancel()
+                pipe = self.link.redis.pipeline(transaction=False)
+                for command, args, kwargs, _ in batch:
+                    getattr(pipe, command)(*args, **kwargs)
+                try:
+                    replies = await self.link.call(pipe.execute, raise_on_error=False)
                     self.counters["pipelines"] += 1
+                except FleetUnavailable as exc:
+                    replies = [exc] * len(batch)
+                if len(replies) != len(batch):  # never seen; no lookup may wait for an answer that cannot come
+                    replies = [FleetUnavailable(f"{len(replies)} replies to {len(batch)} commands")] * len(batch)
                 for (*_, future), reply in zip(batch, replies):
-                    if future.done():  # past its budget, or its flight was cancelled
+                    if future.done():  # its flight was cancelled
                         continue
                     if isinstance(reply, Exception):
                         future.set_exception(reply if isinstance(reply, FleetUnavailable) else FleetUnavailable(repr(reply)))
@@ -212,7 +201,7 @@ class FleetTier:
 
     async def claim(self, key: bytes, ns: Namespace) -> bool | None:
         """True: this pod holds the lease and computes; False: another pod does; None: Redis failed
-        (compute, without a lease)."""
+        (compute; the lease may have been taken all the same, so the caller releases it as if held)."""
         try:
             taken = await self._ask("set", self.gens.lease_key(key, ns), self.origin, nx=True, px=self.settings.lease_ms)
         except FleetUnavailable:
@@ -221,9 +210,10 @@ class FleetTier:
         return bool(taken)
 
     async def wait(self, key: bytes, ns: Namespace, max_age_us: int | None, bound_s: float
-                   ) -> tuple[Record | None, bool]:
+                   ) -> tuple[Record | None, bool | None]:
         """While another pod computes `key`: (its record, False) once it is written, or (None, took) when
-        this pod computes after all; took: its lease lapsed and this pod holds it now."""
+        this pod computes after all; took: its lease lapsed and this pod holds it now (None: Redis failed,
+        so it may)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound_s
         value_key, lease_key = self.gens.value_key(key, ns), self.gens.lease_key(key, ns)
@@ -235,10 +225,12 @@ class FleetTier:
                 self._ask("get", value_key), self._ask("set", lease_key, self.origin, nx=True, px=self.settings.lease_ms),
                 return_exceptions=True)
             if isinstance(raw, Exception) or isinstance(took, Exception):
-                return None, False
+                return None, None  # computing after all; the lease may have been taken
             if raw is not None:
                 record = self._record(key, raw, max_age_us, "misses")
                 if record is not None:
+                    if took:  # the holder dropped its lease as it wrote: this poll took one it does not need
+                        self.release(key, ns)
                     self.counters["lease_wait_hits"] += 1
                     return record, False
             if took:
@@ -252,7 +244,7 @@ class FleetTier:
         lease_key = self.gens.lease_key(key, ns) if release else None
         remaining_ms = (record.expires_us - now_us()) // 1000 if record.expires_us else None
         if remaining_ms is not None and remaining_ms <= 0:
-            self._queue(("del", lease_key)) if lease_key else None
+            self._queue(("release", lease_key)) if lease_key else None
             return
         expiry_ms = None
         if remaining_ms is not None:
@@ -264,7 +256,7 @@ class FleetTier:
 
     def release(self, key: bytes, ns: Namespace) -> None:
         """Drops this pod's lease on a key it will not write (the computation failed, or was not stored)."""
-        self._queue(("del", self.gens.lease_key(key, ns)))
+        self._queue(("release", self.gens.lease_key(key, ns)))
 
     def _queue(self, op: tuple) -> None:
         if len(self.pending) >= MAX_PENDING:
@@ -282,13 +274,13 @@ class FleetTier:
             pipe = self.link.redis.pipeline(transaction=False)
             registered = []
             for op in batch:
-                if op[0] == "del":
-                    pipe.delete(op[1])
+                if op[0] == "release":
+                    pipe.eval(RELEASE, 1, op[1], self.origin)
                     continue
                 _, value_key, value, expiry_ms, lease_key, register = op
                 pipe.set(value_key, value, px=expiry_ms)
                 if lease_key is not None:
-                    pipe.delete(lease_key)
+                    pipe.eval(RELEASE, 1, lease_key, self.origin)
                 if register is not None:
                     pipe.hsetnx(self.gens.namespaces_key, *register)
                     registered.append(register[0])
@@ -369,11 +361,15 @@ class FleetTier:
     async def _resync(self) -> None:
         async with asyncio.timeout(RESYNC_BUDGET_S):
             raw = await self.link.redis.hgetall(self.gens.hash_key)
-        grown = self.gens.replace({k.decode(): int(v) for k, v in raw.items()})
+        changed = self.gens.replace({k.decode(): int(v) for k, v in raw.items()})
         self.counters["resyncs"] += 1
-        if grown:
-            self.counters["generations_caught_up"] += len(grown)
-            for name in grown:
+        if not self._known:  # the first sync of a process without a file: a baseline, nothing to undo
+            self._known = True
+            await self._save()
+            return
+        if changed:
+            self.counters["generations_caught_up"] += len(changed)
+            for name in changed:
                 self._purge(generations.selector(name))
             await self._save()
 
