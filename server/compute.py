@@ -215,7 +215,10 @@ class WorkerCore:
             return self._fleet_outcome(record)
         if item.store:  # only a result that will be shared is worth a lease
             flight.leased = True  # from here on, whatever ends the flight releases it (a cancel included)
-            claimed = await fleet.claim(flight.key, ns)
+            record, claimed = await fleet.claim(flight.key, ns, max_age)
+            if record is not None:
+                flight.leased = False
+                return self._fleet_outcome(record)
             if claimed is False:
                 bound = fleet.settings.lease_wait_s
                 if deadline is not None:  # half of what is left: the rest is for computing after all

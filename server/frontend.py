@@ -346,7 +346,8 @@ class FrontendCore:
         if self._cache is not None:
             groups.append(("l1", self._cache.counters))
         if self.fleet is not None:
-            groups.append(("fleet", {**self.fleet.counters, "ready": int(self.fleet.ready)}))
+            groups.append(("fleet", {**self.fleet.counters, "ready": int(self.fleet.ready),
+                                     "breaker_open": int(self.fleet.link.open)}))
         response = pb.GetStatsResponse(frontend=metrics.process_stats("frontend", *groups))
         if not full:
             return response

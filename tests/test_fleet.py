@@ -42,6 +42,13 @@ def fleet_hits(server: ServerProcess) -> int:
                                                                   for w in stats.workers)
 
 
+def fleet_usable(server: ServerProcess) -> bool:
+    """Frontend and workers subscribed, their breakers closed."""
+    stats = server.stats()
+    return all(group.counters.get("fleet.ready") == 1 and group.counters.get("fleet.breaker_open") == 0
+               for group in (stats.frontend, *stats.workers))
+
+
 def until(condition, timeout: float = 10.0, every: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:
@@ -75,8 +82,7 @@ def pods(start_server):
         common = (f"fleet.redis={url}", f"fleet.timeout_ms={TEST_BUDGET_MS}")
         servers = [start_server(frontends=1, settings=(*common, *settings)) for _ in range(n)]
         for server in servers:  # subscribed and generations read: the tier is in use (worker and frontend)
-            until(lambda: worker_counter(server, "fleet.ready") == 1
-                  and server.stats().frontend.counters.get("fleet.ready") == 1)
+            until(lambda: fleet_usable(server))
         return servers
 
     return start
@@ -295,8 +301,7 @@ def test_redis_down_is_a_miss_and_the_tier_comes_back(redis_server, pods):
         time.sleep(2.0)
         assert len(load.answered) > during + 10  # still serving, from L1 and the model
         redis_server.start()
-        until(lambda: worker_counter(a, "fleet.ready") == 1 and worker_counter(b, "fleet.ready") == 1
-              and worker_counter(a, "fleet.breaker_open") == 0, timeout=15)
+        until(lambda: fleet_usable(a) and fleet_usable(b), timeout=15)
     assert load.errors == []
     # The tier is back: a new entry computed on A is a fleet hit on B.
     text = "fleet outage: asked after Redis came back"
@@ -339,6 +344,7 @@ def test_cluster_fleet_survives_a_master_killed_under_load(cluster, pods):
         assert victim not in cluster.masters() and len(cluster.masters()) == 3
         time.sleep(1.0)
     assert load.errors == [] and len(load.answered) > 20
+    until(lambda: fleet_usable(a) and fleet_usable(b), timeout=20)  # the breakers' probes found Redis back
     # Fleet hits resume on the new topology, on every slot.
     fresh = [f"fleet cluster: after the failover {n}" for n in range(12)]
     with a.client() as ca, b.client() as cb:
@@ -361,6 +367,7 @@ def test_cluster_fleet_survives_resharding_under_load(cluster, pods):
         cluster.reshard(4000)  # keys move by MIGRATE; clients meet MOVED and ASK meanwhile
         time.sleep(0.5)
     assert load.errors == [] and len(load.answered) > 20
+    until(lambda: fleet_usable(b), timeout=20)
     # Entries written before the move are found on B, wherever their slots went.
     with b.client() as cb:
         assert {cb.infer("minilm", t).source for t in kept} == {"RESULT_FLEET"}

@@ -63,6 +63,13 @@ POLL_FIRST_S, POLL_MAX_S = 0.002, 0.02
 # A lease is dropped only by its holder: another pod may hold the key's lease by now (it lapsed and was
 # taken over, or this pod's claim timed out after Redis took it).
 RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# The record if it is there, else the lease if it is free, in one step: a pod that looked before the
+# holder wrote and claims after it released must find the record, not a free lease. (Both keys share a
+# hash tag: one slot.)
+TAKE = """local v = redis.call('get', KEYS[1])
+if v then return {1, v} end
+if redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+return {0}"""
 
 
 def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None
@@ -199,15 +206,27 @@ class FleetTier:
         self.counters["hits"] += 1
         return record
 
-    async def claim(self, key: bytes, ns: Namespace) -> bool | None:
-        """True: this pod holds the lease and computes; False: another pod does; None: Redis failed
-        (compute; the lease may have been taken all the same, so the caller releases it as if held)."""
+    async def _take(self, key: bytes, ns: Namespace, max_age_us: int | None) -> tuple[Record | None, bool | None]:
+        """One atomic step (TAKE): the key's record if it is there, else its lease if that is free.
+        (record, False): answered; (None, True): this pod holds the lease now; (None, False): another pod
+        holds it; (None, None): Redis failed, or the record is too old for this request (compute; the
+        caller releases as if it held the lease, which only its holder can)."""
         try:
-            taken = await self._ask("set", self.gens.lease_key(key, ns), self.origin, nx=True, px=self.settings.lease_ms)
+            reply = await self._ask("eval", TAKE, 2, self.gens.value_key(key, ns), self.gens.lease_key(key, ns),
+                                    self.origin, self.settings.lease_ms)
         except FleetUnavailable:
-            return None
-        self.counters["leases_taken" if taken else "leases_busy"] += 1
-        return bool(taken)
+            return None, None
+        if reply[0] == 1:
+            record = self._record(key, reply[1], max_age_us, "misses")
+            return (record, False) if record is not None else (None, None)
+        return None, reply[0] == 2
+
+    async def claim(self, key: bytes, ns: Namespace, max_age_us: int | None) -> tuple[Record | None, bool | None]:
+        """Before computing a miss: the record if it landed meanwhile, else the lease (see `_take`)."""
+        record, taken = await self._take(key, ns, max_age_us)
+        if taken is not None:
+            self.counters["leases_taken" if taken else "leases_busy"] += 1
+        return record, taken
 
     async def wait(self, key: bytes, ns: Namespace, max_age_us: int | None, bound_s: float
                    ) -> tuple[Record | None, bool | None]:
@@ -216,26 +235,17 @@ class FleetTier:
         so it may)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound_s
-        value_key, lease_key = self.gens.value_key(key, ns), self.gens.lease_key(key, ns)
         delay = POLL_FIRST_S
         while loop.time() + delay < deadline:
             await asyncio.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
-            raw, took = await asyncio.gather(  # the lease only if it lapsed; both fail together
-                self._ask("get", value_key), self._ask("set", lease_key, self.origin, nx=True, px=self.settings.lease_ms),
-                return_exceptions=True)
-            if isinstance(raw, Exception) or isinstance(took, Exception):
-                return None, None  # computing after all; the lease may have been taken
-            if raw is not None:
-                record = self._record(key, raw, max_age_us, "misses")
-                if record is not None:
-                    if took:  # the holder dropped its lease as it wrote: this poll took one it does not need
-                        self.release(key, ns)
-                    self.counters["lease_wait_hits"] += 1
-                    return record, False
-            if took:
-                self.counters["lease_takeovers"] += 1
-                return None, True
+            record, took = await self._take(key, ns, max_age_us)
+            if record is not None:
+                self.counters["lease_wait_hits"] += 1
+                return record, False
+            if took is not False:
+                self.counters["lease_takeovers" if took else "lease_wait_failures"] += 1
+                return None, took
         self.counters["lease_wait_timeouts"] += 1
         return None, False
 
