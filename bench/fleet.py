@@ -21,9 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.load import run_load, warm
+from bench.load import minilm_only, run_load, warm
 from infercache import testing_redis
-from infercache.testing import REPO, ServerProcess
+from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import DEFAULT_STEPS, Normalizer
 
@@ -68,10 +68,7 @@ def bench_fleet(workdir: Path, texts: list[str], scale: float) -> dict:
     sizes = {name: max(50, int(n * scale)) for name, n in SIZES.items()}
     pool = iter(_distinct(texts))
     sets = {name: [next(pool) for _ in range(n)] for name, n in sizes.items()}
-    models = workdir / "models"
-    (models / "minilm").mkdir(parents=True)
-    (models / "minilm" / "config.yaml").write_text((REPO / "models" / "minilm" / "config.yaml").read_text())
-    (models / "minilm" / "1").symlink_to(REPO / "models" / "minilm" / "1")
+    models = minilm_only(workdir / "models")
     redis_server = testing_redis.RedisProcess(workdir / "redis")
     pods = []
     try:

@@ -6,12 +6,23 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 
+from infercache.testing import REPO
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
+
+
+def minilm_only(root: Path, extra_config: str = "") -> Path:
+    """A repository of the shipped minilm alone (its config, plus `extra_config`; weights linked)."""
+    (root / "minilm").mkdir(parents=True)
+    config = (REPO / "models" / "minilm" / "config.yaml").read_text() + extra_config
+    (root / "minilm" / "config.yaml").write_text(config)
+    (root / "minilm" / "1").symlink_to(REPO / "models" / "minilm" / "1")
+    return root
 
 
 @dataclass

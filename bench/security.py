@@ -36,21 +36,14 @@ import yaml
 
 from bench import cores
 from bench.gpu import _children, _cpu_seconds
-from bench.load import run_load, warm
-from infercache.testing import REPO, ServerProcess
+from bench.load import minilm_only, run_load, warm
+from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 HITS = 200
 
 
-def _models(root: Path, redact: bool) -> Path:
-    (root / "minilm").mkdir(parents=True)
-    config = (REPO / "models" / "minilm" / "config.yaml").read_text()
-    if redact:
-        config += "privacy:\n  pii: redact\n"
-    (root / "minilm" / "config.yaml").write_text(config)
-    (root / "minilm" / "1").symlink_to(REPO / "models" / "minilm" / "1")
-    return root
+REDACT = "privacy:\n  pii: redact\n"
 
 
 def _servers(workdir: Path, frontends: int, round_: int, token: str) -> tuple[ServerProcess, ServerProcess]:
@@ -65,9 +58,9 @@ def _servers(workdir: Path, frontends: int, round_: int, token: str) -> tuple[Se
     runtime = ("engines.runtime=onnxruntime",)
     for name in ("off", "on"):
         (workdir / f"{name}{round_}").mkdir()
-    off = ServerProcess(workdir / f"off{round_}", _models(workdir / f"models-off{round_}", False), **common,
+    off = ServerProcess(workdir / f"off{round_}", minilm_only(workdir / f"models-off{round_}"), **common,
                         settings=runtime)
-    on = ServerProcess(workdir / f"on{round_}", _models(workdir / f"models-on{round_}", True), **common,
+    on = ServerProcess(workdir / f"on{round_}", minilm_only(workdir / f"models-on{round_}", REDACT), **common,
                        client_options={"token": token},
                        settings=(*runtime, f"security.tokens_file={secrets / 'tokens.yaml'}",
                                  f"cache.encryption_key_file={secrets / 'key'}"))
