@@ -21,7 +21,7 @@ from typing import Callable
 
 import lmdb
 
-from cachestore import records, results, semantic
+from cachestore import diskspace, records, results, semantic
 from cachestore.semantic import Row, SemanticEntry
 from cachestore.env import Store
 from cachestore.keys import NS_ID_BYTES, Namespace
@@ -38,6 +38,12 @@ LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
 # shrinks before the disk fills and grows back, up to the configured budget, when space returns.
 DISK_SHARE = 0.7
 CHURN_COMMITS = 3
+# Blocks held ahead of the data file's end (cachestore/diskspace.py), within the disk share: room for the
+# copy-on-write pages of the next commits that another process filling the disk cannot take.
+RUNWAY = 16 * 1024 * 1024
+# While less than a runway is free, one commit evicts at most this many entries, so that its new pages
+# fit in the held blocks (the pages it frees are reusable two commits later).
+TIGHT_EVICT = 512
 # How long an invalidation keeps refusing entries created before it: a result computed before an
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
@@ -96,6 +102,8 @@ class WriteBehind:
         self.counters: Counter[str] = Counter()
         self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
         self._commit_bytes = 0               # the most bytes of records one commit has written
+        self._holding = True                 # the file system can hold blocks ahead of the file
+        self._tight = False                  # less than a runway of the disk is free
         self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -246,15 +254,20 @@ class WriteBehind:
                    for ns_id, ns in spaces if selector.matches(ns))
 
     def _check_disk(self) -> None:
-        """Sets the effective budget from the disk (see DISK_SHARE); logs when that changes it by more
-        than a tenth or crosses the configured budget."""
+        """Sets the effective budget from the disk (see DISK_SHARE) and holds blocks ahead of the data
+        file (RUNWAY); logs when the budget changes by more than a tenth or crosses the configured one."""
         configured = self.store.settings.budget
+        data_path = self.store.settings.path / "data.mdb"
         try:
             free = shutil.disk_usage(self.store.settings.path).free
-            data = os.stat(self.store.settings.path / "data.mdb").st_size
+            stat = os.stat(data_path)
         except OSError:
             return
-        budget = min(configured, max(0, int((free + data) * DISK_SHARE) - CHURN_COMMITS * self._commit_bytes))
+        held = diskspace.allocated_bytes(stat)
+        usable = free + held  # what this store may count on: its own blocks and the free ones
+        self._hold(data_path, stat.st_size, held, free, usable)
+        self._tight = free < RUNWAY
+        budget = min(configured, max(0, int(usable * DISK_SHARE) - CHURN_COMMITS * self._commit_bytes))
         if abs(budget - self.budget) > self.budget / 10 or (budget == configured) != (self.budget == configured):
             mb = 1024 * 1024
             if budget < configured:
@@ -265,6 +278,24 @@ class WriteBehind:
         self.budget = budget
         self.counters["budget_bytes"] = budget
 
+    def _hold(self, data_path, size: int, held: int, free: int, usable: int) -> None:
+        """Keeps up to RUNWAY of blocks allocated past the file's end, within the disk share (one
+        fallocate per quarter runway of growth)."""
+        target = min(self.store.settings.map_size, size + RUNWAY, int(usable * DISK_SHARE), held + free)
+        if not self._holding or target - held < RUNWAY // 4:
+            return
+        try:
+            self._holding = diskspace.hold(data_path, target)
+        except OSError as exc:
+            self.counters["hold_errors"] += 1
+            log.warning("could not hold disk blocks for the store: %s", exc)
+            return
+        if self._holding:
+            self.counters["held_bytes"] = target
+        else:
+            log.info("this file system cannot hold blocks ahead of the store's data file; a disk filled by "
+                     "another process stops the store's writes until space returns")
+
     def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> None:
         budget = self.budget
         if self.store.used_bytes(txn) <= budget:
@@ -272,9 +303,9 @@ class WriteBehind:
         evicted = 0
         while self.store.used_bytes(txn) > budget * LOW_WATER:
             n = results.evict_oldest(self.store, txn, EVICT_CHUNK, removed)
-            if n == 0:
-                break
             evicted += n
+            if n == 0 or (self._tight and evicted >= TIGHT_EVICT):
+                break
         self.counters["evicted"] += evicted
         log.info("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
 

@@ -359,6 +359,34 @@ def test_a_disk_smaller_than_the_budget_keeps_caching_and_recovers_its_space(sta
     assert "store budget limited by the disk" in log and "write-behind failed" not in log
 
 
+def test_a_disk_filled_by_another_process_keeps_caching_and_invalidating(start_server, small_disk):
+    """Another process takes every free block of the disk while the store is still small: the blocks the
+    writer holds ahead of its data file carry the commits, so caching, eviction and Invalidate keep
+    working with no write error, and the budget comes back once the other file is gone."""
+    server = start_server(cache_dir=small_disk / "cache", settings=("cache.sync=false",))
+    early = [unique(f"before the filler {i}") for i in range(100)]
+    with server.client() as client:
+        client.infer_batch(MODEL, early)
+        wait_cached(client, MODEL, early[-1], timeout=30)
+        filler = small_disk / "someone-elses-file"
+        filled = subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True, text=True)
+        assert "No space left" in filled.stderr and shutil.disk_usage(small_disk).free < 64 * 1024, filled.stderr
+        texts = [unique(f"with the disk full {i}") for i in range(3000)]  # more than the held blocks take
+        for start in range(0, len(texts), 250):
+            client.infer_batch(MODEL, texts[start:start + 250])
+        wait_cached(client, MODEL, texts[-1], timeout=30)
+        counters = server.stats().worker.counters
+        assert counters["writer.evicted"] > 0 and counters.get("writer.write_errors", 0) == 0, counters
+        squeezed = counters["writer.budget_bytes"]
+        assert client.invalidate(model=MODEL) > 0
+        assert client.infer(MODEL, texts[-1]).source == "MISS"
+        filler.unlink()
+        _wait_for(lambda: server.stats().worker.counters["writer.budget_bytes"] > squeezed * 1.2, 30,
+                  "the budget to grow once space returned")
+    assert server.stop() == 0
+    assert "write-behind failed" not in server.log_text()
+
+
 def test_missing_model_files_fail_fast_with_a_hint(tmp_path):
     (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "models" / "m" / "config.yaml").write_text(

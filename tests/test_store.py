@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 
 import lmdb
 import pytest
 
-from cachestore import records, results
+from cachestore import diskspace, integrity, records, results
 from cachestore.env import DB_EXPIRY, DB_META, DB_RESULTS, DB_STORED, Store, StoreSettings
 from cachestore.errors import CorruptRecord, StoreFormatError
 from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
-from cachestore.writer import Selector, WriteBehind
+from cachestore.writer import RUNWAY, Selector, WriteBehind
 
 MB = 1 << 20
 
@@ -163,6 +164,25 @@ def test_budget_evicts_least_recently_stored(tmp_path):
     assert cache.get(keys[-1], now) is not None
     assert cache.get(keys[0], now) is None
     assert writer.counters["evicted"] > 0 and writer.counters["write_errors"] == 0
+    writer.close()
+    store.close()
+
+
+def test_the_writer_holds_disk_blocks_ahead_of_the_data_file(tmp_path):
+    """Blocks past the file's end are allocated (another process filling the disk cannot take them) while
+    the file's size, which LMDB and the integrity check read, stays LMDB's own."""
+    store = open_store(tmp_path / "held")
+    writer = WriteBehind(store)
+    put_all(writer, Namespace("t", "m", "1"), [str(i) for i in range(200)])
+    if not writer._holding:
+        pytest.skip("this file system cannot allocate blocks past a file's end (fallocate KEEP_SIZE)")
+    stat = os.stat(tmp_path / "held" / "data.mdb")
+    with store.begin() as txn:
+        last_page_end = (store.env.info()["last_pgno"] + 1) * txn.stat()["psize"]
+    assert stat.st_size == last_page_end  # what LMDB wrote, no more
+    assert diskspace.allocated_bytes(stat) >= stat.st_size + RUNWAY * 3 // 4
+    assert writer.counters["held_bytes"] >= stat.st_size + RUNWAY * 3 // 4
+    assert integrity.problem(tmp_path / "held") is None
     writer.close()
     store.close()
 
