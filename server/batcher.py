@@ -2,20 +2,28 @@
 
 Requests are grouped by sequence-length bucket (one engine profile each). A bucket is cut when it
 holds max_batch requests or its oldest request has waited max_delay. A cut waits for a free engine
-slot first, so while the engine is busy requests keep joining the next batch. Admission is bounded and
-answered at once: `enqueue` raises Overloaded past `max_queue` waiting requests, and when the wait the
-queue implies exceeds the caller's deadline or `max_wait_s`, so an admitted request is one that can
-start in time. The implied wait is the full batches ahead, shared by the engine slots, times the recent
-batch duration (an average of the last batches: under overload they are full, so it is the real cost;
-under light load short batches make it an underestimate, which admits rather than refuses). The worker
-seeds it from a timed warmup batch; with no estimate only max_queue bounds admission. Cancelled and
-expired requests are dropped when the batch is cut, before they reach the engine.
+slot first, so while the engine is busy requests keep joining the next batch.
+
+Admission is bounded and answered at once: `enqueue` raises Overloaded past `max_queue` waiting
+requests, and when the time the queue implies until this request's batch is done exceeds the caller's
+deadline or `max_wait_s`, so an admitted request is one that can finish in time. That time is the full
+batches ahead, this one's included, shared by the engine slots, times the batch duration: the larger of
+the recent average, the last batch, and the age of the oldest batch still running (so a machine that
+slows down, by contention or a burst of long texts, raises the estimate within one batch, not after
+several). The worker seeds it from a timed warmup batch (one text of the longest profile: optimistic
+for a burst of long texts, which is what shedding is for; a full batch of them would refuse bursts of
+short texts that easily fit). When a batch is markedly slower than the estimate, queued requests that can
+no longer finish before their deadline are refused at once (Overloaded, counted as `shed`) instead of
+expiring in the queue. The frontends read the same
+estimate (`expected_wait`) from every answer frame and refuse before sending. Cancelled and expired
+requests are dropped when the batch is cut, before they reach the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import heapq
 import logging
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +36,7 @@ log = logging.getLogger("infercache.batcher")
 
 RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arrays) -> one result each
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
+SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +64,8 @@ class Batcher:
         self.name = name
         self.concurrency = concurrency
         self.batch_s = 0.0                  # average duration of an engine batch (0: none timed yet)
+        self._last_batch_s = 0.0            # the latest batch's duration
+        self._started: dict[asyncio.Task, float] = {}  # running batches -> loop time they started
         self.counters: Counter[str] = Counter()
         self._incoming: deque[_Request] = deque()
         self._pending: dict[int, deque[_Request]] = {b: deque() for b in buckets}
@@ -91,19 +102,55 @@ class Batcher:
         self._wakeup.set()
         return request.future
 
+    def _batch_estimate(self, now: float) -> float:
+        """Seconds an engine batch takes now (0: no estimate yet)."""
+        oldest = min(self._started.values(), default=now)
+        return max(self.batch_s, self._last_batch_s, now - oldest)
+
+    def expected_wait(self, now: float | None = None) -> float:
+        """Seconds until a request admitted now would have its result (0: no estimate yet)."""
+        batch_s = self._batch_estimate(asyncio.get_running_loop().time() if now is None else now)
+        if batch_s <= 0.0:
+            return 0.0
+        return -(-(self._waiting + 1) // self.max_batch) / self.concurrency * batch_s
+
     def _admit(self, now: float, deadline: float | None) -> None:
         """Overloaded when the queue ahead cannot be served within the caller's deadline or max_wait_s."""
-        if not self._waiting or self.batch_s <= 0.0:
+        if not self._waiting:
             return
-        expected = -(-self._waiting // self.max_batch) / self.concurrency * self.batch_s
+        expected = self.expected_wait(now)
         bound = self.max_wait_s or None
         if deadline is not None:
             bound = deadline - now if bound is None else min(bound, deadline - now)
         if bound is not None and expected > bound:
             self.counters["rejected_wait"] += 1
-            raise Overloaded(f"{self.name} would start this in about {expected:.2f} s ({self._waiting} waiting, "
-                             f"{self.batch_s * 1000:.1f} ms per batch), past the {max(bound, 0):.2f} s allowed; "
-                             "retry later")
+            raise Overloaded(f"{self.name} would answer this in about {expected:.2f} s ({self._waiting} waiting, "
+                             f"{self._batch_estimate(now) * 1000:.1f} ms per batch), past the {max(bound, 0):.2f} s "
+                             "allowed; retry later")
+
+    def _shed(self, now: float) -> None:
+        """Refuses queued requests whose batch, at the current estimate, would end after their deadline
+        (in the order batches are cut: oldest first)."""
+        batch_s = self._batch_estimate(now)
+        if batch_s <= 0.0 or not self._waiting:
+            return
+        self._take_incoming()
+        queued = heapq.merge(*self._pending.values(), key=lambda r: r.enqueued)
+        late = set()
+        for position, request in enumerate(queued):
+            done_at = now + (position // self.max_batch + 1) / self.concurrency * batch_s
+            if request.deadline is not None and done_at > request.deadline > now and not request.future.done():
+                late.add(request)  # (one already past its deadline is dropped as expired at the cut)
+        if not late:
+            return
+        for bucket, queue in self._pending.items():
+            self._pending[bucket] = deque(r for r in queue if r not in late)
+        self._waiting -= len(late)
+        self.counters["shed"] += len(late)
+        for request in late:
+            request.future.set_exception(Overloaded(
+                f"{self.name} slowed down ({batch_s * 1000:.1f} ms per batch): this request would not be answered "
+                "before its deadline; retry later"))
 
     def seed_timing(self, seconds: float) -> None:
         """The first batch-duration estimate, from the worker's warmup (before it serves anything)."""
@@ -187,10 +234,17 @@ class Batcher:
     async def _run(self, batch: list[_Request]) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        task = asyncio.current_task()
+        self._started[task] = started
         try:
             results = await loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
             took = loop.time() - started
+            del self._started[task]
+            slower = took > SLOWDOWN * max(self.batch_s, self._last_batch_s)
+            self._last_batch_s = took
             self.batch_s = took if self.batch_s <= 0.0 else self.batch_s + DURATION_WEIGHT * (took - self.batch_s)
+            if slower:  # what was admitted at the old estimate may not finish in time any more
+                self._shed(loop.time())
             for request, result in zip(batch, results, strict=True):
                 if not request.future.done():
                     request.future.set_result(result)
@@ -203,4 +257,5 @@ class Batcher:
                 if not request.future.done():
                     request.future.set_exception(exc)
         finally:
+            self._started.pop(task, None)
             self._slots.release()

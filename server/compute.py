@@ -378,6 +378,13 @@ class WorkerCore:
                     "other pods may serve them until it does; retry") from None
         return removed
 
+    def queue_waits(self):
+        """(model, version, seconds) of each batch queue a new item would wait in (admission in the
+        frontends: worker.proto QueueWait)."""
+        for (model, version), runtime in self.runtimes.items():
+            if seconds := runtime.batcher.expected_wait():
+                yield model, version, seconds
+
     def stat_groups(self) -> list[tuple[str, dict]]:
         groups: list[tuple[str, dict]] = [("worker", self.counters)]
         for (model, version), runtime in self.runtimes.items():

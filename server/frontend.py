@@ -257,6 +257,7 @@ class FrontendCore:
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
+        self.workers.admit(plan.served.spec.name, plan.served.version, (plan.served.route(keyed[1]),), time_remaining)
         self.counters["forwarded"] += 1
         [result] = await self.workers.compute(self._items(plan, [keyed], looked), time_remaining)
         return self._answer(result)
@@ -293,6 +294,9 @@ class FrontendCore:
         results = []
         if missed:
             miss_keyed = [keyed[n] for n in missed]
+            served = plan.served
+            self.workers.admit(served.spec.name, served.version, [served.route(k) for _, k, _ in miss_keyed],
+                               time_remaining)
             self.counters["forwarded"] += len(missed)
             if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
                 items = await asyncio.to_thread(self._items, plan, miss_keyed, looked)
@@ -468,7 +472,8 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
-                         default_timeout_s=config.server.worker_timeout_s, counters=counters)
+                         default_timeout_s=config.server.worker_timeout_s, counters=counters,
+                         max_queue_wait_s=config.server.max_queue_wait_s)
     fleet = None
     if config.fleet.redis:  # redis-py is imported only then
         from server.fleet import tier

@@ -42,7 +42,7 @@ class _Connection:
         self.core = core
         self.connections = connections       # the worker's open connections (for closing them at drain)
         self.waiting: dict = {}              # item id -> flight (written by the core)
-        self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch)
+        self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch, self._on_flush)
         connections.add(self)
 
     def _on_frame(self, frame: bytes) -> None:
@@ -54,6 +54,11 @@ class _Connection:
         self.core.submit_all(self, batch.items, now)
         for item_id in batch.cancel:
             self.core.cancel(self, item_id)
+
+    def _on_flush(self, out) -> None:
+        """Every answer frame tells the frontend how long new items would queue (its admission control)."""
+        for model, version, seconds in self.core.queue_waits():
+            out.waits.add(model=model, version=version, seconds=seconds)
 
     def _on_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)

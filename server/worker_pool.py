@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server.errors import DeadlineExceeded, WorkerUnavailable, from_worker_error, from_wire
+from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, from_worker_error, from_wire
 from server.framing import FrameProtocol, items_socket
 
 log = logging.getLogger("infercache.workers")
@@ -61,6 +61,8 @@ class WorkerLink:
         self._on_change = on_change          # called when `up` flips
         self._protocol: FrameProtocol | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        # (model, version) -> (seconds a new item would queue, loop time told): from the last answer frame
+        self._waits: dict[tuple[str, str], tuple[float, float]] = {}
         self._ids = itertools.count(1)
         self._closing = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-link-{index}")
@@ -89,10 +91,19 @@ class WorkerLink:
             self._protocol.flush_soon()
 
     def _on_frame(self, frame: bytes) -> None:
-        for result in worker_pb2.ResultBatch.FromString(frame).results:
+        batch = worker_pb2.ResultBatch.FromString(frame)
+        for result in batch.results:
             future = self._pending.pop(result.id, None)
             if future is not None and not future.done():
                 future.set_result(result)
+        now = asyncio.get_running_loop().time()
+        self._waits = {(w.model, w.version): (w.seconds, now) for w in batch.waits}
+
+    def queue_wait(self, model: str, version: str, now: float) -> float:
+        """Seconds a new item of this model version would queue in the worker, from its last answer
+        frame less the time since (the queue drains meanwhile); 0 when it told of none."""
+        seconds, told = self._waits.get((model, version), (0.0, now))
+        return max(0.0, seconds - (now - told))
 
     def _on_flush(self, out) -> None:
         self.counters["frames"] += 1
@@ -129,6 +140,7 @@ class WorkerLink:
             return
         self.up = up
         if not up:
+            self._waits = {}
             pending, self._pending = self._pending, {}
             for future in pending.values():
                 if not future.done():
@@ -152,8 +164,10 @@ class WorkerLink:
 
 
 class WorkerPool:
-    def __init__(self, socket_paths: list[Path], *, wait_s: float, default_timeout_s: float, counters: Counter) -> None:
+    def __init__(self, socket_paths: list[Path], *, wait_s: float, default_timeout_s: float, counters: Counter,
+                 max_queue_wait_s: float = 0.0) -> None:
         self.wait_s = wait_s
+        self.max_queue_wait_s = max_queue_wait_s  # 0: only the caller's deadline bounds the queue wait
         self.default_timeout_s = default_timeout_s
         self.counters = counters
         self._changed = asyncio.Event()
@@ -192,6 +206,24 @@ class WorkerPool:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 pass
+
+    def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
+        """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
+        that new items of this model version would wait longer than the caller's deadline or
+        server.max_queue_wait_s. The worker checks again when the items arrive (its queue may have grown)."""
+        bound = self.max_queue_wait_s or None
+        if time_remaining is not None:
+            bound = time_remaining if bound is None else min(bound, time_remaining)
+        if bound is None:
+            return
+        now = asyncio.get_running_loop().time()
+        n = len(self.links)
+        for index in {route % n for route in routes}:
+            wait = self.links[index].queue_wait(model, version, now)
+            if wait > bound:
+                self.counters["rejected_wait"] += 1
+                raise Overloaded(f"worker {index} would start {model} {version} in about {wait:.2f} s, past the "
+                                 f"{max(bound, 0):.2f} s allowed; retry later")
 
     def _budget(self, time_remaining: float | None) -> float:
         """Seconds a call to the workers may take: the caller's deadline, at most worker_timeout_s."""

@@ -150,10 +150,10 @@ def _flood(batcher: Batcher, count: int, deadline: float | None):
     return admitted, refused
 
 
-def test_admission_refuses_what_cannot_start_before_the_deadline():
+def test_admission_refuses_what_cannot_finish_before_the_deadline():
     async def run():
         loop = asyncio.get_running_loop()
-        # Estimated 50 ms per batch of 4 (the real ones take 5 ms): 1 s allows 20 batches ahead = 80 waiting.
+        # Estimated 50 ms per batch of 4 (the real ones take 5 ms): 1 s allows 20 batches, its own included.
         batcher = Batcher(_sleeping(0.005), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
         batcher.seed_timing(0.05)
         admitted, refused = _flood(batcher, 400, loop.time() + 1.025)
@@ -162,10 +162,42 @@ def test_admission_refuses_what_cannot_start_before_the_deadline():
         return admitted, refused, results, batcher
 
     admitted, refused, results, batcher = asyncio.run(run())
-    assert len(admitted) == 81 and refused == 319  # waiting 0..80 admitted, the rest refused at once
+    assert len(admitted) == 80 and refused == 320  # waiting 0..79 admitted, the rest refused at once
     assert all(r == 3 for r in results), [r for r in results if r != 3][:3]  # every admitted one ran in time
-    assert batcher.counters["rejected_wait"] == 319 and "dropped_expired" not in batcher.counters
+    assert batcher.counters["rejected_wait"] == 320 and "dropped_expired" not in batcher.counters
     assert 0.0 < batcher.batch_s < 0.05  # the estimate moved toward the real batches
+
+
+def test_a_slowdown_refuses_queued_requests_that_can_no_longer_finish_in_time():
+    """Seeded at 5 ms per batch, the engine takes 50: everything was admitted (100 batches x 5 ms fit in
+    the 1 s deadline), and once the first batch shows the real duration, the requests that cannot finish
+    by their deadline any more are refused at once instead of expiring in the queue."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(_sleeping(0.05), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
+        batcher.seed_timing(0.005)
+        admitted, refused = _flood(batcher, 400, loop.time() + 1.0)
+        started = loop.time()
+        outcomes = await asyncio.gather(*(_timed(f, loop) for f in admitted))
+        await batcher.close()
+        return refused, outcomes, started, batcher
+
+    refused, outcomes, started, batcher = asyncio.run(run())
+    assert refused == 0
+    ran = [at for outcome, at in outcomes if outcome == 3]
+    shed = [at for outcome, at in outcomes if isinstance(outcome, Overloaded)]
+    assert len(ran) + len(shed) == 400, {type(o) for o, _ in outcomes}  # no DeadlineExceeded
+    assert 60 <= len(ran) < 90 and batcher.counters["shed"] == len(shed)
+    assert max(shed) - started < 0.2  # refused when the first batch ended, not at the deadline
+    assert "dropped_expired" not in batcher.counters
+
+
+async def _timed(future, loop):
+    try:
+        outcome = await future
+    except Exception as exc:
+        outcome = exc
+    return outcome, loop.time()
 
 
 def test_admission_bound_without_deadline_and_without_an_estimate():
@@ -173,7 +205,7 @@ def test_admission_bound_without_deadline_and_without_an_estimate():
         bounded = Batcher(_sleeping(0.001), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000,
                           max_wait_s=0.52)
         bounded.seed_timing(0.05)
-        first = _flood(bounded, 100, None)  # 0.52 s: 10 batches ahead = 40 waiting
+        first = _flood(bounded, 100, None)  # 0.52 s: 10 batches, its own included = 39 waiting
         untimed = Batcher(_sleeping(0.001), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
         second = _flood(untimed, 100, None)  # no estimate yet: only max_queue bounds admission
         for batcher, (admitted, _) in ((bounded, first), (untimed, second)):
@@ -182,5 +214,5 @@ def test_admission_bound_without_deadline_and_without_an_estimate():
         return first, second
 
     (admitted, refused), (admitted_untimed, refused_untimed) = asyncio.run(run())
-    assert (len(admitted), refused) == (41, 59)
+    assert (len(admitted), refused) == (40, 60)
     assert (len(admitted_untimed), refused_untimed) == (100, 0)

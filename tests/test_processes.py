@@ -185,32 +185,36 @@ def test_full_queue_answers_resource_exhausted_at_once(start_server):
 
 
 def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
-    """400 concurrent misses against a queue that may hold 0.3 s of work: every call is answered OK or
-    RESOURCE_EXHAUSTED (refused by the expected wait, not by a full queue), never a deadline, UNAVAILABLE
-    or CANCELLED."""
-    server = start_server(settings=("server.max_queue_wait_s=0.3",))
+    """Two waves of 400 concurrent misses against a queue that may hold 0.3 s of work: every call is
+    answered OK or RESOURCE_EXHAUSTED (refused by the expected wait, not by a full queue), never a
+    deadline, UNAVAILABLE or CANCELLED. The worker tells the frontend its queue wait with every answer
+    frame, so once the first refusals came back the frontend refuses without sending."""
+    server = start_server(frontends=1, settings=("server.max_queue_wait_s=0.3",))
     long_text = " ".join(["a customer asks about a delayed refund"] * 6)
 
-    async def flood():
+    async def flood(wave):
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = infercache_pb2_grpc.InferenceCacheStub(channel)
 
             async def call(i):
                 try:
-                    await stub.Infer(pb.InferRequest(model=MODEL, text=unique(f"{long_text} {i}")), timeout=20)
+                    await stub.Infer(pb.InferRequest(model=MODEL, text=unique(f"{long_text} {wave} {i}")), timeout=20)
                     return grpc.StatusCode.OK, ""
                 except grpc.aio.AioRpcError as exc:
                     return exc.code(), exc.details()
             return await asyncio.gather(*(call(i) for i in range(400)))
 
-    answers = asyncio.run(flood())
+    answers = asyncio.run(flood(0)) + asyncio.run(flood(1))
     codes = [code for code, _ in answers]
     assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, set(answers) - {(grpc.StatusCode.OK, "")}
     refused = [details for code, details in answers if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert all("past the 0.30 s allowed" in d for d in refused), refused[:3]
-    counters = server.stats().worker.counters
-    assert counters["batcher.minilm.1.rejected_wait"] == len(refused)
-    assert counters.get("batcher.minilm.1.rejected_full", 0) == 0 and counters["batcher.minilm.1.batch_us"] > 0
+    stats = server.stats()
+    by_frontend = stats.frontend.counters["frontend.rejected_wait"]
+    by_worker = stats.worker.counters["batcher.minilm.1.rejected_wait"]
+    assert by_frontend > 0 and by_frontend + by_worker == len(refused), (by_frontend, by_worker, len(refused))
+    assert stats.worker.counters.get("batcher.minilm.1.rejected_full", 0) == 0
+    assert stats.worker.counters["batcher.minilm.1.batch_us"] > 0
 
 
 def test_malformed_requests_are_invalid_argument_and_logged_once(start_server):
