@@ -13,6 +13,8 @@
    on vs all off, and redaction's cost per Banking77 text.
 6. Fleet (`--sections fleet`, bench/fleet.py): L1 hit, fleet hit and miss on a second pod sharing one
    Redis, and the Redis round trip alone.
+7. Overload (`--sections overload`, bench/overload.py): 3,000 misses at once against one worker: status
+   codes, how fast refusals come, and whether admitted calls finish.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -34,6 +36,7 @@ import grpc
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
 from bench.fleet import bench_fleet, print_fleet
+from bench.overload import bench_overload, print_overload
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
 from bench.security import bench_hit_path, bench_redaction, print_security
@@ -258,7 +261,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, fleet, gpu and "
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, fleet, overload, gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -298,6 +301,9 @@ def main() -> None:
         if "fleet" in sections:
             print("benchmarking the fleet tier (two pods on one Redis) ...", flush=True)
             report["fleet"] = bench_fleet(workdir / "fleet", texts, scale)
+        if "overload" in sections:
+            print("benchmarking overload (misses at once against one worker) ...", flush=True)
+            report["overload"] = bench_overload(workdir / "overload", texts, scale)
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
@@ -323,6 +329,8 @@ def main() -> None:
         print_security(report["security"])
     if "fleet" in report:
         print_fleet(report["fleet"])
+    if "overload" in report:
+        print_overload(report["overload"])
     if "gpu" in report:
         print_gpu(report["gpu"])
     if "workers" in report:
