@@ -339,6 +339,17 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _cache_past_the_disk(server, client, texts) -> int:
+    """Caches more than the disk holds; asserts the writer evicted without a failed write and returns
+    its (disk-limited) budget."""
+    for start in range(0, len(texts), 256):
+        client.infer_batch(MODEL, texts[start:start + 256])
+    wait_cached(client, MODEL, texts[-1], timeout=30)
+    counters = server.stats().worker.counters
+    assert counters["writer.evicted"] > 0 and counters.get("writer.write_errors", 0) == 0, counters
+    return counters["writer.budget_bytes"]
+
+
 def test_a_disk_smaller_than_the_budget_keeps_caching_and_recovers_its_space(start_server, small_disk):
     """Default 1.5 GiB budget on a 12 MiB disk, a third of it taken by another file: the writer sizes its
     budget from the disk, evicts instead of failing, Invalidate works, and the budget grows when space returns."""
@@ -347,12 +358,7 @@ def test_a_disk_smaller_than_the_budget_keeps_caching_and_recovers_its_space(sta
     server = start_server(cache_dir=small_disk / "cache", settings=("cache.sync=false",))
     texts = [unique(f"small disk {i}") for i in range(6000)]  # about 10 MiB of entries: more than fits
     with server.client() as client:
-        for start in range(0, len(texts), 256):
-            client.infer_batch(MODEL, texts[start:start + 256])
-        wait_cached(client, MODEL, texts[-1], timeout=30)
-        counters = server.stats().worker.counters
-        assert counters["writer.evicted"] > 0 and counters.get("writer.write_errors", 0) == 0, counters
-        squeezed = counters["writer.budget_bytes"]
+        squeezed = _cache_past_the_disk(server, client, texts)
         assert squeezed < 8 * 1024 * 1024
         assert client.invalidate(model=MODEL) > 0  # deletes still have room
         blocker.unlink()
@@ -376,12 +382,7 @@ def test_a_disk_filled_by_another_process_keeps_caching_and_invalidating(start_s
         filled = subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True, text=True)
         assert "No space left" in filled.stderr and shutil.disk_usage(small_disk).free < 64 * 1024, filled.stderr
         texts = [unique(f"with the disk full {i}") for i in range(3000)]  # more than the held blocks take
-        for start in range(0, len(texts), 250):
-            client.infer_batch(MODEL, texts[start:start + 250])
-        wait_cached(client, MODEL, texts[-1], timeout=30)
-        counters = server.stats().worker.counters
-        assert counters["writer.evicted"] > 0 and counters.get("writer.write_errors", 0) == 0, counters
-        squeezed = counters["writer.budget_bytes"]
+        squeezed = _cache_past_the_disk(server, client, texts)
         assert client.invalidate(model=MODEL) > 0
         assert client.infer(MODEL, texts[-1]).source == "MISS"
         filler.unlink()
