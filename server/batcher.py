@@ -108,7 +108,10 @@ class Batcher:
         return max(self.batch_s, self._last_batch_s, now - oldest)
 
     def expected_wait(self, now: float | None = None) -> float:
-        """Seconds until a request admitted now would have its result (0: no estimate yet)."""
+        """Seconds until a request admitted now would have its result; 0 when nothing is queued (an
+        empty queue admits anything) or there is no estimate yet."""
+        if not self._waiting:
+            return 0.0
         batch_s = self._batch_estimate(asyncio.get_running_loop().time() if now is None else now)
         if batch_s <= 0.0:
             return 0.0
@@ -116,9 +119,9 @@ class Batcher:
 
     def _admit(self, now: float, deadline: float | None) -> None:
         """Overloaded when the queue ahead cannot be served within the caller's deadline or max_wait_s."""
-        if not self._waiting:
-            return
         expected = self.expected_wait(now)
+        if not expected:
+            return
         bound = self.max_wait_s or None
         if deadline is not None:
             bound = deadline - now if bound is None else min(bound, deadline - now)

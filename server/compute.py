@@ -379,8 +379,8 @@ class WorkerCore:
         return removed
 
     def queue_waits(self):
-        """(model, version, seconds) of each batch queue a new item would wait in (admission in the
-        frontends: worker.proto QueueWait)."""
+        """(model, version, seconds to answer a new item) of each model version with a queue (admission
+        in the frontends: worker.proto QueueWait)."""
         for (model, version), runtime in self.runtimes.items():
             if seconds := runtime.batcher.expected_wait():
                 yield model, version, seconds

@@ -56,7 +56,7 @@ class _Connection:
             self.core.cancel(self, item_id)
 
     def _on_flush(self, out) -> None:
-        """Every answer frame tells the frontend how long new items would queue (its admission control)."""
+        """Every answer frame tells the frontend how long new items would take (its admission control)."""
         for model, version, seconds in self.core.queue_waits():
             out.waits.add(model=model, version=version, seconds=seconds)
 

@@ -61,7 +61,7 @@ class WorkerLink:
         self._on_change = on_change          # called when `up` flips
         self._protocol: FrameProtocol | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        # (model, version) -> (seconds a new item would queue, loop time told): from the last answer frame
+        # (model, version) -> (seconds to answer a new item, loop time told): from the last answer frame
         self._waits: dict[tuple[str, str], tuple[float, float]] = {}
         self._ids = itertools.count(1)
         self._closing = False
@@ -100,7 +100,7 @@ class WorkerLink:
         self._waits = {(w.model, w.version): (w.seconds, now) for w in batch.waits}
 
     def queue_wait(self, model: str, version: str, now: float) -> float:
-        """Seconds a new item of this model version would queue in the worker, from its last answer
+        """Seconds until the worker would answer a new item of this model version, from its last answer
         frame less the time since (the queue drains meanwhile); 0 when it told of none."""
         seconds, told = self._waits.get((model, version), (0.0, now))
         return max(0.0, seconds - (now - told))
@@ -222,7 +222,7 @@ class WorkerPool:
             wait = self.links[index].queue_wait(model, version, now)
             if wait > bound:
                 self.counters["rejected_wait"] += 1
-                raise Overloaded(f"worker {index} would start {model} {version} in about {wait:.2f} s, past the "
+                raise Overloaded(f"worker {index} would answer {model} {version} in about {wait:.2f} s, past the "
                                  f"{max(bound, 0):.2f} s allowed; retry later")
 
     def _budget(self, time_remaining: float | None) -> float:
