@@ -270,6 +270,8 @@ def main() -> None:
     parser.add_argument("--gpu-workers", default="1",
                         help="gpu section: worker processes sharing the GPU, comma-separated; the first serves every "
                              "step, the others repeat the MiniLM runs (e.g. 1,2,4)")
+    parser.add_argument("--overload-deadline", type=float, default=10.0,
+                        help="overload section: each call's deadline in seconds (0.5 on a GPU host: an overload there)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -303,7 +305,7 @@ def main() -> None:
             report["fleet"] = bench_fleet(workdir / "fleet", texts, scale)
         if "overload" in sections:
             print("benchmarking overload (misses at once against one worker) ...", flush=True)
-            report["overload"] = bench_overload(workdir / "overload", texts, scale)
+            report["overload"] = bench_overload(workdir / "overload", texts, scale, args.overload_deadline)
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}

@@ -14,7 +14,7 @@ several). The worker seeds it from a timed warmup batch (one text of the longest
 for a burst of long texts, which is what shedding is for; a full batch of them would refuse bursts of
 short texts that easily fit). When a batch is markedly slower than the estimate, queued requests that can
 no longer finish before their deadline are refused at once (Overloaded, counted as `shed`) instead of
-expiring in the queue. The frontends read the same
+expiring in the queue; a batch that runs on past the estimate re-checks them while it runs. The frontends read the same
 estimate (`expected_wait`) from every answer frame and refuse before sending. Cancelled and expired
 requests are dropped when the batch is cut, before they reach the engine.
 """
@@ -37,6 +37,7 @@ log = logging.getLogger("infercache.batcher")
 RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arrays) -> one result each
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
+                            # (when it ends, and every such interval while it still runs)
 
 
 @dataclass(eq=False, slots=True)
@@ -240,13 +241,17 @@ class Batcher:
         task = asyncio.current_task()
         self._started[task] = started
         try:
-            results = await loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
+            running = loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
+            expected = max(self.batch_s, self._last_batch_s)
+            if expected > 0.0:  # while it runs past the estimate, its age raises the estimate: re-check
+                while not (await asyncio.wait({running}, timeout=SLOWDOWN * expected))[0]:
+                    self._shed(loop.time())
+            results = await running
             took = loop.time() - started
             del self._started[task]
-            slower = took > SLOWDOWN * max(self.batch_s, self._last_batch_s)
             self._last_batch_s = took
             self.batch_s = took if self.batch_s <= 0.0 else self.batch_s + DURATION_WEIGHT * (took - self.batch_s)
-            if slower:  # what was admitted at the old estimate may not finish in time any more
+            if took > SLOWDOWN * expected:  # what was admitted at the old estimate may not finish in time
                 self._shed(loop.time())
             for request, result in zip(batch, results, strict=True):
                 if not request.future.done():
