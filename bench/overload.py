@@ -2,7 +2,7 @@
 
 The case issue 8 found: 3,000 concurrent misses of about 210 tokens, each with a deadline, against one
 inference worker whose queue holds far more work than the deadline allows. Every call is sent at once
-(no closed loop). Reported: how many got each status code, how long the refusals (RESOURCE_EXHAUSTED)
+(no closed loop), to a server with the default frontends (one per CPU). Reported: how many got each status code, how long the refusals (RESOURCE_EXHAUSTED)
 took against the admitted calls, how many admitted calls ran into their deadline, and where the
 refusals were decided (the frontend, from the queue wait the worker tells it with each answer frame,
 or the worker itself). Expected: no DEADLINE_EXCEEDED, no UNAVAILABLE, refusals well before the deadline.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -80,7 +81,8 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
     calls = max(300, int(3000 * scale))
     models = minilm_only(workdir / "models")
     (workdir / "server").mkdir()
-    server = ServerProcess(workdir / "server", models, frontends=2)
+    frontends = os.cpu_count() or 1  # the server's default: one per CPU
+    server = ServerProcess(workdir / "server", models, frontends=frontends)
     try:
         # About 210 tokens each, all distinct: every call is a miss.
         long = [(f"#{n} " + " ".join(texts[(n + k) % len(texts)] for k in range(18)))[:1000] for n in range(calls)]
@@ -100,12 +102,12 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
     codes = Counter(code for code, _ in answers)
     worker = stats.worker.counters
     return {
-        "calls": calls, "deadline_s": deadline_s, "frontends": 2, "wall_s": round(wall, 2),
+        "calls": calls, "deadline_s": deadline_s, "frontends": frontends, "wall_s": round(wall, 2),
         "codes": dict(codes),
         "bare_grpc_server_codes": dict(Counter(code for code, _ in bare_answers)),
         "refused": _ms([ms for code, ms in answers if code == "RESOURCE_EXHAUSTED"]),
         "admitted": _ms([ms for code, ms in answers if code == "OK"]),
-        # GetStats shows the answering frontend only: this is one of the two frontends' refusals.
+        # GetStats shows the answering frontend only: this is one frontend's refusals.
         "refused_by_one_frontend": stats.frontend.counters["frontend.rejected_wait"],
         "refused_by_worker": worker["batcher.minilm.1.rejected_wait"] + worker["batcher.minilm.1.rejected_full"],
         "worker_batcher": {k.split(".")[-1]: v for k, v in worker.items() if k.startswith("batcher.minilm.1.")},
@@ -114,7 +116,8 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
 
 
 def print_overload(report: dict) -> None:
-    print(f"\noverload: {report['calls']} misses at once, {report['deadline_s']:g} s deadline, wall {report['wall_s']} s")
+    print(f"\noverload: {report['calls']} misses at once, {report['deadline_s']:g} s deadline, "
+          f"{report['frontends']} frontends, wall {report['wall_s']} s")
     print(f"  codes: {report['codes']}; a bare grpc.aio server, same client: {report['bare_grpc_server_codes']}")
     for name in ("refused", "admitted"):
         part = report[name]

@@ -501,16 +501,18 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     await server.start()
 
     async def serving_once_worker_is_up() -> None:
-        # Hits are answered from the start; health says SERVING once misses can be computed too
-        # (a worker opens its socket only after loading and warming up every engine).
+        # Hits are answered from the start; health says SERVING, and the supervisor hears this frontend
+        # is ready, once misses can be computed too: its connection to every worker is open (a worker
+        # opens its socket only after loading and warming up every engine). Reporting ready before
+        # that let a client that started at "ready" meet a frontend still in its reconnect backoff.
         await workers.all_up()
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        ready.put(("frontend", index, os.getpid()))
 
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_task = asyncio.get_running_loop().create_task(serving_once_worker_is_up())
-    ready.put(("frontend", index, os.getpid()))
     log.info("frontend %d listening on %s (pid %d)", index, address, os.getpid())
     await stop.wait()
     log.info("draining")
