@@ -93,7 +93,8 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
     finally:
         server.stop()
     port = free_port()
-    bare = multiprocessing.get_context("spawn").Process(target=_bare_server, args=(port, min(1.0, deadline_s / 2)), daemon=True)
+    bare = multiprocessing.get_context("spawn").Process(target=_bare_server, args=(port, min(1.0, deadline_s / 2)),
+                                                        daemon=True)
     bare.start()
     try:
         bare_answers = asyncio.run(_flood(f"127.0.0.1:{port}", long, deadline_s))
@@ -125,4 +126,5 @@ def print_overload(report: dict) -> None:
             print(f"  {name:9s} {part['count']:5d}  p50 {part['p50_ms']:8.1f} ms  p99 {part['p99_ms']:8.1f} ms  "
                   f"max {part['max_ms']:8.1f} ms")
     print(f"  refused by one of the frontends: {report['refused_by_one_frontend']}, by the worker: "
-          f"{report['refused_by_worker']}; mean batch {report['mean_batch']}")
+          f"{report['refused_by_worker']} on arrival and {report['worker_batcher'].get('shed', 0)} shed from its "
+          f"queue; mean batch {report['mean_batch']}")

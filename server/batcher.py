@@ -14,9 +14,10 @@ several). The worker seeds it from a timed warmup batch (one text of the longest
 for a burst of long texts, which is what shedding is for; a full batch of them would refuse bursts of
 short texts that easily fit). When a batch is markedly slower than the estimate, queued requests that can
 no longer finish before their deadline are refused at once (Overloaded, counted as `shed`) instead of
-expiring in the queue; a batch that runs on past the estimate re-checks them while it runs. The frontends read the same
-estimate (`expected_wait`) from every answer frame and refuse before sending. Cancelled and expired
-requests are dropped when the batch is cut, before they reach the engine.
+expiring in the queue; a batch that runs on past the estimate re-checks them while it runs. The
+frontends read the same estimate (`expected_wait`) from every answer frame and refuse before sending,
+against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
+before they reach the engine.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arr
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
+
+
+def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:
+    """The longest a request may wait for its answer: its deadline's remaining seconds, at most
+    max_wait_s when that is set (0: unset); None when neither bounds it."""
+    if remaining is None:
+        return max_wait_s or None
+    return min(max_wait_s, remaining) if max_wait_s else remaining
 
 
 @dataclass(eq=False, slots=True)
@@ -123,9 +132,7 @@ class Batcher:
         expected = self.expected_wait(now)
         if not expected:
             return
-        bound = self.max_wait_s or None
-        if deadline is not None:
-            bound = deadline - now if bound is None else min(bound, deadline - now)
+        bound = wait_bound(self.max_wait_s, None if deadline is None else deadline - now)
         if bound is not None and expected > bound:
             self.counters["rejected_wait"] += 1
             raise Overloaded(f"{self.name} would answer this in about {expected:.2f} s ({self._waiting} waiting, "

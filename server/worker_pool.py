@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
+from server.batcher import wait_bound
 from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, from_worker_error, from_wire
 from server.framing import FrameProtocol, items_socket
 
@@ -209,13 +210,10 @@ class WorkerPool:
 
     def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
         """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
-        that new items of this model version would wait longer than the caller's deadline or
-        server.max_queue_wait_s. The worker checks again when the items arrive (its queue may have grown)."""
-        bound = self.max_queue_wait_s or None
-        if time_remaining is not None:
-            bound = time_remaining if bound is None else min(bound, time_remaining)
-        if bound is None:
-            return
+        that new items of this model version would wait longer than the worker itself would allow: the
+        budget the items carry (the caller's deadline, at most worker_timeout_s) or server.max_queue_wait_s.
+        The worker checks again when the items arrive (its queue may have grown)."""
+        bound = wait_bound(self.max_queue_wait_s, self._budget(time_remaining))
         now = asyncio.get_running_loop().time()
         n = len(self.links)
         for index in {route % n for route in routes}:
