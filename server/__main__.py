@@ -4,7 +4,7 @@
     infercache engines build|list|verify|prune [--runtime onnxruntime|tensorrt] [--model NAME]
     infercache cache stats|readers [--cache-dir DIR]
     infercache prepare-model [--models-dir DIR] [--force]
-    infercache train-head data.csv --name NAME [--text-column text] [--label-column label]
+    infercache train-head data.csv --name NAME [--text-column text] [--label-column label] [--whole-graph]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _train_head(args: argparse.Namespace) -> int:
     try:
         train(Path(args.csv), text_column=args.text_column, label_column=args.label_column,
               models_dir=Path(args.models_dir), encoder=args.encoder, name=args.name, version=args.version,
-              epochs=args.epochs, limit=args.limit)
+              epochs=args.epochs, limit=args.limit, whole_graph=args.whole_graph)
     except (TrainError, LabelledDataError) as exc:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
@@ -167,6 +167,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     head.add_argument("--models-dir", default="models")
     head.add_argument("--epochs", type=int, default=300)
     head.add_argument("--limit", type=int, help="use only the first N rows")
+    head.add_argument("--whole-graph", action="store_true",
+                      help="write one ONNX graph of encoder + head (the format before the feature tier; its "
+                           "misses run the whole encoder again) instead of a head on the encoder")
     head.set_defaults(func=_train_head)
 
     evaluate = commands.add_parser("eval-semantic", help="measure semantic hits and fidelity on a labelled CSV")

@@ -38,6 +38,8 @@ from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.errors import InferCacheError, ModelNotFound, WorkerUnavailable
 from server.match_policy import Neighbor
+from server.features import FeatureTier, feature_selector, feature_tenant
+from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime
 from server.models import ModelRepository
 
@@ -91,17 +93,19 @@ def token_ids(packed: bytes) -> np.ndarray:
 
 
 namespace = lru_cache(maxsize=4096)(Namespace)  # one object per namespace, not one per stored answer
-_COUNTED = {Source.MISS: "computed", Source.RESULT_SEMANTIC: "semantic_hits", Source.RESULT_FLEET: "fleet_hits"}
+_COUNTED = {Source.MISS: "computed", Source.RESULT_SEMANTIC: "semantic_hits", Source.RESULT_FLEET: "fleet_hits",
+            Source.FEATURE: "feature_answers"}
 
 
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 writer: WriteBehind | None, semantic=None, fleet=None) -> None:
+                 writer: WriteBehind | None, semantic=None, fleet=None, features: FeatureTier | None = None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
         self.semantic = semantic
         self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
+        self.features = features  # L2 (server/features.py); every head model has one
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
         self._inflight: dict[bytes, _Flight] = {}
@@ -200,8 +204,8 @@ class WorkerCore:
         return flight
 
     def _compute(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> asyncio.Future:
-        if runtime.spec.semantic is not None and self.semantic is not None:
-            return asyncio.get_running_loop().create_task(self._semantic(runtime, item, deadline))
+        if isinstance(runtime, HeadRuntime) or (runtime.spec.semantic is not None and self.semantic is not None):
+            return asyncio.get_running_loop().create_task(self._answer(runtime, item, deadline))
         return runtime.batcher.enqueue(token_ids(item.ids), deadline)  # Overloaded when full
 
     async def _through_fleet(self, flight: _Flight, deadline: float | None):
@@ -316,21 +320,45 @@ class WorkerCore:
 
     # ---- semantic models ---------------------------------------------------------------------------
 
-    async def _semantic(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Outcome:
-        policy, overrides = runtime.spec.semantic, item.semantic
-        lookup = not overrides.HasField("enabled") or overrides.enabled
-        embedding, neighbors = None, []
-        if lookup or item.store:
-            # Stored results join the index even when this request does not look it up.
+    async def _answer(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Outcome:
+        """A head model's or a semantic model's miss: the head's features from L2 or the encoder (which
+        runs once: its output is also the semantic embedding when the encoder is the embedder), then a
+        near-duplicate's answer if the policy trusts one, else the model."""
+        feature = embedding = None
+        if isinstance(runtime, HeadRuntime):
+            ns = namespace(feature_tenant(item.tenant, runtime.spec.share_features), *runtime.source_key)
+            key = self.features.key(ns, item.ids)
+            if item.cached_ok and (found := self.features.get(ns, key)) is not None:
+                feature, level = found
+                self.counters[f"{level}_hits"] += 1
+                outputs = await runtime.batcher.submit(feature, deadline)
+                return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE)
+            embedding = (await runtime.source.batcher.submit(token_ids(item.ids), deadline))[runtime.ref.input]
+            feature = self.features.stored_form(ns, embedding)
+            if item.store:
+                self.features.put(ns, key, feature)
+        policy = runtime.spec.semantic if self.semantic is not None else None
+        neighbors: list[Neighbor] = []
+        if policy is not None:
+            overrides = item.semantic
+            lookup = not overrides.HasField("enabled") or overrides.enabled
             embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
-            embedding = (await embedder.batcher.submit(token_ids(item.embed_ids or item.ids), deadline))["embedding"]
-        if embedding is not None and lookup:
-            neighbors = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
-            floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
-            chosen = policy.decide(neighbors, floor) if item.cached_ok else None
-            if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
-                return matched
-        response = runtime.response(await runtime.batcher.submit(token_ids(item.ids), deadline), item.key)
+            if embedding is None or (embedder.spec.name, embedder.version, "embedding") != (
+                    *runtime.source_key, runtime.ref.input):
+                embedding = None
+                if lookup or item.store:  # stored results join the index even when this request does not look
+                    ids = token_ids(item.embed_ids or item.ids)
+                    embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
+            if embedding is not None and lookup:
+                neighbors = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
+                floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
+                chosen = policy.decide(neighbors, floor) if item.cached_ok else None
+                if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
+                    return matched
+        outputs = await runtime.batcher.submit(token_ids(item.ids) if feature is None else feature, deadline)
+        if policy is None:
+            return _Outcome(runtime.payload(outputs, item.key))
+        response = runtime.response(outputs, item.key)
         stored = response.SerializeToString()
         payload = stored
         if self._explain(response, item, neighbors):
@@ -358,6 +386,8 @@ class WorkerCore:
     # ---- the rest of the API -----------------------------------------------------------------------
 
     async def invalidate(self, request: pb.InvalidateRequest) -> int:
+        if request.features:
+            return await self._invalidate_features(request)
         if self.writer is None:
             raise WorkerUnavailable("the result store is unavailable on this host; nothing to invalidate")
         selector = Selector(
@@ -376,6 +406,19 @@ class WorkerCore:
                 raise WorkerUnavailable(
                     f"removed {removed} entries on this host, but the fleet tier (Redis) did not answer ({exc}): "
                     "other pods may serve them until it does; retry") from None
+        return removed
+
+    async def _invalidate_features(self, request: pb.InvalidateRequest) -> int:
+        """Encoder outputs of a tenant / encoder model / version: from this worker's memory and from the
+        host's feature store (every worker shares it: the first to get there counts what it held)."""
+        if self.features is None:
+            return 0
+        selector = feature_selector(Selector(
+            tenant=request.tenant if (request.tenant or request.match_empty_tenant) else None,
+            model=request.model or None, version=request.version or None))
+        removed = self.features.purge(selector)
+        if self.features.writer is not None:
+            removed = await asyncio.wrap_future(self.features.writer.invalidate(selector))
         return removed
 
     def queue_waits(self):
@@ -397,6 +440,10 @@ class WorkerCore:
             groups.append(("writer", self.writer.counters))
         if self.semantic is not None:
             groups.append(("semantic", self.semantic.counters))
+        if self.features is not None:
+            groups.append(("features", self.features.stats()))
+            if self.features.writer is not None:
+                groups.append(("features.writer", self.features.writer.counters))
         if self.fleet is not None:
             gauges = {"ready": int(self.fleet.ready), "breaker_open": int(self.fleet.link.open),
                       "pending_writes": len(self.fleet.pending)}

@@ -60,6 +60,19 @@ class CacheSection:
 
 
 @dataclass(frozen=True)
+class L2Section:
+    """The feature tier (server/features.py): encoder outputs that head models read."""
+
+    enabled: bool = True
+    device_fraction: float = 0.2       # GPU hosts: the memory LRU's cap, a share of the worker's GPU memory
+    memory_mb: int = 256               # CPU hosts: the memory LRU's cap in host memory
+    dir: str = ""                      # the host's LMDB feature store; "" = <cache.dir>/features
+    map_size_mb: int = 1024
+    budget_mb: int = 768               # eviction keeps live features under this; must be below map_size_mb
+    ttl_s: int = 7 * 86400             # a feature's life (cache.max_ttl_s caps it too); 0 = no expiry
+
+
+@dataclass(frozen=True)
 class EnginesSection:
     dir: str = "var/engines"           # L3 engine store (may be shared by pods: NFS, a PVC)
     runtime: str = "auto"              # auto, onnxruntime (CPU), torch-cuda or tensorrt (GPU): server/devices.py
@@ -105,6 +118,7 @@ class Secrets:
 class Config:
     server: ServerSection = field(default_factory=ServerSection)
     cache: CacheSection = field(default_factory=CacheSection)
+    l2: L2Section = field(default_factory=L2Section)
     engines: EnginesSection = field(default_factory=EnginesSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     fleet: FleetSection = field(default_factory=FleetSection)
@@ -243,6 +257,11 @@ def validate(config: Config) -> None:
         raise ConfigError(f"fleet.ttl_jitter must be within 0..1, got {fleet.ttl_jitter}")
     if fleet.breaker_failures < 1 or fleet.lease_wait_s < 0 or fleet.breaker_open_s < 0:
         raise ConfigError("fleet.breaker_failures must be >= 1, lease_wait_s and breaker_open_s >= 0")
+    l2 = config.l2
+    if not 0 <= l2.device_fraction <= 0.9 or l2.memory_mb < 0 or l2.ttl_s < 0:
+        raise ConfigError("l2.device_fraction must be within 0..0.9, l2.memory_mb and l2.ttl_s >= 0")
+    if not 0 < l2.budget_mb < l2.map_size_mb:
+        raise ConfigError(f"l2.budget_mb ({l2.budget_mb}) must be positive and below l2.map_size_mb ({l2.map_size_mb})")
     if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):
         raise ConfigError(f"engines.precision must be fp16, fp32 or int8-qdq, got {config.engines.precision!r}")
 
@@ -252,4 +271,13 @@ def store_settings(config: Config) -> StoreSettings:
     return StoreSettings(
         path=Path(config.cache.dir), map_size=config.cache.map_size_mb * mb,
         budget=config.cache.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
+    )
+
+
+def feature_store_settings(config: Config) -> StoreSettings:
+    """The L2 feature store: its own LMDB environment, sealed like the result store when that is."""
+    mb = 1024 * 1024
+    return StoreSettings(
+        path=Path(config.l2.dir or Path(config.cache.dir) / "features"), map_size=config.l2.map_size_mb * mb,
+        budget=config.l2.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
     )

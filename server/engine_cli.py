@@ -35,7 +35,8 @@ def build(config: Config, *, model: str | None, force: bool) -> int:
     except ModelNotFound as exc:
         _say(f"infercache: {exc}")
         return 2
-    jobs = [(spec, version) for spec in specs for version in spec.versions]
+    # A head version has no engine of its own: it runs on its encoder's.
+    jobs = [(spec, version) for spec in specs for version in spec.versions if spec.head(version) is None]
     if not jobs:
         _say("infercache: no model files to build (run `infercache prepare-model`)")
         return 2

@@ -312,6 +312,9 @@ class FrontendCore:
             raise InvalidArgument("set at least one of model, version, tenant, match_empty_tenant, text, key")
         if (request.version or request.text) and not request.model:
             raise InvalidArgument("version and text select within a model; set model too")
+        if request.features and (request.text or request.key):
+            raise InvalidArgument("features are selected by tenant, encoder model and version; text and key "
+                                  "name results")
         check_identifiers(request)
         forwarded = pb.InvalidateRequest()
         forwarded.CopyFrom(request)

@@ -2,11 +2,17 @@
 
 The config names the task, the input limits, the outputs, the batcher's sequence-length buckets and
 the cache policy. Frontends read it to validate requests; the worker also loads the files.
+
+A version is either a whole graph (model.onnx, and/or the torch form) or a head on an encoder of the
+repository: head.json names the encoder model and version whose output it reads, head.npz holds its
+weights (`infercache train-head` writes this form). The worker runs the encoder once per miss and keeps
+its output in the feature tier (L2, server/features.py), so a new head version reuses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,8 @@ TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch
 TORCH_WEIGHTS_FILE = "torch.safetensors"  # and its weights, the torch-cuda runtime's source
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.json"       # classification models: score column -> label
+HEAD_FILE = "head.json"           # a head version: {"encoder": model, "encoder_version": v, "input": output name}
+HEAD_WEIGHTS_FILE = "head.npz"    # its weights: "weight" (dim x classes), "bias" (numpy, read without pickle)
 PII_MODES = ("off", "redact", "no_store")  # privacy.pii: see server/pii.py and README "Security"
 
 
@@ -45,9 +53,15 @@ class ModelSpec:
     precision: str = ""               # engine precision override ("int8-qdq" for Q/DQ models); "" = server default
     semantic: MatchPolicy | None = None  # near-duplicate matching (classification models); None = exact only
     pii: str = "off"                  # privacy.pii: redact (placeholders before keying), no_store, off
+    share_features: bool = False      # l2.share_across_tenants: a head model's encoder outputs (L2)
+                                      # are keyed without the tenant (the text alone decides them)
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
+
+    def head(self, version: str) -> "HeadRef | None":
+        """The encoder a head version reads (None for a whole-graph version)."""
+        return read_head(self.version_dir(version))
 
     def resolve_version(self, version: str) -> str:
         """The requested version, or the serving one for ""; ModelNotFound if absent."""
@@ -58,6 +72,28 @@ class ModelSpec:
                 f"model {self.name!r} has no version {version!r} (available: {', '.join(self.versions) or 'none'})"
             )
         return version
+
+
+@dataclass(frozen=True)
+class HeadRef:
+    encoder: str          # model of the repository
+    encoder_version: str  # the version whose outputs the head was trained on
+    input: str            # the encoder output it reads
+
+
+def read_head(version_dir: Path) -> HeadRef | None:
+    path = version_dir / HEAD_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return HeadRef(str(data["encoder"]), str(data["encoder_version"]), str(data.get("input", "embedding")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelConfigError(f"{path}: {exc!r}") from None
+
+
+def _is_version(path: Path) -> bool:
+    return any((path / name).is_file() for name in (MODEL_FILE, TORCH_WEIGHTS_FILE, HEAD_FILE))
 
 
 def _get(data: dict, path: str, kind: type, default: Any = None) -> Any:
@@ -88,8 +124,7 @@ def load_model(root: Path) -> ModelSpec:
             root=root,
             task=_get(data, "task", str),
             serving_version=str(_get(data, "serving_version", str)),
-            versions=tuple(sorted(p.name for p in root.iterdir()
-                                  if (p / MODEL_FILE).is_file() or (p / TORCH_WEIGHTS_FILE).is_file())),
+            versions=tuple(sorted(p.name for p in root.iterdir() if _is_version(p))),
             outputs=tuple(_get(data, "outputs", list)),
             max_text_chars=_get(data, "input.max_text_chars", int),
             max_tokens=max_tokens,
@@ -100,6 +135,7 @@ def load_model(root: Path) -> ModelSpec:
             precision=str((data.get("engine") or {}).get("precision", "")),
             semantic=policy_from_config(data.get("semantic")),
             pii=str((data.get("privacy") or {}).get("pii", "off")),
+            share_features=bool((data.get("l2") or {}).get("share_across_tenants", False)),
         )
     except (ModelConfigError, ValueError) as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None

@@ -96,9 +96,16 @@ class SemanticTier:
         self.snapshots = store.ring is None  # see the module docstring
         self.dim = dim
         self.ready = False
-        self.counters: Counter[str] = Counter()
+        # One writer each: lookups count on the event loop, the index on its owner thread; GetStats
+        # reads their sum (`counters`).
+        self._lookups: Counter[str] = Counter()
+        self._index_counters: Counter[str] = Counter()
         self._indexes: dict[bytes, _Index] = {}
         self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic")
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self._lookups + self._index_counters
 
     # ---- called from the event loop -----------------------------------------------------------------
 
@@ -108,7 +115,7 @@ class SemanticTier:
 
     async def search(self, ns_id: bytes, vector: np.ndarray, k: int) -> list[Neighbor]:
         if not self.ready:
-            self.counters["lookups_before_ready"] += 1
+            self._lookups["lookups_before_ready"] += 1
             return []
         neighbors = await asyncio.get_running_loop().run_in_executor(self._owner, self._search, ns_id, vector, k)
         self._observe(neighbors)
@@ -116,13 +123,13 @@ class SemanticTier:
 
     def _observe(self, neighbors: list[Neighbor]) -> None:
         """Histogram of the nearest similarity of every lookup, hit or miss (GetStats)."""
-        self.counters["lookups"] += 1
+        self._lookups["lookups"] += 1
         if not neighbors:
-            self.counters["nearest.none"] += 1
+            self._lookups["nearest.none"] += 1
             return
         nearest = neighbors[0].similarity
         lower = max((e for e in HISTOGRAM_EDGES if nearest >= e), default=0.0)
-        self.counters[f"nearest.ge_{lower:.2f}"] += 1
+        self._lookups[f"nearest.ge_{lower:.2f}"] += 1
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._owner, self._snapshot_all)
@@ -134,7 +141,7 @@ class SemanticTier:
         try:
             self._owner.submit(self._apply, added, removed)
         except RuntimeError:  # shut down: these rows are in the LMDB log, the next start indexes them
-            self.counters["late_updates"] += 1
+            log.info("%d semantic index update(s) after shutdown are left to the next start", len(added) + len(removed))
 
     # ---- the owner thread ---------------------------------------------------------------------------
 
@@ -163,7 +170,7 @@ class SemanticTier:
 
             before = len(index.rows)
             found = index.search(vector, k, alive)
-            self.counters["stale_dropped"] += before - len(index.rows)
+            self._index_counters["stale_dropped"] += before - len(index.rows)
         return found
 
     def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
@@ -177,10 +184,10 @@ class SemanticTier:
                 by_ns.setdefault(row.ns_id, []).append(row)
             for ns_id, rows in by_ns.items():
                 self._index(ns_id).add(rows)
-            self.counters["indexed"] += len(added)
-            self.counters["unindexed"] += unindexed
+            self._index_counters["indexed"] += len(added)
+            self._index_counters["unindexed"] += unindexed
         except Exception:  # a failed index update loses matches, never answers
-            self.counters["index_errors"] += 1
+            self._index_counters["index_errors"] += 1
             log.exception("semantic index update failed")
 
     def _snapshot_path(self, ns_id: bytes) -> Path:
@@ -197,12 +204,12 @@ class SemanticTier:
             for ns_id in spaces:
                 self._load(ns_id)
         except Exception:
-            self.counters["index_errors"] += 1
+            self._index_counters["index_errors"] += 1
             log.exception("semantic index rebuild failed; serving exact matches only")
             return
         self.ready = True
         total = sum(len(i.rows) for i in self._indexes.values())
-        self.counters["rebuild_ms"] = int((time.monotonic() - started) * 1000)
+        self._index_counters["rebuild_ms"] = int((time.monotonic() - started) * 1000)
         log.info("semantic indexes ready: %d namespaces, %d entries in %.2f s", len(self._indexes), total,
                  time.monotonic() - started)
 
@@ -223,8 +230,8 @@ class SemanticTier:
                 pass  # already marked in the snapshot
         index.add(tail)
         self._indexes[ns_id] = index
-        self.counters["rebuilt_from_log"] += len(tail)
-        self.counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
+        self._index_counters["rebuilt_from_log"] += len(tail)
+        self._index_counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
 
     def _try_snapshot(self, ns_id: bytes) -> _Index | None:
         if not self.snapshots:

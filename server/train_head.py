@@ -1,12 +1,12 @@
 """`infercache train-head`: a classification head on an encoder of the model repository.
 
 Reads a labelled CSV, embeds the (normalized) texts with the encoder's ONNX model, fits a softmax
-regression in numpy, and writes a new model version whose single ONNX graph is encoder + head: the
-served artifact, with no Python model code at serve time. Outputs: "embedding" (the encoder's) and
-"scores" (class probabilities); labels.json maps score columns to labels. When the encoder's version has
-a torch source (torch.json + torch.safetensors), the new version gets one too: the same encoder weights
-plus the same head, for the torch-cuda runtime.
-Needs the `onnx` package (the prepare extra); serving never imports this module.
+regression in numpy, and writes a new model version: by default the head alone (head.json naming the
+encoder version, head.npz with its weights), which the worker runs on the encoder's output, kept in the
+feature tier; labels.json maps score columns to labels, and the encoder's tokenizer is copied (frontends
+tokenize for the encoder with it). With `whole_graph`, the format before the feature tier instead: one
+ONNX graph of encoder + head (and, when the encoder has a torch source, the same as torch weights).
+Whole-graph versions need the `onnx` package (the prepare extra); serving never imports this module.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from server.engines.onnxruntime import OrtEngine
-from server.models import LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE, load_model
+from server.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
+                           TORCH_WEIGHTS_FILE, load_model)
 from server.labelled_csv import read_labelled_csv
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder, pad_batch
@@ -121,7 +122,7 @@ def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
 
 def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Path, encoder: str, name: str,
           version: str | None = None, epochs: int = 300, l2: float = 1e-4, limit: int | None = None,
-          progress=print) -> Path:
+          whole_graph: bool = False, progress=print) -> Path:
     encoder_spec = load_model(models_dir / encoder)
     encoder_dir = encoder_spec.version_dir(encoder_spec.serving_version)
     rows = read_labelled_csv(csv_path, text_column, label_column, limit)
@@ -151,8 +152,13 @@ def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Pa
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     w, b = w.astype(np.float32), b.astype(np.float32)
-    compose(encoder_dir / MODEL_FILE, w, b, staging / MODEL_FILE)
-    torch_source_with_head(encoder_dir, staging, w, b, progress)
+    if whole_graph:
+        compose(encoder_dir / MODEL_FILE, w, b, staging / MODEL_FILE)
+        torch_source_with_head(encoder_dir, staging, w, b, progress)
+    else:
+        np.savez(staging / HEAD_WEIGHTS_FILE, weight=w, bias=b)
+        (staging / HEAD_FILE).write_text(json.dumps(
+            {"encoder": encoder, "encoder_version": encoder_spec.serving_version, "input": "embedding"}, indent=2))
     shutil.copy(encoder_dir / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     (staging / LABELS_FILE).write_text(json.dumps(classes, indent=0))
     (staging / "training.json").write_text(json.dumps({

@@ -16,21 +16,24 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import numpy as np
 
-from cachestore.env import FILE_MODE, Store
+from cachestore.env import FILE_MODE, Store, StoreSettings
 from cachestore.errors import StoreError
 from cachestore.writer import WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server import metrics, process
 from server.compute import WorkerCore
-from server.config import Config, store_settings
+from server.config import Config, feature_store_settings, store_settings
 from server.devices import WorkerPlacement
 from server.engines.artifacts import load_engines
 from server.errors import grpc_errors, to_wire
 from server.framing import FrameProtocol, items_socket
+from server.features import FeatureTier
+from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime
-from server.models import ModelRepository
+from server.models import ModelConfigError, ModelRepository
 
 log = logging.getLogger("infercache.worker")
 
@@ -94,11 +97,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return stats
 
 
-def _open_writer(config: Config) -> WriteBehind | None:
+def _open_writer(config: Config, settings: StoreSettings | None = None, what: str = "result store"
+                 ) -> WriteBehind | None:
     try:
-        store = Store(store_settings(config), readonly=False)
+        store = Store(settings or store_settings(config), readonly=False)
     except StoreError as exc:
-        log.error("result store unavailable, serving without it: %s", exc)
+        log.error("%s unavailable, serving without it: %s", what, exc)
         return None
     return WriteBehind(store, batch_max=config.cache.write_batch, sweep_interval_s=config.cache.sweep_interval_s,
                        max_ttl_s=config.cache.max_ttl_s)
@@ -133,6 +137,54 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     return tier
 
 
+_SAMPLES = ("how do i reset my card pin", "My transfer hasn't arrived yet, what should I do?",
+            "Is there a fee for topping up by card?", "x", "What currencies can I hold in my account and "
+            "exchange between, and at which rate do you exchange them on weekends?")
+
+
+async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
+                 gpu: bool) -> tuple[dict[tuple[str, str], HeadRuntime], FeatureTier | None]:
+    """A runtime for every head version whose encoder this worker serves, and the feature tier they
+    share (memory on the GPU when there is one, the LMDB store beside the result store)."""
+    device, memory = None, config.l2.memory_mb << 20
+    if gpu:
+        import torch  # the GPU runtimes have loaded it already
+
+        device, memory = "cuda", int(config.l2.device_fraction * torch.cuda.get_device_properties(0).total_memory)
+    heads: dict[tuple[str, str], HeadRuntime] = {}
+    samples: dict[tuple[str, str, str], np.ndarray] = {}  # encoder outputs heads read: some of them
+    for spec in repository.servable():
+        for version in spec.versions:
+            if (ref := spec.head(version)) is None:
+                continue
+            encoder = runtimes.get((ref.encoder, ref.encoder_version))
+            try:
+                if encoder is None or ref.input not in encoder.spec.outputs:
+                    raise ModelConfigError(f"its encoder {ref.encoder}/{ref.encoder_version} (output {ref.input!r}) "
+                                           "is not served")
+                output = (ref.encoder, ref.encoder_version, ref.input)
+                if output not in samples:
+                    texts = [encoder.encoder.encode(text) for text in _SAMPLES]
+                    rows = await asyncio.to_thread(encoder._run_batch, texts)
+                    samples[output] = np.stack([row[ref.input] for row in rows])
+                heads[(spec.name, version)] = HeadRuntime(spec, version, ref, encoder, samples[output].shape[1],
+                                                          config, device)
+            except ModelConfigError as exc:
+                log.error("%s version %s not served: %s", spec.name, version, exc)
+    if not heads:
+        return heads, None
+    writer = None
+    if config.l2.enabled:
+        writer = await asyncio.to_thread(_open_writer, config, feature_store_settings(config), "feature store (L2)")
+    else:
+        memory = 0
+    ttl_s = min(config.l2.ttl_s, config.cache.max_ttl_s) if config.cache.max_ttl_s else config.l2.ttl_s
+    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, device=device)
+    for (model, version, _), rows in samples.items():
+        tier.add_encoder(model, version, rows)
+    return heads, tier
+
+
 def _fleet_tier(config: Config, writer: WriteBehind | None, index: int):
     """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Each worker purges
     other pods' invalidations through its own writer (which then refuses entries created before them);
@@ -161,8 +213,12 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config)
         await asyncio.to_thread(runtime.warmup)
     writer = await asyncio.to_thread(_open_writer, config)
+    heads, features = await _heads(config, repository, runtimes, placement.gpu is not None)
+    for runtime in heads.values():
+        await asyncio.to_thread(runtime.warmup)
+    runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
-    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index))
+    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features)
     core.counters.update(engine_counters)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
@@ -196,6 +252,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         conn.protocol.close()
     if writer is not None:
         await asyncio.to_thread(writer.close)  # the last writes reach the index before its snapshot
+    if features is not None and features.writer is not None:
+        await asyncio.to_thread(features.writer.close)
     if tier is not None:
         await tier.close()
     log.info("worker stopped")

@@ -250,7 +250,7 @@ def test_train_head_on_banking77_writes_a_servable_version(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "embedded 600/600" in first.stdout and "holdout" in first.stdout
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0 and (models / "banking77" / "2" / "model.onnx").is_file()  # next version
+    assert second.returncode == 0 and (models / "banking77" / "2" / "head.json").is_file()  # next version
     from server.models import ModelRepository
 
     spec = ModelRepository(models).get("banking77")

@@ -107,14 +107,14 @@ def minilm() -> Path:
 
 @pytest.fixture(scope="module")
 def faq_head(tmp_path_factory, minilm) -> Path:
-    """models/faq/1 trained by train-head on examples/faq.csv, on a link to minilm/1."""
+    """models/faq/1 trained by train-head on examples/faq.csv as one graph with minilm/1 (a link)."""
     from server.train_head import train
     from tests.helpers import link_model
 
     root = tmp_path_factory.mktemp("torch-models")
     link_model(root, "minilm", (REPO / "models" / "minilm" / "config.yaml").read_text(), {"1": minilm})
     return train(FAQ, text_column="text", label_column="intent", models_dir=root, encoder="minilm", name="faq",
-                 progress=lambda line: None)
+                 whole_graph=True, progress=lambda line: None)
 
 
 @needs_torch
@@ -162,7 +162,7 @@ def test_train_head_without_an_encoder_torch_source_writes_none(tmp_path, minilm
     link_model(tmp_path / "models", "minilm", config, {"1": onnx_only})
     lines: list[str] = []
     target = train(FAQ, text_column="text", label_column="intent", models_dir=tmp_path / "models", encoder="minilm",
-                   name="faq", epochs=20, progress=lines.append)
+                   name="faq", epochs=20, whole_graph=True, progress=lines.append)
     assert (target / "model.onnx").is_file() and not (target / torch_bert.TORCH_CONFIG_FILE).exists()
     assert any("no torch source" in line for line in lines)
 

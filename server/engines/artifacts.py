@@ -79,8 +79,8 @@ class LoadedEngine:
 
 def load_engines(config: Config, repository: ModelRepository, counters: Counter, runtime_name: str, *,
                  threads: int) -> dict[tuple[str, str], LoadedEngine]:
-    """An engine for every servable model version, from the L3 store (built there if missing). A model
-    version the runtime cannot serve (a GPU runtime and a model without its source form) runs on
+    """An engine for every servable model version but heads (they run on their encoder's engine), from
+    the L3 store (built there if missing). A model version the runtime cannot serve (a GPU runtime and a model without its source form) runs on
     ONNX Runtime instead, with a warning."""
     store = EngineStore(Path(config.engines.dir))
     runtime = get_runtime(runtime_name)
@@ -88,6 +88,8 @@ def load_engines(config: Config, repository: ModelRepository, counters: Counter,
     engines = {}
     for spec in repository.servable():
         for version in spec.versions:
+            if spec.head(version) is not None:
+                continue
             started = time.monotonic()
             chosen = runtime
             reason = runtime.cannot_serve(spec.version_dir(version))

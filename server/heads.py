@@ -1,0 +1,122 @@
+"""A head model version in an inference worker: a small layer (one matrix product and a softmax) on the
+output of an encoder the worker serves. Its misses run the encoder's batcher once per text, then the head;
+the feature tier (server/features.py) keeps the encoder output, so the next head version, or the same one
+after its result expired, runs the head only.
+
+Heads batch like any other work: their own batcher (one bucket: the feature dimension) cuts batches of
+features, run in its thread, on the GPU when the feature tier's memory level is there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from infercache.v1 import infercache_pb2 as pb
+from server.batcher import Batcher
+from server.config import Config
+from server.model_runtime import ModelRuntime
+from server.models import HEAD_WEIGHTS_FILE, LABELS_FILE, TOKENIZER_FILE, HeadRef, ModelConfigError, ModelSpec
+
+
+def read_weights(version_dir) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with np.load(version_dir / HEAD_WEIGHTS_FILE, allow_pickle=False) as data:
+            weight, bias = data["weight"].astype(np.float32), data["bias"].astype(np.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelConfigError(f"{version_dir / HEAD_WEIGHTS_FILE}: {exc!r}") from None
+    if weight.ndim != 2 or bias.shape != (weight.shape[1],):
+        raise ModelConfigError(f"{version_dir / HEAD_WEIGHTS_FILE}: weight {weight.shape} and bias {bias.shape} "
+                               "do not make a dim x classes layer")
+    return weight, bias
+
+
+class _NumpyHead:
+    slots = 1
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
+        self.weight, self.bias = weight, bias
+
+    def run(self, features: list) -> np.ndarray:
+        logits = np.stack(features).astype(np.float32) @ self.weight + self.bias
+        logits -= logits.max(axis=1, keepdims=True)
+        np.exp(logits, out=logits)
+        logits /= logits.sum(axis=1, keepdims=True)
+        return logits
+
+    def counters(self) -> dict:
+        return {}
+
+
+class _TorchHead:
+    """The head on the GPU: features that the memory LRU holds are already there; others are copied in."""
+
+    slots = 1
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.weight = torch.from_numpy(weight).to(device)
+        self.bias = torch.from_numpy(bias).to(device)
+
+    def run(self, features: list) -> np.ndarray:
+        torch = self.torch
+        rows = [f if isinstance(f, torch.Tensor) else torch.from_numpy(np.asarray(f)).to(self.device, non_blocking=False)
+                for f in features]
+        x = torch.stack(rows).float()
+        return torch.softmax(x @ self.weight + self.bias, dim=1).cpu().numpy()
+
+    def counters(self) -> dict:
+        return {}
+
+
+class HeadRuntime(ModelRuntime):
+    def __init__(self, spec: ModelSpec, version: str, ref: HeadRef, encoder: ModelRuntime, dim: int, config: Config,
+                 device: str | None) -> None:
+        """`dim`: the length of the encoder output the head reads. Made on the event loop (its batcher)."""
+        directory = spec.version_dir(version)
+        weight, bias = read_weights(directory)
+        self.dim = dim
+        if weight.shape[0] != self.dim:
+            raise ModelConfigError(f"{directory}: head takes {weight.shape[0]} features, the encoder gives {self.dim}")
+        if (directory / TOKENIZER_FILE).read_bytes() != (encoder.spec.version_dir(encoder.version) / TOKENIZER_FILE
+                                                         ).read_bytes() or spec.max_tokens > encoder.spec.max_tokens:
+            raise ModelConfigError(f"{directory}: its tokenizer and max_tokens must be the encoder's (frontends "
+                                   "tokenize for the encoder with them)")
+        self.spec = spec
+        self.version = version
+        self.ref = ref
+        self.source = encoder  # the encoder's runtime: its batcher computes the features
+        self.engine = _TorchHead(weight, bias, device) if device else _NumpyHead(weight, bias)
+        self.info = pb.EngineInfo(model=spec.name, version=version, runtime=f"head on {ref.encoder}/{ref.encoder_version}",
+                                  precision="fp32", device=device or "cpu")
+        self.encoder = encoder.encoder
+        self.labels = json.loads((directory / LABELS_FILE).read_text()) if spec.task == "classification" else []
+        self._template = None
+        self._templated = False  # a head answers with labels: through protobuf
+        self.batcher = Batcher(
+            self._run_batch, buckets=(self.dim,), max_batch=max(256, spec.max_batch_size), max_delay_s=0.0,
+            max_queue=config.server.max_queue, concurrency=1, name=f"{spec.name}-{version}-head",
+            max_wait_s=config.server.max_queue_wait_s,
+        )
+
+    @property
+    def source_key(self) -> tuple[str, str]:
+        """(model, version) of the encoder: the namespace of its features."""
+        return self.ref.encoder, self.ref.encoder_version
+
+    def _run_batch(self, features: list) -> list[dict[str, np.ndarray]]:
+        scores = self.engine.run(features)
+        return [{"scores": row} for row in scores]
+
+    def output_dim(self, name: str) -> int:
+        return int(self.engine.weight.shape[1])
+
+    def warmup(self) -> None:
+        started = time.perf_counter()
+        self._run_batch([np.zeros(self.dim, dtype=np.float32)])
+        self.batcher.seed_timing(time.perf_counter() - started)

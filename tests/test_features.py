@@ -1,0 +1,224 @@
+"""The feature tier (L2): head models on the encoder's output, kept in a memory LRU and the host's LMDB
+feature store. Real servers (real worker processes, real LMDB files) on the default encoder and a head
+trained by train-head on examples/faq.csv."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from cachestore import records
+from cachestore.env import DB_RESULTS, Store
+from cachestore.errors import CorruptRecord
+from infercache.testing import ServerProcess
+from server.config import Config, feature_store_settings
+from server.feature_lru import FeatureLRU
+from server.features import decode, encode, storage_dtype
+from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.helpers import link_model, reseal_crc, unique
+
+QUESTIONS = ["how do I reset my password", "where is my parcel", "can I pay by card", "cancel my subscription",
+             "what are your opening hours", "I was charged twice", "change my delivery address",
+             "do you ship abroad", "my account is locked", "talk to a human please"]
+
+
+@pytest.fixture(scope="module")
+def head_models(tmp_path_factory) -> Path:
+    """minilm; faq (a head by train-head, semantic on); faq-graph (the same head as one ONNX graph with
+    the encoder, the format before L2); intents (the head without semantic matching, four versions of the
+    same weights); intents-shared (the same, features shared across tenants)."""
+    from server.train_head import train
+
+    root = tmp_path_factory.mktemp("head-models")
+    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    quiet = lambda line: None  # noqa: E731
+    head = train(FAQ, text_column="text", label_column="intent", models_dir=root, encoder="minilm", name="faq",
+                 epochs=100, progress=quiet)
+    graph = train(FAQ, text_column="text", label_column="intent", models_dir=root, encoder="minilm",
+                  name="faq-graph", epochs=100, whole_graph=True, progress=quiet)
+    assert (head / "head.json").is_file() and not (head / "model.onnx").exists()
+    assert (graph / "model.onnx").is_file() and not (graph / "head.json").exists()
+    plain = (root / "faq" / "config.yaml").read_text().split("semantic:")[0]  # train-head writes it last
+    versions = {v: head for v in ("1", "2", "3", "4")}
+    link_model(root, "intents", plain, versions)
+    link_model(root, "intents-shared", plain + "\nl2:\n  share_across_tenants: true\n", versions)
+    return root
+
+
+def _counters(server: ServerProcess) -> Counter:
+    """Every worker's counters, summed."""
+    total: Counter = Counter()
+    for worker in server.stats().workers:
+        total.update(dict(worker.counters))
+    return total
+
+
+def _encoded(server: ServerProcess) -> int:
+    return _counters(server)["batcher.minilm.1.batched_requests"]
+
+
+def _wait_features_written(server: ServerProcess, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while _counters(server)["features.writer.writes"] < count:
+        assert time.monotonic() < deadline, "features were not written behind within 10 s"
+        time.sleep(0.05)
+
+
+def test_a_new_head_version_answers_from_features_and_the_encoder_runs_once_per_miss(start_server, head_models):
+    server = start_server(head_models)
+    texts = [unique(q) for q in QUESTIONS]
+    with server.client() as client:
+        before = _encoded(server)
+        first = [client.infer("faq", t) for t in texts]  # semantic matching on: the encoder is also the embedder
+        assert [r.source for r in first] == ["MISS"] * len(texts)
+        assert _encoded(server) - before == len(texts)  # once per miss (the whole graph runs it twice: below)
+
+        bumped = [client.infer("intents", t, version="2") for t in texts]  # same encoder, same tenant
+        assert [r.source for r in bumped] == ["FEATURE"] * len(texts)
+        assert _encoded(server) - before == len(texts)
+        for a, b in zip(first, bumped):
+            assert a.label == b.label and b.model_version == "2"
+            np.testing.assert_allclose(a.outputs["scores"], b.outputs["scores"], atol=1e-6)
+        assert [client.infer("intents", t, version="2").source for t in texts[:3]] == ["RESULT_EXACT"] * 3
+
+        before = _encoded(server)
+        graph = [client.infer("faq-graph", unique(q)) for q in QUESTIONS]
+        assert [r.source for r in graph] == ["MISS"] * len(texts)
+        assert _encoded(server) - before == len(texts)  # the embedder's run; the graph's own is not counted here
+        assert _counters(server)["batcher.faq-graph.1.batched_requests"] == len(texts)
+        same = [client.infer("faq-graph", t) for t in texts]  # same weights, FP32 features against FP16
+        assert [a.label for a in same] == [a.label for a in first]
+        for a, b in zip(first, same):
+            np.testing.assert_allclose(a.outputs["scores"], b.outputs["scores"], atol=2e-3)
+    counters = _counters(server)
+    assert counters["worker.l2_device_hits"] == len(texts) and counters["worker.feature_answers"] == len(texts)
+
+
+def test_tenants_reach_each_others_features_only_when_the_model_shares_them(start_server, head_models):
+    server = start_server(head_models)
+    texts = [unique(q) for q in QUESTIONS[:4]]
+    with server.client() as client:
+        for model in ("intents", "intents-shared"):
+            assert {client.infer(model, t, tenant="a").source for t in texts} == {"MISS"}
+        assert {client.infer("intents", t, version="2", tenant="b").source for t in texts} == {"MISS"}
+        assert {client.infer("intents", t, version="2", tenant="a").source for t in texts} == {"FEATURE"}
+        assert {client.infer("intents-shared", t, version="2", tenant="b").source for t in texts} == {"FEATURE"}
+
+        # Tenant a's own features (not b's, not the shared ones); the delete is ordered after the writes.
+        assert client.invalidate(features=True, model="minilm", tenant="a") == len(texts)
+        assert {client.infer("intents", t, version="3", tenant="a").source for t in texts} == {"MISS"}
+        assert {client.infer("intents-shared", t, version="3", tenant="c").source for t in texts} == {"FEATURE"}
+        with pytest.raises(grpc.RpcError) as refused:
+            client.invalidate(features=True, model="minilm", text="hello")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_is_a_miss(
+        tmp_path, head_models, engines_dir):
+    texts = [unique(q) for q in QUESTIONS]
+    cache = tmp_path / "cache"
+    (tmp_path / "a").mkdir()
+    with ServerProcess(tmp_path / "a", head_models, cache_dir=cache, engines_dir=engines_dir,
+                       settings=("server.workers=2",)) as server:
+        with server.client() as client:
+            first = [client.infer("intents", t, version="1") for t in texts]
+            _wait_features_written(server, len(texts))
+            # Version 2's keys route to either worker: the one that did not compute a text reads the
+            # feature its peer wrote to the host's store.
+            assert {client.infer("intents", t, version="2").source for t in texts} == {"FEATURE"}
+        counters = _counters(server)
+        assert counters["worker.l2_host_hits"] > 0
+        assert counters["worker.l2_host_hits"] + counters["worker.l2_device_hits"] == len(texts)
+
+    (tmp_path / "b").mkdir()
+    with ServerProcess(tmp_path / "b", head_models, cache_dir=cache, engines_dir=engines_dir) as server:
+        with server.client() as client:
+            again = [client.infer("intents", t, version="3") for t in texts]
+        assert {r.source for r in again} == {"FEATURE"}
+        assert [r.label for r in again] == [r.label for r in first]
+        assert _counters(server)["worker.l2_host_hits"] == len(texts)
+
+    # Damage every stored feature: half no longer decode as a feature (checksum made valid again),
+    # half fail their checksum. Each is a miss, computed and answered correctly.
+    store = Store(dataclasses.replace(feature_store_settings(Config()), path=cache / "features"), readonly=False)
+    with store.begin(write=True) as txn:
+        rows = list(txn.cursor(db=store.dbs[DB_RESULTS]))
+        assert len(rows) >= len(texts)
+        for n, (key, raw) in enumerate(rows):
+            damaged = raw[:records.HEADER.size] + b"X" + raw[records.HEADER.size + 1:]
+            txn.put(key, reseal_crc(damaged) if n % 2 else damaged, db=store.dbs[DB_RESULTS])
+    store.close()
+    (tmp_path / "c").mkdir()
+    with ServerProcess(tmp_path / "c", head_models, cache_dir=cache, engines_dir=engines_dir) as server:
+        with server.client() as client:
+            recomputed = [client.infer("intents", t, version="4") for t in texts]
+        assert {r.source for r in recomputed} == {"MISS"}
+        assert [r.label for r in recomputed] == [r.label for r in first]
+        counters = _counters(server)
+        assert counters["features.unreadable"] + counters["features.records_unreadable"] == len(texts)
+        assert counters["features.unreadable"] > 0 and counters["features.records_unreadable"] > 0
+
+
+# ---- the memory level and the stored form, without a server ----------------------------------------
+
+def _fill(lru: FeatureLRU, keys: range) -> None:
+    for k in keys:
+        lru.put(k.to_bytes(24, "big"), np.full(lru.dim, k % 1000, dtype=lru.dtype))
+
+
+def _check_lru(device: str | None) -> None:
+    row = 384 * 2
+    lru = FeatureLRU(384, "float16", 10 * row + row // 2, device)
+    assert lru.capacity == 10
+    _fill(lru, range(10))
+    assert lru.get((0).to_bytes(24, "big")) is not None  # 0 is now the most recently used
+    _fill(lru, range(10, 15))                              # evicts 1..5, the least recently used
+    held = [k for k in range(15) if k.to_bytes(24, "big") in lru]
+    assert held == [0] + list(range(6, 15)) and len(lru) == 10 and lru.allocated_bytes <= 10 * row + row // 2
+    copy = lru.get((14).to_bytes(24, "big"))
+    _fill(lru, range(100, 110))                            # every row reused, 14's included
+    assert float(copy[0]) == 14.0                          # a lookup's copy does not change with its row
+    assert lru.counters["evicted"] == 15
+    assert lru.purge(lambda key: int.from_bytes(key, "big") >= 105) == 5 and len(lru) == 5
+    _fill(lru, range(200, 205))                            # purged rows are reused before any eviction
+    assert lru.counters["evicted"] == 15 and len(lru) == 10
+    assert FeatureLRU(384, "float16", row - 1, device).capacity == 0
+
+
+def test_the_memory_lru_keeps_its_byte_cap_and_evicts_least_recently_used_first():
+    _check_lru(None)
+
+
+def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
+    torch = pytest.importorskip("torch", reason="the device LRU needs torch (a GPU host's cuda extra)")
+    if not torch.cuda.is_available():
+        pytest.skip("the device LRU needs a CUDA GPU (run on the H200 through bench/device.sh)")
+    _check_lru("cuda")
+    before = torch.cuda.memory_allocated()
+    cap = 64 << 20
+    lru = FeatureLRU(384, "float16", cap, "cuda")
+    _fill(lru, range(200_000))  # 2.3x what fits
+    assert len(lru) == lru.capacity == cap // 768
+    assert torch.cuda.memory_allocated() - before <= cap
+    assert torch.equal(lru.get((199_999).to_bytes(24, "big")).cpu(), torch.full((384,), 999, dtype=torch.float16))
+
+
+def test_features_are_stored_in_fp16_only_when_the_encoder_output_survives_it():
+    rng = np.random.default_rng(0)
+    unit = rng.normal(size=(8, 384)).astype(np.float32)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    assert storage_dtype(unit) == np.float16
+    assert storage_dtype(unit * 1e7) == np.float32            # overflows FP16
+    assert storage_dtype(unit * 1e-6) == np.float32           # below FP16's smallest: every component vanishes
+    assert storage_dtype(np.vstack([unit, np.zeros((1, 384), np.float32)])) == np.float16
+    half = unit[0].astype(np.float16)
+    assert np.array_equal(decode(encode(half), 384), half)
+    for bad in (encode(half)[:-2], b"G" + encode(half)[1:], encode(unit[0])[:-4]):
+        with pytest.raises(CorruptRecord):
+            decode(bad, 384)
