@@ -15,6 +15,8 @@
    Redis, and the Redis round trip alone.
 7. Overload (`--sections overload`, bench/overload.py): 3,000 misses at once against one worker: status
    codes, how fast refusals come, and whether admitted calls finish.
+8. Feature tier (`--sections l2`, bench/l2.py): a Banking77 head's misses against the same weights as one
+   graph, a head version bump, FEATURE latency; on a GPU host the device LRU's cost per batch.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -36,6 +38,7 @@ import grpc
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
 from bench.fleet import bench_fleet, print_fleet
+from bench.l2 import bench_l2, print_l2
 from bench.overload import bench_overload, print_overload
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
@@ -261,7 +264,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, fleet, overload, gpu and "
+                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, fleet, overload, l2, gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -306,6 +309,11 @@ def main() -> None:
         if "overload" in sections:
             print("benchmarking overload (misses at once against one worker) ...", flush=True)
             report["overload"] = bench_overload(workdir / "overload", texts, scale, args.overload_deadline)
+        if "l2" in sections:
+            from server.devices import visible_gpus
+
+            print("benchmarking the feature tier (L2) ...", flush=True)
+            report["l2"] = bench_l2(workdir / "l2", rounds, args.quick, gpu=bool(visible_gpus()))
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
@@ -333,6 +341,8 @@ def main() -> None:
         print_fleet(report["fleet"])
     if "overload" in report:
         print_overload(report["overload"])
+    if "l2" in report:
+        print_l2(report["l2"])
     if "gpu" in report:
         print_gpu(report["gpu"])
     if "workers" in report:

@@ -24,5 +24,5 @@ PY
 echo "cores: $(nproc)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 [ "${DEVICE_TESTS:-1}" = 0 ] || timeout "$TEST_LIMIT_S" python3 -m pytest -q -rs -p no:cacheprovider tests/test_torch_cuda.py tests/test_torch_bert.py \
-    tests/test_cuda.py 2>&1 | tee "$OUT/device-tests.txt" || true
+    tests/test_cuda.py tests/test_features.py 2>&1 | tee "$OUT/device-tests.txt" || true
 timeout "$BENCH_LIMIT_S" python3 -m bench --out "$OUT/bench-device.json" "$@" 2>&1 | tee "$OUT/bench-device.txt"

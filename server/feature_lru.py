@@ -66,7 +66,7 @@ class FeatureLRU:
         if self.device:
             import torch
 
-            self._slabs[slab][offset].copy_(torch.from_numpy(vector))
+            self._slabs[slab][offset].copy_(torch.from_numpy(np.require(vector, requirements="W")))
         else:
             self._slabs[slab][offset] = vector
         self._rows[key] = row

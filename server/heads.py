@@ -65,9 +65,14 @@ class _TorchHead:
 
     def run(self, features: list) -> np.ndarray:
         torch = self.torch
-        rows = [f if isinstance(f, torch.Tensor) else torch.from_numpy(np.asarray(f)).to(self.device, non_blocking=False)
-                for f in features]
-        x = torch.stack(rows).float()
+        on_device = [isinstance(f, torch.Tensor) for f in features]
+        x = torch.empty((len(features), self.weight.shape[0]), dtype=torch.float32, device=self.device)
+        host = [i for i, there in enumerate(on_device) if not there]
+        if host:  # one copy in for all of them
+            x[host] = torch.from_numpy(np.stack([features[i] for i in host]).astype(np.float32)).to(self.device)
+        if len(host) < len(features):
+            rows = [i for i, there in enumerate(on_device) if there]
+            x[rows] = torch.stack([features[i] for i in rows]).float()
         return torch.softmax(x @ self.weight + self.bias, dim=1).cpu().numpy()
 
     def counters(self) -> dict:

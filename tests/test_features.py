@@ -209,6 +209,19 @@ def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
     assert torch.equal(lru.get((199_999).to_bytes(24, "big")).cpu(), torch.full((384,), 999, dtype=torch.float16))
 
 
+def test_the_head_gives_the_same_scores_on_torch_for_features_on_the_device_and_on_the_host():
+    torch = pytest.importorskip("torch", reason="the GPU head runs on torch")
+    from server.heads import _NumpyHead, _TorchHead
+
+    rng = np.random.default_rng(1)
+    weight, bias = rng.normal(size=(384, 7)).astype(np.float32), rng.normal(size=7).astype(np.float32)
+    rows = [rng.normal(size=384).astype(np.float16) for _ in range(5)]
+    mixed = [torch.from_numpy(r) if n % 2 else r for n, r in enumerate(rows)]  # as the LRU and LMDB give them
+    expected = _NumpyHead(weight, bias).run(rows)
+    np.testing.assert_allclose(_TorchHead(weight, bias, "cpu").run(mixed), expected, rtol=1e-5, atol=1e-6)
+    assert np.allclose(expected.sum(axis=1), 1)
+
+
 def test_features_are_stored_in_fp16_only_when_the_encoder_output_survives_it():
     rng = np.random.default_rng(0)
     unit = rng.normal(size=(8, 384)).astype(np.float32)

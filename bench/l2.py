@@ -1,0 +1,276 @@
+"""Feature tier (L2) benchmark (`make bench ARGS="--sections l2"`).
+
+A Banking77 classifier trained by train-head (a head on minilm), served beside the same weights as one
+ONNX graph of encoder + head (`--whole-graph`: the format before L2), by one server.
+1. Miss throughput at 32 callers, head against whole graph, rounds alternating. Every call is a real
+   miss: distinct texts, a fresh tenant per round (nothing in L1, L2 or the semantic index for it), and
+   semantic lookup off for the call (the result is still embedded and indexed, as train-head configures
+   the model). The whole graph runs the encoder twice per miss (once as the semantic embedder, once
+   inside its graph), the head once.
+2. Head version bump: every distinct Banking77 text through version 1 (misses), then through version 2
+   (the same encoder; here the same head weights, a new version as a retrained head would be), both at 32
+   callers: the second pass's time over the first's.
+3. One caller: FEATURE answers' p50 against exact hits and misses of the same texts.
+4. On a GPU host (the worker on torch-cuda): the device LRU's cost per batch of 32 lookups with and
+   without the head, measured in this process on the same GPU, and FEATURE throughput at 32 and 256 callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import BANKING77
+from bench.load import run_load
+from infercache.testing import REPO, ServerProcess
+from infercache.v1 import infercache_pb2 as pb
+from server.normalize import Normalizer
+
+CALLERS = 32
+
+
+def make_models(root: Path, progress=print) -> tuple[str, str]:
+    """minilm, banking77 (a head, versions 1 and 2) and banking77-graph (the same weights in one graph)."""
+    from server.models import HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE
+    from server.train_head import compose, torch_source_with_head, train
+
+    (root / "minilm").mkdir(parents=True)
+    shutil.copy(REPO / "models" / "minilm" / "config.yaml", root / "minilm" / "config.yaml")
+    encoder = REPO / "models" / "minilm" / "1"
+    (root / "minilm" / "1").symlink_to(encoder)
+    head = train(BANKING77, text_column="text", label_column="category", models_dir=root, encoder="minilm",
+                 name="banking77", progress=progress)
+    (root / "banking77" / "2").symlink_to(head)
+    graph = root / "banking77-graph" / "1"
+    graph.mkdir(parents=True)
+    with np.load(head / HEAD_WEIGHTS_FILE) as weights:
+        w, b = weights["weight"], weights["bias"]
+    compose(encoder / MODEL_FILE, w, b, graph / MODEL_FILE)
+    torch_source_with_head(encoder, graph, w, b, progress)  # the GPU runtime's form, where torch is here
+    for name in (TOKENIZER_FILE, LABELS_FILE):
+        shutil.copy(head / name, graph / name)
+    shutil.copy(root / "banking77" / "config.yaml", root / "banking77-graph" / "config.yaml")
+    return "banking77", "banking77-graph"
+
+
+def distinct_texts() -> list[str]:
+    import csv
+
+    normalize, seen, out = Normalizer(), set(), []
+    with open(BANKING77, newline="") as f:
+        for row in csv.DictReader(f):
+            key = normalize(row["text"])
+            if key not in seen:
+                seen.add(key)
+                out.append(row["text"])
+    return out
+
+
+def _requests(model: str, texts: list[str], tenant: str, version: str = "") -> list[pb.InferRequest]:
+    return [pb.InferRequest(model=model, version=version, text=t, tenant=tenant,
+                            semantic=pb.SemanticPolicy(enabled=False)) for t in texts]
+
+
+def _run(server: ServerProcess, requests: list[pb.InferRequest], concurrency: int = CALLERS) -> dict:
+    result = asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=len(requests),
+                                  timeout=120))
+    assert result.errors == 0, f"{result.errors} errors"
+    return result.summary()
+
+
+def _encoder_runs(server: ServerProcess, whole_graph: str | None = None) -> int:
+    """Texts the encoder ran on: minilm's batcher, and a whole-graph model's own (its graph contains it)."""
+    names = ["batcher.minilm.1.batched_requests"] + ([f"batcher.{whole_graph}.1.batched_requests"] if whole_graph else [])
+    return sum(w.counters[name] for w in server.stats().workers for name in names)
+
+
+def bench_miss_throughput(server: ServerProcess, texts: list[str], rounds: int, per_round: int) -> dict:
+    head, graph = "banking77", "banking77-graph"
+    runs: dict[str, list[dict]] = {head: [], graph: []}
+    for model in (head, graph):  # warm-up: the engines' first batches of each shape, the server's allocations
+        _run(server, _requests(model, texts[-300:], "warm-up"))
+    for n in range(rounds):
+        for m, model in enumerate((head, graph) if n % 2 == 0 else (graph, head)):
+            chosen = texts[(2 * n + m) * per_round:(2 * n + m + 1) * per_round]
+            before = _encoder_runs(server, graph)
+            summary = _run(server, _requests(model, chosen, f"miss-{n}-{model}"))
+            assert summary["sources"] == {"MISS": len(chosen)}, summary["sources"]
+            summary["encoder_runs_per_miss"] = round((_encoder_runs(server, graph) - before) / len(chosen), 2)
+            runs[model].append(summary)
+    out = {}
+    for model, samples in runs.items():
+        out[model] = {k: statistics.median(s[k] for s in samples) for k in ("throughput_rps", "p50_ms", "p99_ms")}
+        out[model]["rounds"] = samples
+    out["ratio_by_round"] = [round(h["throughput_rps"] / g["throughput_rps"], 3)
+                             for h, g in zip(runs[head], runs[graph])]
+    out["throughput_ratio"] = round(out[head]["throughput_rps"] / out[graph]["throughput_rps"], 3)
+    return out
+
+
+async def _batches(address: str, model: str, version: str, tenant: str, texts: list[str], per_call: int,
+                   callers: int) -> dict:
+    """InferBatch calls of `per_call` texts from `callers` concurrent callers: seconds, sources."""
+    import grpc
+
+    from infercache.v1 import infercache_pb2_grpc
+
+    calls = [pb.InferBatchRequest(model=model, version=version, tenant=tenant, texts=texts[i:i + per_call],
+                                  semantic=pb.SemanticPolicy(enabled=False))
+             for i in range(0, len(texts), per_call)]
+    pending = iter(calls)
+    sources: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = infercache_pb2_grpc.InferenceCacheStub(channel)
+
+        async def caller() -> None:
+            for request in pending:
+                for result in (await stub.InferBatch(request, timeout=300)).results:
+                    name = pb.CacheInfo.Source.Name(result.cache.source)
+                    sources[name] = sources.get(name, 0) + 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 3), "texts_per_s": round(len(texts) / seconds, 1), "sources": sources}
+
+
+def bench_bump(server: ServerProcess, texts: list[str]) -> dict:
+    """Every text through version 1, then version 2: one text per call (32 callers), and again in a fresh
+    tenant with InferBatch calls of 32 texts (8 callers)."""
+    out: dict = {"texts": len(texts)}
+    first = _run(server, _requests("banking77", texts, "bump", version="1"))
+    assert first["sources"] == {"MISS": len(texts)}, first["sources"]
+    second = _run(server, _requests("banking77", texts, "bump", version="2"))
+    assert second["sources"] == {"FEATURE": len(texts)}, second["sources"]
+    out["infer"] = {"first_pass": first, "second_pass": second,
+                    "time_ratio": round(second["seconds"] / first["seconds"], 4)}
+    passes = [asyncio.run(_batches(server.address, "banking77", version, "bump-batch", texts, 32, 8))
+              for version in ("1", "2")]
+    assert passes[0]["sources"] == {"MISS": len(texts)} and passes[1]["sources"] == {"FEATURE": len(texts)}, passes
+    out["infer_batch"] = {"first_pass": passes[0], "second_pass": passes[1],
+                          "time_ratio": round(passes[1]["seconds"] / passes[0]["seconds"], 4)}
+    return out
+
+
+def bench_latency(server: ServerProcess, texts: list[str]) -> dict:
+    """One caller: misses (version 1), FEATURE answers of the same texts (version 2), then exact hits."""
+    out = {}
+    for label, version, source in (("miss", "1", "MISS"), ("feature", "2", "FEATURE"), ("exact_hit", "2", "RESULT_EXACT")):
+        summary = _run(server, _requests("banking77", texts, "latency", version=version), concurrency=1)
+        assert summary["sources"] == {source: len(texts)}, summary["sources"]
+        out[label] = summary
+    out["feature_p50_over_exact_hit"] = round(out["feature"]["p50_ms"] / out["exact_hit"]["p50_ms"], 3)
+    out["feature_p50_over_miss"] = round(out["feature"]["p50_ms"] / out["miss"]["p50_ms"], 3)
+    return out
+
+
+def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, batch: int = 32,
+                     repeats: int = 2000) -> dict:
+    """The GPU LRU's lookups per batch, with the head on them, timed with the device synchronized."""
+    import torch
+
+    from server.feature_lru import FeatureLRU
+    from server.heads import _TorchHead
+
+    lru = FeatureLRU(dim, "float16", entries * dim * 2, "cuda")
+    rng = np.random.default_rng(0)
+    keys = [i.to_bytes(24, "big") for i in range(entries)]
+    for key in keys:
+        lru.put(key, rng.standard_normal(dim).astype(np.float16))
+    head = _TorchHead(rng.standard_normal((dim, classes)).astype(np.float32),
+                      np.zeros(classes, np.float32), "cuda")
+    picks = rng.integers(0, entries, size=(repeats, batch))
+
+    def timed(fn) -> float:
+        for row in picks[:50]:
+            fn(row)
+        torch.cuda.synchronize()
+        samples = []
+        for row in picks:
+            started = time.perf_counter()
+            fn(row)
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - started)
+        return round(statistics.median(samples) * 1e6, 1)
+
+    lookups = timed(lambda row: [lru.get(keys[i]) for i in row])
+    with_head = timed(lambda row: head.run([lru.get(keys[i]) for i in row]))
+    host = [rng.standard_normal(dim).astype(np.float16) for _ in range(batch)]
+    host_head = timed(lambda row: head.run(host))
+    return {"entries": entries, "batch": batch, "lookups_us_per_batch": lookups,
+            "lookups_and_head_us_per_batch": with_head, "head_on_host_features_us_per_batch": host_head,
+            "device": torch.cuda.get_device_name()}
+
+
+def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict:
+    workdir.mkdir(parents=True)
+    print("  training the Banking77 head (train-head) ...", flush=True)
+    make_models(workdir / "models", progress=lambda line: None)
+    texts = distinct_texts()
+    per_round = 300 if quick else 1500
+    bump = texts[:2000] if quick else texts
+    out: dict = {"distinct_texts": len(texts)}
+    (workdir / "server").mkdir()
+    server = ServerProcess(workdir / "server", workdir / "models", engines_dir=workdir / "engines")
+    try:
+        print("  miss throughput: head vs whole graph ...", flush=True)
+        out["miss_throughput"] = bench_miss_throughput(server, texts, rounds, per_round)
+        print(f"  head version bump over {len(bump)} texts ...", flush=True)
+        out["version_bump"] = bench_bump(server, bump)
+        print("  latency at one caller ...", flush=True)
+        out["latency"] = bench_latency(server, texts[:300])
+        if gpu:
+            print("  FEATURE throughput ...", flush=True)
+            out["feature_throughput"] = {}
+            for callers in (32, 256):
+                chosen = texts[(callers // 32) * 1000:(callers // 32) * 1000 + 2000]
+                _run(server, _requests("banking77", chosen, f"ft-{callers}", version="1"), callers)
+                summary = _run(server, _requests("banking77", chosen, f"ft-{callers}", version="2"), callers)
+                assert summary["sources"] == {"FEATURE": len(chosen)}, summary["sources"]
+                out["feature_throughput"][f"callers_{callers}"] = summary
+        workers = server.stats().workers
+        out["worker_counters"] = {k: v for w in workers for k, v in w.counters.items()
+                                  if k.startswith(("worker.", "features."))}
+        out["engines"] = [f"{e.model}/{e.version}: {e.runtime} {e.precision} {e.device}" for w in workers
+                          for e in w.engines]
+    finally:
+        assert server.stop() == 0
+    if gpu:
+        print("  device LRU lookups ...", flush=True)
+        out["device_lru"] = bench_device_lru()
+    return out
+
+
+def print_l2(result: dict) -> None:
+    miss, bump, lat = result["miss_throughput"], result["version_bump"], result["latency"]
+    head, graph = miss["banking77"], miss["banking77-graph"]
+    print("\n## Feature tier (L2)\n")
+    print("| what | figure | baseline in the same run |\n| --- | --- | --- |")
+    print(f"| classification misses at {CALLERS} callers, head on L2 vs whole graph | {head['throughput_rps']:.0f} vs "
+          f"{graph['throughput_rps']:.0f} req/s = {miss['throughput_ratio']:.2f}x (by round: "
+          f"{', '.join(f'{r:.2f}' for r in miss['ratio_by_round'])}) | encoder runs per miss "
+          f"{head['rounds'][0]['encoder_runs_per_miss']} vs {graph['rounds'][0]['encoder_runs_per_miss']} |")
+    one, many = bump["infer"], bump["infer_batch"]
+    print(f"| head version bump, {bump['texts']} texts again: Infer (32 callers) | {one['second_pass']['seconds']:.1f} s "
+          f"({one['second_pass']['throughput_rps']:.0f} texts/s) | first pass {one['first_pass']['seconds']:.1f} s: "
+          f"{one['time_ratio']:.3f}x |")
+    print(f"| the same, InferBatch of 32 texts (8 callers) | {many['second_pass']['seconds']:.1f} s "
+          f"({many['second_pass']['texts_per_s']:.0f} texts/s) | first pass {many['first_pass']['seconds']:.1f} s: "
+          f"{many['time_ratio']:.3f}x |")
+    print(f"| p50 at 1 caller: FEATURE / exact hit / miss | {lat['feature']['p50_ms']:.2f} / "
+          f"{lat['exact_hit']['p50_ms']:.2f} / {lat['miss']['p50_ms']:.2f} ms | FEATURE {lat['feature_p50_over_exact_hit']:.2f}x "
+          f"an exact hit, {lat['feature_p50_over_miss']:.2f}x a miss |")
+    for name, row in result.get("feature_throughput", {}).items():
+        print(f"| FEATURE answers, {name.replace('_', ' ')} | {row['throughput_rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms | |")
+    if "device_lru" in result:
+        d = result["device_lru"]
+        print(f"| device LRU, {d['batch']} lookups of {d['entries']:,} ({d['device']}) | {d['lookups_us_per_batch']} us; "
+              f"+ head {d['lookups_and_head_us_per_batch']} us | head on {d['batch']} host features: "
+              f"{d['head_on_host_features_us_per_batch']} us |")
+    print(json.dumps(result.get("engines", [])))
