@@ -90,14 +90,28 @@ def _encoder_runs(server: ServerProcess, whole_graph: str | None = None) -> int:
     return sum(w.counters[name] for w in server.stats().workers for name in names)
 
 
+def _settle(server: ServerProcess, timeout: float = 30.0) -> None:
+    """Waits until the worker's writers and semantic index stop moving: what one run left behind (writes,
+    fsyncs, index inserts) must not be measured in the next."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        now = tuple(sorted((k, v) for w in server.stats().workers for k, v in w.counters.items()
+                           if k.endswith(("writer.writes", "writer.write_txns", "semantic.indexed"))))
+        if now == last:
+            return
+        last = now
+        time.sleep(0.3)
+
+
 def bench_miss_throughput(server: ServerProcess, texts: list[str], rounds: int, per_round: int) -> dict:
     head, graph = "banking77", "banking77-graph"
     runs: dict[str, list[dict]] = {head: [], graph: []}
     for model in (head, graph):  # warm-up: the engines' first batches of each shape, the server's allocations
         _run(server, _requests(model, texts[-300:], "warm-up"))
     for n in range(rounds):
-        for m, model in enumerate((head, graph) if n % 2 == 0 else (graph, head)):
-            chosen = texts[(2 * n + m) * per_round:(2 * n + m + 1) * per_round]
+        chosen = texts[n * per_round:(n + 1) * per_round]  # both models, each in a tenant of its own
+        for model in (head, graph) if n % 2 == 0 else (graph, head):
+            _settle(server)
             before = _encoder_runs(server, graph)
             summary = _run(server, _requests(model, chosen, f"miss-{n}-{model}"))
             assert summary["sources"] == {"MISS": len(chosen)}, summary["sources"]
@@ -213,7 +227,7 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict
     print("  training the Banking77 head (train-head) ...", flush=True)
     make_models(workdir / "models", progress=lambda line: None)
     texts = distinct_texts()
-    per_round = 300 if quick else 1500
+    per_round = 300 if quick else 2000
     bump = texts[:2000] if quick else texts
     out: dict = {"distinct_texts": len(texts)}
     (workdir / "server").mkdir()

@@ -2,7 +2,8 @@
 in host memory otherwise, never above its byte cap.
 
 Rows live in slabs allocated as the LRU fills (16 MiB each at most), so a cap of a fifth of a GPU is not
-reserved at start; the slabs' total never exceeds the cap, and a full LRU reuses its least recently used
+reserved at start; the slabs' total (each a multiple of the CUDA allocator's 512-byte rounding) never
+exceeds the cap, and a full LRU reuses its least recently used
 row. The event loop is the only user: lookups, inserts, evictions and purges all happen there.
 
 On a GPU a lookup returns a copy of the row, queued on the device's stream and not waited for. A row
@@ -12,12 +13,14 @@ reads the copy in its own thread never sees a row that changed under it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from typing import Callable
 
 import numpy as np
 
 SLAB_BYTES = 16 << 20
+ALIGN = 512  # torch's CUDA allocator rounds every block up to a multiple of this: slabs are made of it
 
 
 class FeatureLRU:
@@ -25,8 +28,9 @@ class FeatureLRU:
         self.dim = dim
         self.dtype = np.dtype(dtype)
         self.row_bytes = dim * self.dtype.itemsize
-        self.capacity = max(0, cap_bytes) // self.row_bytes  # rows
-        self.slab_rows = max(1, min(self.capacity, SLAB_BYTES // self.row_bytes))
+        unit = ALIGN // math.gcd(self.row_bytes, ALIGN)  # rows whose bytes are a multiple of ALIGN
+        self.capacity = max(0, cap_bytes) // self.row_bytes // unit * unit  # rows
+        self.slab_rows = max(unit, min(self.capacity, SLAB_BYTES // self.row_bytes) // unit * unit)
         self.device = device  # None: numpy in host memory; else a torch device ("cuda")
         self.counters: Counter[str] = Counter()
         self._slabs: list = []
