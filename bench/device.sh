@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_BANKING77=$PWD/.devcarry/banking77.csv
 python3 - <<'PY'
 from pathlib import Path
-from server.export_model import export_sentence_encoder
+from server.tools.export_model import export_sentence_encoder
 export_sentence_encoder(Path(".devcarry/minilm-fp16"), Path("models/minilm/1"), 256)
 PY
 echo "cores: $(nproc)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

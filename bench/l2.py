@@ -38,7 +38,7 @@ CALLERS = 32
 def make_models(root: Path, progress=print) -> tuple[str, str]:
     """minilm, banking77 (a head, versions 1 and 2) and banking77-graph (the same weights in one graph)."""
     from server.models import HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE
-    from server.train_head import compose, torch_source_with_head, train
+    from server.tools.train_head import compose, torch_source_with_head, train
 
     (root / "minilm").mkdir(parents=True)
     shutil.copy(REPO / "models" / "minilm" / "config.yaml", root / "minilm" / "config.yaml")

@@ -23,7 +23,7 @@ from server.normalize import Normalizer
 
 
 def train_banking77(models: Path) -> None:
-    from server.train_head import train
+    from server.tools.train_head import train
 
     if not (models / "banking77").exists():
         train(BANKING77, text_column="text", label_column="category", models_dir=models, encoder="minilm",
@@ -31,7 +31,7 @@ def train_banking77(models: Path) -> None:
 
 
 def bench_eval(models: Path, workdir: Path, folds: int, limit: int | None) -> dict:
-    from server.semantic_eval import main as evaluate
+    from server.tools.semantic_eval import main as evaluate
 
     train_banking77(models)
     (workdir / "eval").mkdir()

@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _prepare_model(args: argparse.Namespace) -> int:
     import logging
 
-    from server.export_model import default_encoder_dir, export_sentence_encoder
+    from server.tools.export_model import default_encoder_dir, export_sentence_encoder
     from server.models import MODEL_FILE, load_model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -76,14 +76,14 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
-    from server import engine_cli
+    from server.tools import engine_cli
 
     return engine_cli.main(_config(args), args.engines_command, model=args.model, force=args.force,
                            dry_run=args.dry_run)
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from server import cache_cli
+    from server.tools import cache_cli
 
     config = _config(args)
     return cache_cli.run(config, args.cache_command)
@@ -99,8 +99,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_head(args: argparse.Namespace) -> int:
-    from server.labelled_csv import LabelledDataError
-    from server.train_head import TrainError, train
+    from server.tools.labelled_csv import LabelledDataError
+    from server.tools.train_head import TrainError, train
 
     try:
         train(Path(args.csv), text_column=args.text_column, label_column=args.label_column,
@@ -113,8 +113,8 @@ def _train_head(args: argparse.Namespace) -> int:
 
 
 def _eval_semantic(args: argparse.Namespace) -> int:
-    from server.labelled_csv import LabelledDataError
-    from server.semantic_eval import main as evaluate
+    from server.tools.labelled_csv import LabelledDataError
+    from server.tools.semantic_eval import main as evaluate
 
     try:
         evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,

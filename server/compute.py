@@ -331,7 +331,10 @@ class WorkerCore:
             if item.cached_ok and (found := self.features.get(ns, key)) is not None:
                 feature, level = found
                 self.counters[f"{level}_hits"] += 1
-                outputs = await runtime.batcher.submit(feature, deadline)
+                try:
+                    outputs = await runtime.batcher.submit(feature, deadline)
+                finally:
+                    self.features.release(feature)
                 return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE)
             embedding = (await runtime.source.batcher.submit(token_ids(item.ids), deadline))[runtime.ref.input]
             feature = self.features.stored_form(ns, embedding)

@@ -3,24 +3,38 @@ in host memory otherwise, never above its byte cap.
 
 Rows live in slabs allocated as the LRU fills (16 MiB each at most), so a cap of a fifth of a GPU is not
 reserved at start; the slabs' total (each a multiple of the CUDA allocator's 512-byte rounding) never
-exceeds the cap, and a full LRU reuses its least recently used
-row. The event loop is the only user: lookups, inserts, evictions and purges all happen there.
+exceeds the cap, and a full LRU reuses its least recently used row. The event loop is the only owner:
+lookups, inserts, evictions and purges all happen there.
 
-On a GPU a lookup returns a copy of the row, queued on the device's stream and not waited for. A row
-evicted and overwritten later is overwritten after that copy on the same stream, so a head batch that
-reads the copy in its own thread never sees a row that changed under it.
+On a GPU nothing per row touches the device on the event loop:
+- a lookup returns the row's number (a DeviceRow) and pins it; the head's batch gathers all its rows in
+  its own thread with one index_select per slab (`gather`), and the lookup's owner releases the pin when
+  the answer is made. A pinned row is neither evicted nor reused, so it cannot change under the gather;
+- inserts are copied in together: rows wait in host memory until the loop's next iteration, or until a
+  lookup wants one of them, then go to the device in one copy per slab. Copies and gathers are queued on
+  the same CUDA stream in the order the loop made them, so a gather sees every write before it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 SLAB_BYTES = 16 << 20
 ALIGN = 512  # torch's CUDA allocator rounds every block up to a multiple of this: slabs are made of it
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRow:
+    """A pinned row of a device LRU (see FeatureLRU.get); released with FeatureLRU.release."""
+
+    lru: "FeatureLRU"
+    row: int
 
 
 class FeatureLRU:
@@ -33,10 +47,14 @@ class FeatureLRU:
         self.slab_rows = max(unit, min(self.capacity, SLAB_BYTES // self.row_bytes) // unit * unit)
         self.device = device  # None: numpy in host memory; else a torch device ("cuda")
         self.counters: Counter[str] = Counter()
-        self._slabs: list = []
+        self._slabs: list = []  # appended to on the loop, read by gathers (a list append is atomic)
         self._rows: OrderedDict[bytes, int] = OrderedDict()  # key -> row, least recently used first
         self._free: list[int] = []
         self._allocated = 0  # rows in slabs
+        self._pins: Counter[int] = Counter()      # device rows that a head batch is about to read
+        self._orphans: set[int] = set()           # purged while pinned: free once released
+        self._pending: dict[int, np.ndarray] = {}  # device rows not copied in yet
+        self._flush_scheduled = False
 
     @property
     def allocated_bytes(self) -> int:
@@ -49,13 +67,27 @@ class FeatureLRU:
         return key in self._rows
 
     def get(self, key: bytes):
-        """A copy of the key's feature (numpy, or a torch tensor on the device), or None."""
+        """The key's feature or None: a copy (numpy) in host memory, a pinned DeviceRow on a GPU."""
         row = self._rows.get(key)
         if row is None:
             return None
         self._rows.move_to_end(key)
-        slab, offset = divmod(row, self.slab_rows)
-        return self._slabs[slab][offset].clone() if self.device else self._slabs[slab][offset].copy()
+        if self.device is None:
+            slab, offset = divmod(row, self.slab_rows)
+            return self._slabs[slab][offset].copy()
+        if row in self._pending:
+            self.flush()
+        self._pins[row] += 1
+        return DeviceRow(self, row)
+
+    def release(self, handle: DeviceRow) -> None:
+        row = handle.row
+        self._pins[row] -= 1
+        if self._pins[row] <= 0:
+            del self._pins[row]
+            if row in self._orphans:
+                self._orphans.discard(row)
+                self._free.append(row)
 
     def put(self, key: bytes, vector: np.ndarray) -> None:
         """Keeps `vector` (this LRU's dtype and dim) under `key`, evicting the least recently used row
@@ -66,20 +98,63 @@ class FeatureLRU:
         row = self._row()
         if row is None:
             return
-        slab, offset = divmod(row, self.slab_rows)
-        if self.device:
-            import torch
-
-            self._slabs[slab][offset].copy_(torch.from_numpy(np.require(vector, requirements="W")))
-        else:
+        if self.device is None:
+            slab, offset = divmod(row, self.slab_rows)
             self._slabs[slab][offset] = vector
+        else:
+            self._pending[row] = vector
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                try:
+                    asyncio.get_running_loop().call_soon(self.flush)
+                except RuntimeError:  # no loop (a tool, a test): at once
+                    self.flush()
         self._rows[key] = row
 
+    def flush(self) -> None:
+        """Copies the waiting rows to the device: one host-to-device copy and one index_copy_ per slab."""
+        self._flush_scheduled = False
+        if not self._pending:
+            return
+        import torch
+
+        by_slab: dict[int, list[int]] = {}
+        for row in self._pending:
+            by_slab.setdefault(row // self.slab_rows, []).append(row)
+        for slab, rows in by_slab.items():
+            values = torch.from_numpy(np.stack([self._pending[r] for r in rows])).to(self.device)
+            offsets = torch.tensor([r - slab * self.slab_rows for r in rows], device=self.device)
+            self._slabs[slab].index_copy_(0, offsets, values)
+        self._pending.clear()
+
+    def gather(self, handles: list[DeviceRow]):
+        """[len(handles), dim] on the device, in order (called from the head's batch thread)."""
+        import torch
+
+        by_slab: dict[int, list[int]] = {}
+        for n, handle in enumerate(handles):
+            by_slab.setdefault(handle.row // self.slab_rows, []).append(n)
+        if len(by_slab) == 1:
+            (slab, _), = by_slab.items()
+            offsets = torch.tensor([h.row - slab * self.slab_rows for h in handles], device=self.device)
+            return self._slabs[slab].index_select(0, offsets)
+        out = torch.empty((len(handles), self.dim), dtype=self._slabs[0].dtype, device=self.device)
+        for slab, positions in by_slab.items():
+            offsets = torch.tensor([handles[n].row - slab * self.slab_rows for n in positions], device=self.device)
+            out[torch.tensor(positions, device=self.device)] = self._slabs[slab].index_select(0, offsets)
+        return out
+
     def purge(self, doomed: Callable[[bytes], bool]) -> int:
-        """Drops every key for which doomed(key) is true; their rows are free again."""
+        """Drops every key for which doomed(key) is true; their rows are free again (a pinned one once
+        its reader releases it)."""
         keys = [key for key in self._rows if doomed(key)]
         for key in keys:
-            self._free.append(self._rows.pop(key))
+            row = self._rows.pop(key)
+            self._pending.pop(row, None)
+            if row in self._pins:
+                self._orphans.add(row)
+            else:
+                self._free.append(row)
         self.counters["purged"] += len(keys)
         return len(keys)
 
@@ -92,11 +167,14 @@ class FeatureLRU:
             self._free.extend(range(self._allocated + rows - 1, self._allocated - 1, -1))
             self._allocated += rows
             return self._free.pop()
-        if not self._rows:
-            return None  # a cap below one row: the LRU holds nothing
-        _, row = self._rows.popitem(last=False)
-        self.counters["evicted"] += 1
-        return row
+        for _ in range(len(self._rows)):  # the least recently used row nobody is reading
+            key, row = self._rows.popitem(last=False)
+            if row not in self._pins:
+                self._pending.pop(row, None)
+                self.counters["evicted"] += 1
+                return row
+            self._rows[key] = row  # pinned: it stays, as the most recently used
+        return None  # a cap below one row, or every row being read: not kept
 
     def _new_slab(self, rows: int):
         # Every slab has slab_rows rows of address space (the last may hold fewer), so a row's slab is

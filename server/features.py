@@ -31,7 +31,7 @@ from cachestore.errors import CorruptRecord
 from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace
 from cachestore.results import ResultCache, now_us
 from cachestore.writer import Selector, WriteBehind
-from server.feature_lru import FeatureLRU
+from server.feature_lru import DeviceRow, FeatureLRU
 
 log = logging.getLogger("infercache.features")
 
@@ -123,7 +123,8 @@ class FeatureTier:
         return feature_key(ns_id, ids)
 
     def get(self, ns: Namespace, key: bytes):
-        """(feature, level) with level "l2_device" (the memory LRU) or "l2_host" (LMDB), or None."""
+        """(feature, level) with level "l2_device" (the memory LRU) or "l2_host" (LMDB), or None. A device
+        LRU's feature is a pinned DeviceRow: pass it to `release` once the head has run on it."""
         encoder = self._encoders[(ns.model, ns.version)]
         found = encoder.lru.get(key)
         if found is not None:
@@ -143,6 +144,12 @@ class FeatureTier:
             vector = vector.astype(encoder.dtype)
         encoder.lru.put(key, vector)
         return vector, "l2_host"
+
+    @staticmethod
+    def release(feature) -> None:
+        """Ends a lookup's hold on a device row (its head batch has read it); nothing for host arrays."""
+        if isinstance(feature, DeviceRow):
+            feature.lru.release(feature)
 
     def stored_form(self, ns: Namespace, feature: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(feature, dtype=self._encoders[(ns.model, ns.version)].dtype)

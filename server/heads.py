@@ -17,6 +17,7 @@ import numpy as np
 from infercache.v1 import infercache_pb2 as pb
 from server.batcher import Batcher
 from server.config import Config
+from server.feature_lru import DeviceRow
 from server.model_runtime import ModelRuntime
 from server.models import HEAD_WEIGHTS_FILE, LABELS_FILE, TOKENIZER_FILE, HeadRef, ModelConfigError, ModelSpec
 
@@ -64,15 +65,21 @@ class _TorchHead:
         self.bias = torch.from_numpy(bias).to(device)
 
     def run(self, features: list) -> np.ndarray:
+        """`features`: DeviceRows of the feature LRU (gathered on the device) and host arrays (copied in
+        together), in any mix."""
         torch = self.torch
-        on_device = [isinstance(f, torch.Tensor) for f in features]
-        x = torch.empty((len(features), self.weight.shape[0]), dtype=torch.float32, device=self.device)
-        host = [i for i, there in enumerate(on_device) if not there]
-        if host:  # one copy in for all of them
-            x[host] = torch.from_numpy(np.stack([features[i] for i in host]).astype(np.float32)).to(self.device)
-        if len(host) < len(features):
-            rows = [i for i, there in enumerate(on_device) if there]
-            x[rows] = torch.stack([features[i] for i in rows]).float()
+        on_device = [n for n, f in enumerate(features) if isinstance(f, DeviceRow)]
+        if len(on_device) == len(features):
+            x = features[0].lru.gather(features).float()
+        else:
+            host = [n for n, f in enumerate(features) if not isinstance(f, DeviceRow)]
+            rows = torch.from_numpy(np.stack([features[n] for n in host]).astype(np.float32)).to(self.device)
+            if on_device:
+                x = torch.empty((len(features), rows.shape[1]), dtype=torch.float32, device=self.device)
+                x[host] = rows
+                x[on_device] = features[on_device[0]].lru.gather([features[n] for n in on_device]).float()
+            else:
+                x = rows
         return torch.softmax(x @ self.weight + self.bias, dim=1).cpu().numpy()
 
     def counters(self) -> dict:

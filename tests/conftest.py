@@ -92,6 +92,6 @@ def reference_encoder():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
-    from server.export_model import default_encoder_dir
+    from server.tools.export_model import default_encoder_dir
 
     return SentenceTransformer(str(default_encoder_dir()), device="cpu")

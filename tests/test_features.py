@@ -18,7 +18,7 @@ from cachestore.env import DB_RESULTS, Store
 from cachestore.errors import CorruptRecord
 from infercache.testing import ServerProcess
 from server.config import Config, feature_store_settings
-from server.feature_lru import FeatureLRU
+from server.feature_lru import DeviceRow, FeatureLRU
 from server.features import decode, encode, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, reseal_crc, unique
@@ -33,7 +33,7 @@ def head_models(tmp_path_factory) -> Path:
     """minilm; faq (a head by train-head, semantic on); faq-graph (the same head as one ONNX graph with
     the encoder, the format before L2); intents (the head without semantic matching, four versions of the
     same weights); intents-shared (the same, features shared across tenants)."""
-    from server.train_head import train
+    from server.tools.train_head import train
 
     root = tmp_path_factory.mktemp("head-models")
     link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
@@ -169,9 +169,22 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
 
 # ---- the memory level and the stored form, without a server ----------------------------------------
 
+def _key(k: int) -> bytes:
+    return k.to_bytes(24, "big")
+
+
 def _fill(lru: FeatureLRU, keys: range) -> None:
     for k in keys:
-        lru.put(k.to_bytes(24, "big"), np.full(lru.dim, k % 1000, dtype=lru.dtype))
+        lru.put(_key(k), np.full(lru.dim, k % 1000, dtype=lru.dtype))
+
+
+def _value(lru: FeatureLRU, found) -> float:
+    """First component of what a lookup returned (a host copy, or a pinned device row: gathered, released)."""
+    if isinstance(found, DeviceRow):
+        value = float(lru.gather([found])[0][0])
+        lru.release(found)
+        return value
+    return float(found[0])
 
 
 def _check_lru(device: str | None) -> None:
@@ -179,22 +192,34 @@ def _check_lru(device: str | None) -> None:
     lru = FeatureLRU(384, "float16", 10 * row + row // 2, device)
     assert lru.capacity == 10
     _fill(lru, range(10))
-    assert lru.get((0).to_bytes(24, "big")) is not None  # 0 is now the most recently used
-    _fill(lru, range(10, 15))                              # evicts 1..5, the least recently used
-    held = [k for k in range(15) if k.to_bytes(24, "big") in lru]
+    assert _value(lru, lru.get(_key(0))) == 0.0  # 0 is now the most recently used
+    _fill(lru, range(10, 15))                   # evicts 1..5, the least recently used
+    held = [k for k in range(15) if _key(k) in lru]
     assert held == [0] + list(range(6, 15)) and len(lru) == 10 and lru.allocated_bytes <= 10 * row + row // 2
-    copy = lru.get((14).to_bytes(24, "big"))
-    _fill(lru, range(100, 110))                            # every row reused, 14's included
-    assert float(copy[0]) == 14.0                          # a lookup's copy does not change with its row
-    assert lru.counters["evicted"] == 15
+    copy = lru.get(_key(14))                    # a host copy, or a pinned row: neither changes ...
+    _fill(lru, range(100, 110))                 # ... while every other row is reused
+    assert (_key(14) in lru) == bool(device)   # a pinned row is passed over; the next oldest goes instead
+    assert _value(lru, copy) == 14.0 and lru.counters["evicted"] == 15
     assert lru.purge(lambda key: int.from_bytes(key, "big") >= 105) == 5 and len(lru) == 5
-    _fill(lru, range(200, 205))                            # purged rows are reused before any eviction
-    assert lru.counters["evicted"] == 15 and len(lru) == 10
+    _fill(lru, range(200, 205))                 # purged rows are reused before any eviction
+    assert len(lru) == 10 and lru.counters["evicted"] == 15
+    assert [_value(lru, lru.get(_key(k))) for k in (101, 204)] == [101.0, 204.0]
     assert FeatureLRU(384, "float16", row - 1, device).capacity == 0
+    if device:  # a row purged while a head batch reads it is reused only after the read
+        pinned = lru.get(_key(200))
+        lru.purge(lambda key: key == _key(200))
+        _fill(lru, range(300, 301))
+        assert _value(lru, pinned) == 200.0
 
 
 def test_the_memory_lru_keeps_its_byte_cap_and_evicts_least_recently_used_first():
     _check_lru(None)
+
+
+def test_the_device_lru_logic_on_torch_cpu_tensors():
+    """Pins, batched copies in and gathers, with torch tensors in host memory (CUDA: the next test)."""
+    pytest.importorskip("torch", reason="the device LRU runs on torch")
+    _check_lru("cpu")
 
 
 def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
@@ -206,21 +231,28 @@ def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
     cap = 64 << 20
     lru = FeatureLRU(384, "float16", cap, "cuda")
     _fill(lru, range(200_000))  # 2.3x what fits
-    assert len(lru) == lru.capacity == cap // 768
+    lru.flush()
+    assert len(lru) == lru.capacity == cap // 768 // 2 * 2
     assert torch.cuda.memory_allocated() - before <= cap
-    assert torch.equal(lru.get((199_999).to_bytes(24, "big")).cpu(), torch.full((384,), 999, dtype=torch.float16))
+    assert _value(lru, lru.get(_key(199_999))) == 999.0
 
 
-def test_the_head_gives_the_same_scores_on_torch_for_features_on_the_device_and_on_the_host():
-    torch = pytest.importorskip("torch", reason="the GPU head runs on torch")
+def test_the_head_gives_the_same_scores_on_torch_for_features_in_the_lru_and_on_the_host():
+    pytest.importorskip("torch", reason="the GPU head runs on torch")
     from server.heads import _NumpyHead, _TorchHead
 
     rng = np.random.default_rng(1)
     weight, bias = rng.normal(size=(384, 7)).astype(np.float32), rng.normal(size=7).astype(np.float32)
     rows = [rng.normal(size=384).astype(np.float16) for _ in range(5)]
-    mixed = [torch.from_numpy(r) if n % 2 else r for n, r in enumerate(rows)]  # as the LRU and LMDB give them
+    lru = FeatureLRU(384, "float16", 1 << 20, "cpu")
+    for n in (1, 3):
+        lru.put(_key(n), rows[n])
+    mixed = [lru.get(_key(n)) if n in (1, 3) else r for n, r in enumerate(rows)]  # as the LRU and LMDB give them
     expected = _NumpyHead(weight, bias).run(rows)
-    np.testing.assert_allclose(_TorchHead(weight, bias, "cpu").run(mixed), expected, rtol=1e-5, atol=1e-6)
+    head = _TorchHead(weight, bias, "cpu")
+    np.testing.assert_allclose(head.run(mixed), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(head.run([mixed[1], mixed[3]]), expected[[1, 3]], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(head.run(rows[:2]), expected[:2], rtol=1e-5, atol=1e-6)
     assert np.allclose(expected.sum(axis=1), 1)
 
 

@@ -108,7 +108,7 @@ def minilm() -> Path:
 @pytest.fixture(scope="module")
 def faq_head(tmp_path_factory, minilm) -> Path:
     """models/faq/1 trained by train-head on examples/faq.csv as one graph with minilm/1 (a link)."""
-    from server.train_head import train
+    from server.tools.train_head import train
     from tests.helpers import link_model
 
     root = tmp_path_factory.mktemp("torch-models")
@@ -151,7 +151,7 @@ def test_head_version_gets_a_torch_source_matching_its_onnx_scores(faq_head):
 
 @needs_torch
 def test_train_head_without_an_encoder_torch_source_writes_none(tmp_path, minilm):
-    from server.train_head import train
+    from server.tools.train_head import train
     from tests.helpers import link_model
 
     onnx_only = tmp_path / "onnx-only"

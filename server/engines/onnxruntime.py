@@ -50,6 +50,13 @@ def session_options(threads: int, level: ort.GraphOptimizationLevel) -> ort.Sess
 
 
 class OrtEngine(Engine):
+    # Two batches at once: while one is between runs (cut, padded, answered in Python), the other
+    # computes, each on all the worker's threads (a lone batch, at low load, keeps them all). Measured on
+    # 2 cores (one worker, Banking77 misses at 32 callers, bench/l2.py's setup): 2 threads x 2 slots
+    # 277-296 misses/s, 2 threads x 1 slot 233-262; 1 thread x 2 slots 304-346, but a lone miss then
+    # takes 9-10 ms instead of 5.5-6.5.
+    slots = 2
+
     def __init__(self, model_path: Path, *, threads: int = 0,
                  level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> None:
         self.session = ort.InferenceSession(str(model_path), session_options(threads, level),

@@ -21,7 +21,7 @@ import numpy as np
 from server.engines.onnxruntime import OrtEngine
 from server.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
                            TORCH_WEIGHTS_FILE, load_model)
-from server.labelled_csv import read_labelled_csv
+from server.tools.labelled_csv import read_labelled_csv
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder, pad_batch
 

@@ -26,7 +26,7 @@ import grpc
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from server.labelled_csv import read_labelled_csv
+from server.tools.labelled_csv import read_labelled_csv
 from server.match_policy import MatchPolicy, Neighbor
 
 THRESHOLDS = tuple(round(0.60 + 0.02 * i, 2) for i in range(20))  # 0.60 .. 0.98
