@@ -186,7 +186,13 @@ def bench_latency(server: ServerProcess, texts: list[str]) -> dict:
 
 def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, batch: int = 32,
                      repeats: int = 2000) -> dict:
-    """The GPU LRU's lookups per batch, with the head on them, timed with the device synchronized."""
+    """The GPU LRU per batch of `batch` features, with the device synchronized after each: the event
+    loop's part (lookups that pin rows, and their release), the head thread's gather, the gather plus the
+    head, inserts (copied in together), and for comparison the head on host features copied in."""
+    return asyncio.run(_device_lru(dim, classes, entries, batch, repeats))
+
+
+async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats: int) -> dict:
     import torch
 
     from server.feature_lru import FeatureLRU
@@ -195,10 +201,12 @@ def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, 
     lru = FeatureLRU(dim, "float16", entries * dim * 2, "cuda")
     rng = np.random.default_rng(0)
     keys = [i.to_bytes(24, "big") for i in range(entries)]
-    for key in keys:
-        lru.put(key, rng.standard_normal(dim).astype(np.float16))
-    head = _TorchHead(rng.standard_normal((dim, classes)).astype(np.float32),
-                      np.zeros(classes, np.float32), "cuda")
+    vectors = rng.standard_normal((entries, dim)).astype(np.float16)
+    for start in range(0, entries, 1000):
+        for i in range(start, min(entries, start + 1000)):
+            lru.put(keys[i], vectors[i])
+        lru.flush()
+    head = _TorchHead(rng.standard_normal((dim, classes)).astype(np.float32), np.zeros(classes, np.float32), "cuda")
     picks = rng.integers(0, entries, size=(repeats, batch))
 
     def timed(fn) -> float:
@@ -213,13 +221,39 @@ def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, 
             samples.append(time.perf_counter() - started)
         return round(statistics.median(samples) * 1e6, 1)
 
-    lookups = timed(lambda row: [lru.get(keys[i]) for i in row])
-    with_head = timed(lambda row: head.run([lru.get(keys[i]) for i in row]))
-    host = [rng.standard_normal(dim).astype(np.float16) for _ in range(batch)]
-    host_head = timed(lambda row: head.run(host))
-    return {"entries": entries, "batch": batch, "lookups_us_per_batch": lookups,
-            "lookups_and_head_us_per_batch": with_head, "head_on_host_features_us_per_batch": host_head,
-            "device": torch.cuda.get_device_name()}
+    def looked_up(row):
+        return [lru.get(keys[i]) for i in row]
+
+    def released(handles) -> None:
+        for handle in handles:
+            lru.release(handle)
+
+    fresh = iter(range(entries, entries + 60 * repeats))
+
+    def insert(row) -> None:
+        for _ in row:
+            lru.put(next(fresh).to_bytes(24, "big"), vectors[0])
+        lru.flush()
+
+    def gathered(row) -> None:
+        handles = looked_up(row)
+        lru.gather(handles)
+        released(handles)
+
+    def headed(row) -> None:
+        handles = looked_up(row)
+        head.run(handles)
+        released(handles)
+
+    host = [vectors[i] for i in range(batch)]
+    return {
+        "entries": entries, "batch": batch, "device": torch.cuda.get_device_name(),
+        "loop_lookups_and_releases_us": timed(lambda row: released(looked_up(row))),
+        "gather_us": timed(gathered),
+        "gather_and_head_us": timed(headed),
+        "head_on_host_features_us": timed(lambda row: head.run(host)),
+        "inserts_us": timed(insert),
+    }
 
 
 def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict:
@@ -284,7 +318,8 @@ def print_l2(result: dict) -> None:
         print(f"| FEATURE answers, {name.replace('_', ' ')} | {row['throughput_rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms | |")
     if "device_lru" in result:
         d = result["device_lru"]
-        print(f"| device LRU, {d['batch']} lookups of {d['entries']:,} ({d['device']}) | {d['lookups_us_per_batch']} us; "
-              f"+ head {d['lookups_and_head_us_per_batch']} us | head on {d['batch']} host features: "
-              f"{d['head_on_host_features_us_per_batch']} us |")
+        print(f"| device LRU, batches of {d['batch']} among {d['entries']:,} ({d['device']}) | event loop: lookups + "
+              f"releases {d['loop_lookups_and_releases_us']} us, inserts {d['inserts_us']} us; head thread: gather "
+              f"{d['gather_us']} us, gather + head {d['gather_and_head_us']} us | the head on {d['batch']} host "
+              f"features (copied in): {d['head_on_host_features_us']} us |")
     print(json.dumps(result.get("engines", [])))

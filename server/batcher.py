@@ -52,6 +52,7 @@ def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:
 @dataclass(eq=False, slots=True)
 class _Request:
     ids: Sequence[int]
+    bucket: int
     deadline: float | None  # loop time
     enqueued: float
     future: asyncio.Future = field(repr=False)
@@ -105,8 +106,9 @@ class Batcher:
             raise Overloaded(f"batch queue of {self.name} is full ({self.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
         now = loop.time()
+        bucket = self.bucket_of(len(ids))  # here, not in the owner task: a bad item fails its caller only
         self._admit(now, deadline)
-        request = _Request(ids, deadline, now, loop.create_future())
+        request = _Request(ids, bucket, deadline, now, loop.create_future())
         self._waiting += 1
         self._incoming.append(request)
         self._wakeup.set()
@@ -209,7 +211,7 @@ class Batcher:
     def _take_incoming(self) -> None:
         while self._incoming:
             request = self._incoming.popleft()
-            self._pending[self.bucket_of(len(request.ids))].append(request)
+            self._pending[request.bucket].append(request)
 
     def _next_cut(self, now: float) -> tuple[int | None, float | None]:
         """(bucket to cut now, None) or (None, when the next bucket falls due; None if all are empty).

@@ -2,8 +2,8 @@
 in host memory otherwise, never above its byte cap.
 
 Rows live in slabs allocated as the LRU fills (16 MiB each at most), so a cap of a fifth of a GPU is not
-reserved at start; the slabs' total (each a multiple of the CUDA allocator's 512-byte rounding) never
-exceeds the cap, and a full LRU reuses its least recently used row. The event loop is the only owner:
+reserved at start; the slabs' total (each sized to what the CUDA allocator counts for it) never exceeds
+the cap, and a full LRU reuses its least recently used row. The event loop is the only owner:
 lookups, inserts, evictions and purges all happen there.
 
 On a GPU nothing per row touches the device on the event loop:
@@ -26,7 +26,9 @@ from typing import Callable
 import numpy as np
 
 SLAB_BYTES = 16 << 20
-ALIGN = 512  # torch's CUDA allocator rounds every block up to a multiple of this: slabs are made of it
+# torch's CUDA allocator counts a block of at most 1 MiB rounded up to 512 bytes, and a larger one rounded
+# up to 2 MiB (its leftover is not split off): slabs are exact multiples of one or the other.
+SMALL_BLOCK, SMALL_ALIGN, LARGE_ALIGN = 1 << 20, 512, 2 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +38,22 @@ class DeviceRow:
     lru: "FeatureLRU"
     row: int
 
+    def __len__(self) -> int:  # the feature's length, as for a host array (a batcher buckets by it)
+        return self.lru.dim
+
 
 class FeatureLRU:
     def __init__(self, dim: int, dtype: str, cap_bytes: int, device: str | None = None) -> None:
         self.dim = dim
         self.dtype = np.dtype(dtype)
         self.row_bytes = dim * self.dtype.itemsize
-        unit = ALIGN // math.gcd(self.row_bytes, ALIGN)  # rows whose bytes are a multiple of ALIGN
+        large = LARGE_ALIGN // math.gcd(self.row_bytes, LARGE_ALIGN)  # rows making a multiple of 2 MiB
+        if cap_bytes >= large * self.row_bytes:
+            unit, slab_bytes = large, max(SLAB_BYTES, large * self.row_bytes)
+        else:  # a small cap: slabs of at most 1 MiB, in multiples of 512 bytes
+            unit, slab_bytes = SMALL_ALIGN // math.gcd(self.row_bytes, SMALL_ALIGN), SMALL_BLOCK
         self.capacity = max(0, cap_bytes) // self.row_bytes // unit * unit  # rows
-        self.slab_rows = max(unit, min(self.capacity, SLAB_BYTES // self.row_bytes) // unit * unit)
+        self.slab_rows = max(unit, min(self.capacity, slab_bytes // self.row_bytes) // unit * unit)
         self.device = device  # None: numpy in host memory; else a torch device ("cuda")
         self.counters: Counter[str] = Counter()
         self._slabs: list = []  # appended to on the loop, read by gathers (a list append is atomic)
