@@ -198,7 +198,7 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
     from server.feature_lru import FeatureLRU
     from server.heads import _TorchHead
 
-    lru = FeatureLRU(dim, "float16", entries * dim * 2, "cuda")
+    lru = FeatureLRU(dim, "float16", 2 * entries * dim * 2, "cuda")  # room for all (slabs round down)
     rng = np.random.default_rng(0)
     keys = [i.to_bytes(24, "big") for i in range(entries)]
     vectors = rng.standard_normal((entries, dim)).astype(np.float16)
