@@ -121,37 +121,46 @@ class FeatureLRU:
         self._rows[key] = row
 
     def flush(self) -> None:
-        """Copies the waiting rows to the device: one host-to-device copy and one index_copy_ per slab."""
+        """Copies the waiting rows to the device: one host-to-device copy, one index_copy_ per slab."""
         self._flush_scheduled = False
         if not self._pending:
             return
         import torch
 
-        by_slab: dict[int, list[int]] = {}
-        for row in self._pending:
-            by_slab.setdefault(row // self.slab_rows, []).append(row)
-        for slab, rows in by_slab.items():
-            values = torch.from_numpy(np.stack([self._pending[r] for r in rows])).to(self.device)
-            offsets = torch.tensor([r - slab * self.slab_rows for r in rows], device=self.device)
-            self._slabs[slab].index_copy_(0, offsets, values)
+        rows = np.fromiter(self._pending, dtype=np.int64, count=len(self._pending))
+        order, slabs, offsets, spans = self._by_slab(rows)
+        values = torch.from_numpy(np.stack([self._pending[int(r)] for r in rows[order]])).to(self.device)
+        index = torch.from_numpy(offsets).to(self.device)
+        for slab, start, end in spans:
+            self._slabs[slab].index_copy_(0, index[start:end], values[start:end])
         self._pending.clear()
 
     def gather(self, handles: list[DeviceRow]):
-        """[len(handles), dim] on the device, in order (called from the head's batch thread)."""
+        """[len(handles), dim] on the device, in order (called from the head's batch thread): one copy of
+        the row numbers in, one index_select per slab the rows lie in, one reordering if several."""
         import torch
 
-        by_slab: dict[int, list[int]] = {}
-        for n, handle in enumerate(handles):
-            by_slab.setdefault(handle.row // self.slab_rows, []).append(n)
-        if len(by_slab) == 1:
-            (slab, _), = by_slab.items()
-            offsets = torch.tensor([h.row - slab * self.slab_rows for h in handles], device=self.device)
-            return self._slabs[slab].index_select(0, offsets)
-        out = torch.empty((len(handles), self.dim), dtype=self._slabs[0].dtype, device=self.device)
-        for slab, positions in by_slab.items():
-            offsets = torch.tensor([handles[n].row - slab * self.slab_rows for n in positions], device=self.device)
-            out[torch.tensor(positions, device=self.device)] = self._slabs[slab].index_select(0, offsets)
-        return out
+        rows = np.fromiter((h.row for h in handles), dtype=np.int64, count=len(handles))
+        order, slabs, offsets, spans = self._by_slab(rows)
+        if len(spans) == 1:  # one slab: the rows in their own order
+            return self._slabs[spans[0][0]].index_select(0, torch.from_numpy(rows - spans[0][0] * self.slab_rows)
+                                                         .to(self.device))
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        index = torch.from_numpy(np.concatenate([offsets, inverse])).to(self.device)
+        parts = [self._slabs[slab].index_select(0, index[start:end]) for slab, start, end in spans]
+        return torch.cat(parts).index_select(0, index[len(rows):])
+
+    def _by_slab(self, rows: np.ndarray):
+        """rows grouped by slab: (the order that groups them, their slabs and offsets in that order, and
+        (slab, start, end) of each group)."""
+        slabs = rows // self.slab_rows
+        order = np.argsort(slabs, kind="stable")
+        grouped = slabs[order]
+        offsets = rows[order] - grouped * self.slab_rows
+        cuts = np.flatnonzero(np.diff(grouped)) + 1
+        starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])
+        return order, grouped, offsets, [(int(grouped[a]), int(a), int(b)) for a, b in zip(starts, ends)]
 
     def purge(self, doomed: Callable[[bytes], bool]) -> int:
         """Drops every key for which doomed(key) is true; their rows are free again (a pinned one once

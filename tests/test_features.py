@@ -224,6 +224,18 @@ def test_the_device_lru_logic_on_torch_cpu_tensors():
     _check_lru("cpu")
 
 
+def test_the_device_lru_gathers_rows_across_slabs_in_order():
+    pytest.importorskip("torch", reason="the device LRU runs on torch")
+    lru = FeatureLRU(4, "float32", 3 << 19, "cpu")  # 1.5 MiB of 16-byte rows: slabs of at most 1 MiB
+    assert lru.capacity == 98_304 and lru.slab_rows == 65_536
+    _fill(lru, range(lru.capacity))
+    lru.flush()
+    picks = np.random.default_rng(0).integers(0, lru.capacity, 64)
+    handles = [lru.get(_key(int(k))) for k in picks]
+    assert len({h.row // lru.slab_rows for h in handles}) == 2
+    assert np.array_equal(lru.gather(handles)[:, 0].numpy(), (picks % 1000).astype(np.float32))
+
+
 def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
     torch = pytest.importorskip("torch", reason="the device LRU needs torch (a GPU host's cuda extra)")
     if not torch.cuda.is_available():
