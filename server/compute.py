@@ -97,6 +97,15 @@ _COUNTED = {Source.MISS: "computed", Source.RESULT_SEMANTIC: "semantic_hits", So
             Source.FEATURE: "feature_answers"}
 
 
+def _selector(request: pb.InvalidateRequest) -> Selector:
+    return Selector(
+        tenant=request.tenant if (request.tenant or request.match_empty_tenant) else None,
+        model=request.model or None,
+        version=request.version or None,
+        key=parse_hex_key(request.key) if request.key else None,
+    )
+
+
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
                  writer: WriteBehind | None, semantic=None, fleet=None, features: FeatureTier | None = None) -> None:
@@ -318,7 +327,7 @@ class WorkerCore:
         if self._inflight.get(flight.key) is flight:
             del self._inflight[flight.key]
 
-    # ---- semantic models ---------------------------------------------------------------------------
+    # ---- head models and semantic models ------------------------------------------------------------
 
     async def _answer(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Outcome:
         """A head model's or a semantic model's miss: the head's features from L2 or the encoder (which
@@ -346,10 +355,9 @@ class WorkerCore:
             overrides = item.semantic
             lookup = not overrides.HasField("enabled") or overrides.enabled
             embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
-            if embedding is None or (embedder.spec.name, embedder.version, "embedding") != (
-                    *runtime.source_key, runtime.ref.input):
+            if embedding is None or not runtime.reads(embedder, "embedding"):
                 embedding = None
-                if lookup or item.store:  # stored results join the index even when this request does not look
+                if lookup or item.store:  # a stored result is indexed even when its request does not search
                     ids = token_ids(item.embed_ids or item.ids)
                     embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
             if embedding is not None and lookup:
@@ -393,12 +401,7 @@ class WorkerCore:
             return await self._invalidate_features(request)
         if self.writer is None:
             raise WorkerUnavailable("the result store is unavailable on this host; nothing to invalidate")
-        selector = Selector(
-            tenant=request.tenant if (request.tenant or request.match_empty_tenant) else None,
-            model=request.model or None,
-            version=request.version or None,
-            key=parse_hex_key(request.key) if request.key else None,
-        )
+        selector = _selector(request)
         removed = await asyncio.wrap_future(self.writer.invalidate(selector))
         if self.fleet is not None:
             from server.fleet.link import FleetUnavailable  # only with a fleet tier: redis-py is loaded then
@@ -416,9 +419,7 @@ class WorkerCore:
         host's feature store (every worker shares it: the first to get there counts what it held)."""
         if self.features is None:
             return 0
-        selector = feature_selector(Selector(
-            tenant=request.tenant if (request.tenant or request.match_empty_tenant) else None,
-            model=request.model or None, version=request.version or None))
+        selector = feature_selector(_selector(request))
         removed = self.features.purge(selector)
         if self.features.writer is not None:
             removed = await asyncio.wrap_future(self.features.writer.invalidate(selector))

@@ -121,6 +121,10 @@ class HeadRuntime(ModelRuntime):
         """(model, version) of the encoder: the namespace of its features."""
         return self.ref.encoder, self.ref.encoder_version
 
+    def reads(self, runtime: ModelRuntime, output: str) -> bool:
+        """Whether this head reads `output` of that model version (its features are then that output)."""
+        return (runtime.spec.name, runtime.version, output) == (*self.source_key, self.ref.input)
+
     def _run_batch(self, features: list) -> list[dict[str, np.ndarray]]:
         scores = self.engine.run(features)
         return [{"scores": row} for row in scores]

@@ -140,13 +140,10 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
         assert counters["worker.l2_host_hits"] > 0
         assert counters["worker.l2_host_hits"] + counters["worker.l2_device_hits"] == len(texts)
 
-    (tmp_path / "b").mkdir()
-    with ServerProcess(tmp_path / "b", head_models, cache_dir=cache, engines_dir=engines_dir) as server:
-        with server.client() as client:
-            again = [client.infer("intents", t, version="3") for t in texts]
-        assert {r.source for r in again} == {"FEATURE"}
-        assert [r.label for r in again] == [r.label for r in first]
-        assert _counters(server)["worker.l2_host_hits"] == len(texts)
+    again, counters = _served_once(tmp_path / "b", head_models, cache, engines_dir, "3", texts)
+    assert {r.source for r in again} == {"FEATURE"}
+    assert [r.label for r in again] == [r.label for r in first]
+    assert counters["worker.l2_host_hits"] == len(texts)
 
     # Damage every stored feature: half no longer decode as a feature (checksum made valid again),
     # half fail their checksum. Each is a miss, computed and answered correctly.
@@ -158,15 +155,21 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
             damaged = raw[:records.HEADER.size] + b"X" + raw[records.HEADER.size + 1:]
             txn.put(key, reseal_crc(damaged) if n % 2 else damaged, db=store.dbs[DB_RESULTS])
     store.close()
-    (tmp_path / "c").mkdir()
-    with ServerProcess(tmp_path / "c", head_models, cache_dir=cache, engines_dir=engines_dir) as server:
+    recomputed, counters = _served_once(tmp_path / "c", head_models, cache, engines_dir, "4", texts)
+    assert {r.source for r in recomputed} == {"MISS"}
+    assert [r.label for r in recomputed] == [r.label for r in first]
+    assert counters["features.unreadable"] + counters["features.records_unreadable"] == len(texts)
+    assert counters["features.unreadable"] > 0 and counters["features.records_unreadable"] > 0
+
+
+def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, version: str, texts: list[str]):
+    """A fresh one-worker server on `cache`: its answers to `texts` from intents `version`, and its
+    workers' counters after them."""
+    workdir.mkdir()
+    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines) as server:
         with server.client() as client:
-            recomputed = [client.infer("intents", t, version="4") for t in texts]
-        assert {r.source for r in recomputed} == {"MISS"}
-        assert [r.label for r in recomputed] == [r.label for r in first]
-        counters = _counters(server)
-        assert counters["features.unreadable"] + counters["features.records_unreadable"] == len(texts)
-        assert counters["features.unreadable"] > 0 and counters["features.records_unreadable"] > 0
+            results = [client.infer("intents", t, version=version) for t in texts]
+        return results, _counters(server)
 
 
 # ---- the memory level and the stored form, without a server ----------------------------------------
