@@ -334,28 +334,37 @@ class WorkerCore:
         runs once: its output is also the semantic embedding when the encoder is the embedder), then a
         near-duplicate's answer if the policy trusts one, else the model."""
         feature = embedding = None
+        policy = runtime.spec.semantic if self.semantic is not None else None
         if isinstance(runtime, HeadRuntime):
-            ns = namespace(feature_tenant(item.tenant, runtime.spec.share_features), *runtime.source_key)
-            key = self.features.key(ns, item.ids)
-            if item.cached_ok and (found := self.features.get(ns, key)) is not None:
+            started = now_us()
+            source = runtime.source
+            ns = namespace(feature_tenant(item.tenant, runtime.spec.share_features), *source[:2])
+            key = self.features.key(ns, source, item.ids)
+            if item.cached_ok and (found := self.features.get(ns, source, key)) is not None:
                 feature, level = found
                 self.counters[f"{level}_hits"] += 1
                 try:
                     outputs = await runtime.batcher.submit(feature, deadline)
                 finally:
                     self.features.release(feature)
-                return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE)
-            embedding = (await runtime.source.batcher.submit(token_ids(item.ids), deadline))[runtime.ref.input]
-            feature = self.features.stored_form(ns, embedding)
-            if item.store:
-                self.features.put(ns, key, feature)
-        policy = runtime.spec.semantic if self.semantic is not None else None
+                # A host feature of the embedder's output joins the new version's semantic index too.
+                indexed = policy is not None and isinstance(feature, np.ndarray) and not item.embed_ids and \
+                    runtime.reads(self._embedder(policy), "embedding")
+                return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE,
+                                embedding=feature.astype(np.float32) if indexed else None,
+                                label=runtime.label(outputs) if indexed else "")
+            embedding = (await runtime.encoder_runtime.batcher.submit(token_ids(item.ids), deadline))[source[2]]
+            feature = self.features.stored_form(source, embedding)
+            if feature is None:  # out of the stored form's range: the head reads it as computed, not kept
+                feature = embedding
+            elif item.store:
+                self.features.put(ns, source, key, feature, started)
         neighbors: list[Neighbor] = []
         if policy is not None:
             overrides = item.semantic
             lookup = not overrides.HasField("enabled") or overrides.enabled
-            embedder = self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
-            if embedding is None or not runtime.reads(embedder, "embedding"):
+            embedder = self._embedder(policy)
+            if embedding is None or item.embed_ids or not runtime.reads(embedder, "embedding"):
                 embedding = None
                 if lookup or item.store:  # a stored result is indexed even when its request does not search
                     ids = token_ids(item.embed_ids or item.ids)
@@ -375,6 +384,9 @@ class WorkerCore:
         if self._explain(response, item, neighbors):
             payload = response.SerializeToString()
         return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label)
+
+    def _embedder(self, policy) -> ModelRuntime:
+        return self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
 
     def _matched(self, chosen: Neighbor, item: worker_pb2.ComputeItem, neighbors: list[Neighbor]) -> _Outcome | None:
         """The chosen neighbour's entry as a RESULT_SEMANTIC answer, if it is still fresh."""
@@ -415,15 +427,11 @@ class WorkerCore:
         return removed
 
     async def _invalidate_features(self, request: pb.InvalidateRequest) -> int:
-        """Encoder outputs of a tenant / encoder model / version: from this worker's memory and from the
-        host's feature store (every worker shares it: the first to get there counts what it held)."""
+        """Encoder outputs of a tenant / encoder model / version: from the host's feature store (every
+        worker shares it: the first to get there counts what it held) and this worker's memory."""
         if self.features is None:
             return 0
-        selector = feature_selector(_selector(request))
-        removed = self.features.purge(selector)
-        if self.features.writer is not None:
-            removed = await asyncio.wrap_future(self.features.writer.invalidate(selector))
-        return removed
+        return await self.features.invalidate(feature_selector(_selector(request)))
 
     def queue_waits(self):
         """(model, version, seconds to answer a new item) of each model version with a queue (admission

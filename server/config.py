@@ -64,8 +64,9 @@ class L2Section:
     """The feature tier (server/features.py): encoder outputs that head models read."""
 
     enabled: bool = True
-    device_fraction: float = 0.2       # GPU hosts: the memory LRU's cap, a share of the worker's GPU memory
-    memory_mb: int = 256               # CPU hosts: the memory LRU's cap in host memory
+    device_fraction: float = 0.2       # GPU hosts: the memory LRU's cap, a share of the GPU's memory (divided
+                                       # among the workers on it)
+    memory_mb: int = 256               # CPU hosts: the memory LRU's cap; every host: what its index may take
     dir: str = ""                      # the host's LMDB feature store; "" = <cache.dir>/features
     map_size_mb: int = 1024
     budget_mb: int = 768               # eviction keeps live features under this; must be below map_size_mb

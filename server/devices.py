@@ -65,6 +65,7 @@ class WorkerPlacement:
     index: int
     runtime: str
     gpu: str | None
+    sharing: int = 1  # workers on this worker's GPU, itself included (they share its memory)
 
     @property
     def device(self) -> str:
@@ -79,4 +80,7 @@ def plan_workers(requested_runtime: str, workers: int, gpus: list[str], per_gpu:
     runtime = resolve_runtime(requested_runtime, gpus)
     on_gpu = runtime in GPU_RUNTIMES and bool(gpus)
     count = workers or (len(gpus) * per_gpu if on_gpu else 1)
-    return [WorkerPlacement(i, runtime, gpus[i % len(gpus)] if on_gpu else None) for i in range(count)]
+    if not on_gpu:
+        return [WorkerPlacement(i, runtime, None) for i in range(count)]
+    return [WorkerPlacement(i, runtime, gpus[i % len(gpus)], len(range(i % len(gpus), count, len(gpus))))
+            for i in range(count)]

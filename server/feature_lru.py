@@ -9,10 +9,14 @@ lookups, inserts, evictions and purges all happen there.
 On a GPU nothing per row touches the device on the event loop:
 - a lookup returns the row's number (a DeviceRow) and pins it; the head's batch gathers all its rows in
   its own thread with one index_select per slab (`gather`), and the lookup's owner releases the pin when
-  the answer is made. A pinned row is neither evicted nor reused, so it cannot change under the gather;
+  the answer is made (or its caller went away: then only that caller's discarded answer could read a
+  reused row). A pinned row is neither evicted nor reused;
 - inserts are copied in together: rows wait in host memory until the loop's next iteration, or until a
-  lookup wants one of them, then go to the device in one copy per slab. Copies and gathers are queued on
-  the same CUDA stream in the order the loop made them, so a gather sees every write before it.
+  lookup wants one of them, then go to the device in one copy in and one index_copy_ per slab (on the
+  event loop: a copy from pageable memory waits for the stream). Copies and gathers are queued on the same
+  CUDA stream in the order the loop made them, so a gather sees every write before it.
+Each key belongs to a namespace (its first bytes are the namespace id, as in every cache key), so a purge
+touches only the namespaces it names.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from cachestore.keys import NS_ID_BYTES
 
 SLAB_BYTES = 16 << 20
 # torch's CUDA allocator counts a block of at most 1 MiB rounded up to 512 bytes, and a larger one rounded
@@ -57,7 +63,9 @@ class FeatureLRU:
         self.device = device  # None: numpy in host memory; else a torch device ("cuda")
         self.counters: Counter[str] = Counter()
         self._slabs: list = []  # appended to on the loop, read by gathers (a list append is atomic)
-        self._rows: OrderedDict[bytes, int] = OrderedDict()  # key -> row, least recently used first
+        self._rows: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (row, expires_us or 0),
+                                                                        # least recently used first
+        self._groups: dict[bytes, tuple[object, set[bytes]]] = {}  # namespace id -> (namespace, its keys)
         self._free: list[int] = []
         self._allocated = 0  # rows in slabs
         self._pins: Counter[int] = Counter()      # device rows that a head batch is about to read
@@ -75,10 +83,15 @@ class FeatureLRU:
     def __contains__(self, key: bytes) -> bool:
         return key in self._rows
 
-    def get(self, key: bytes):
-        """The key's feature or None: a copy (numpy) in host memory, a pinned DeviceRow on a GPU."""
-        row = self._rows.get(key)
-        if row is None:
+    def get(self, key: bytes, now_us: int):
+        """The key's feature or None (absent, or expired: then dropped): a copy (numpy) in host memory, a
+        pinned DeviceRow on a GPU."""
+        found = self._rows.get(key)
+        if found is None:
+            return None
+        row, expires = found
+        if expires and now_us >= expires:
+            self._drop(key)
             return None
         self._rows.move_to_end(key)
         if self.device is None:
@@ -98,9 +111,10 @@ class FeatureLRU:
                 self._orphans.discard(row)
                 self._free.append(row)
 
-    def put(self, key: bytes, vector: np.ndarray) -> None:
-        """Keeps `vector` (this LRU's dtype and dim) under `key`, evicting the least recently used row
-        when full. A key already held only becomes the most recently used (its feature is the same)."""
+    def put(self, key: bytes, vector: np.ndarray, ns, expires_us: int = 0) -> None:
+        """Keeps `vector` (this LRU's dtype and dim) under `key` (which begins with `ns`'s id, as every
+        cache key does) until `expires_us` (0: no expiry), evicting the least recently used row when
+        full. A key already held only becomes the most recently used (its feature is the same)."""
         if key in self._rows:
             self._rows.move_to_end(key)
             return
@@ -118,7 +132,8 @@ class FeatureLRU:
                     asyncio.get_running_loop().call_soon(self.flush)
                 except RuntimeError:  # no loop (a tool, a test): at once
                     self.flush()
-        self._rows[key] = row
+        self._rows[key] = (row, expires_us)
+        self._groups.setdefault(key[:NS_ID_BYTES], (ns, set()))[1].add(key)
 
     def flush(self) -> None:
         """Copies the waiting rows to the device: one host-to-device copy, one index_copy_ per slab."""
@@ -128,11 +143,19 @@ class FeatureLRU:
         import torch
 
         rows = np.fromiter(self._pending, dtype=np.int64, count=len(self._pending))
-        order, slabs, offsets, spans = self._by_slab(rows)
-        values = torch.from_numpy(np.stack([self._pending[int(r)] for r in rows[order]])).to(self.device)
-        index = torch.from_numpy(offsets).to(self.device)
-        for slab, start, end in spans:
-            self._slabs[slab].index_copy_(0, index[start:end], values[start:end])
+        try:
+            order, slabs, offsets, spans = self._by_slab(rows)
+            values = torch.from_numpy(np.stack([self._pending[int(r)] for r in rows[order]])).to(self.device)
+            index = torch.from_numpy(offsets).to(self.device)
+            for slab, start, end in spans:
+                self._slabs[slab].index_copy_(0, index[start:end], values[start:end])
+        except Exception:  # (a device out of memory, ...) those rows are not kept: later lookups miss
+            waiting = set(self._pending)
+            for key in [key for key, (row, _) in self._rows.items() if row in waiting]:
+                self._drop(key)
+            self.counters["copy_errors"] += 1
+            self._pending.clear()
+            raise
         self._pending.clear()
 
     def gather(self, handles: list[DeviceRow]):
@@ -162,19 +185,30 @@ class FeatureLRU:
         starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])
         return order, grouped, offsets, [(int(grouped[a]), int(a), int(b)) for a, b in zip(starts, ends)]
 
-    def purge(self, doomed: Callable[[bytes], bool]) -> int:
-        """Drops every key for which doomed(key) is true; their rows are free again (a pinned one once
-        its reader releases it)."""
-        keys = [key for key in self._rows if doomed(key)]
+    def purge(self, doomed: Callable[[object], bool]) -> int:
+        """Drops the features of every namespace for which doomed(namespace) is true; their rows are free
+        again (a pinned one once its reader releases it). Touches only the namespaces' own keys."""
+        keys = [key for ns, members in self._groups.values() if doomed(ns) for key in members]
         for key in keys:
-            row = self._rows.pop(key)
-            self._pending.pop(row, None)
-            if row in self._pins:
-                self._orphans.add(row)
-            else:
-                self._free.append(row)
+            self._drop(key)
         self.counters["purged"] += len(keys)
         return len(keys)
+
+    def _drop(self, key: bytes) -> None:
+        row, _ = self._rows.pop(key)
+        self._ungroup(key)
+        self._pending.pop(row, None)
+        if row in self._pins:
+            self._orphans.add(row)
+        else:
+            self._free.append(row)
+
+    def _ungroup(self, key: bytes) -> None:
+        group = self._groups.get(key[:NS_ID_BYTES])
+        if group is not None:
+            group[1].discard(key)
+            if not group[1]:
+                del self._groups[key[:NS_ID_BYTES]]
 
     def _row(self) -> int | None:
         if self._free:
@@ -186,12 +220,13 @@ class FeatureLRU:
             self._allocated += rows
             return self._free.pop()
         for _ in range(len(self._rows)):  # the least recently used row nobody is reading
-            key, row = self._rows.popitem(last=False)
+            key, (row, expires) = self._rows.popitem(last=False)
             if row not in self._pins:
+                self._ungroup(key)
                 self._pending.pop(row, None)
                 self.counters["evicted"] += 1
                 return row
-            self._rows[key] = row  # pinned: it stays, as the most recently used
+            self._rows[key] = (row, expires)  # pinned: it stays, as the most recently used
         return None  # a cap below one row, or every row being read: not kept
 
     def _new_slab(self, rows: int):

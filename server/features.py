@@ -1,14 +1,14 @@
 """The feature tier (L2): encoder outputs that head models read, kept so that a miss runs only the head.
 
-A feature is keyed by what decides it: the encoder model and version, and the token ids the encoder
-runs on (the frontend's tokenization of the normalized text, truncated as the model is), namespaced by
+A feature is keyed by what decides it: the encoder model, version and output, and the token ids the
+encoder runs on (the frontend's tokenization of the normalized text, truncated as the model is), namespaced by
 tenant ("t:<tenant>") unless the head model's config shares features across tenants ("*"). So a new head
 version (new labels, same encoder) finds every feature its predecessor computed, and a new encoder
 version finds none of the old ones.
 
 Two levels, looked up in order:
-- memory: an LRU on the worker's GPU (`features.device_fraction` of its memory), or in host memory on a
-  CPU host (`features.memory_mb`): server/feature_lru.py;
+- memory: an LRU on the worker's GPU (`l2.device_fraction` of the GPU's memory, shared by the workers on
+  it), or in host memory on a CPU host (`l2.memory_mb`): server/feature_lru.py;
 - the host's LMDB feature store (`<cache.dir>/features`, its own TTL and byte budget, written behind by
   the same WriteBehind as the result store, shared by every worker of the host, surviving restarts).
 A level that fails (a corrupt or unsealable record, an unreadable store) is a miss.
@@ -20,6 +20,7 @@ answer see the same input. The event loop is the only user of this object.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import Counter
@@ -83,66 +84,74 @@ def decode(payload: bytes, dim: int) -> np.ndarray:
     return np.frombuffer(payload, dtype=dtype, offset=2)
 
 
-class _Encoder:
-    """What the tier keeps per encoder version: its stored form and its memory level."""
+INDEX_BYTES_PER_ROW = 200  # host memory a memory-LRU row costs in its index (key, OrderedDict entry, group)
+FENCE_S = 600              # a computation older than an Invalidate(features) may not store its feature
 
-    def __init__(self, dim: int, dtype: np.dtype, lru: FeatureLRU) -> None:
+
+class _Encoder:
+    """What the tier keeps per encoder output that heads read: its stored form and its memory level."""
+
+    def __init__(self, dim: int, dtype: np.dtype) -> None:
         self.dim = dim
         self.dtype = dtype
-        self.lru = lru
+        self.lru: FeatureLRU | None = None
+
+
+Source = tuple[str, str, str]  # (encoder model, version, output): what a head reads
 
 
 class FeatureTier:
-    def __init__(self, writer: WriteBehind | None, *, ttl_s: int, memory_bytes: int, device: str | None) -> None:
+    def __init__(self, writer: WriteBehind | None, *, ttl_s: int, memory_bytes: int, index_bytes: int,
+                 device: str | None) -> None:
+        """memory_bytes: the memory level's cap (device memory on a GPU host); index_bytes: the host memory
+        its index may take (which bounds the rows too, at INDEX_BYTES_PER_ROW each)."""
         self.writer = writer
         self.store = ResultCache(writer.store) if writer is not None else None
         self.ttl_us = ttl_s * 1_000_000
         self.memory_bytes = memory_bytes
+        self.index_bytes = index_bytes
         self.device = device  # torch device of the memory level, None = host memory
         self.counters: Counter[str] = Counter()
-        self._encoders: dict[tuple[str, str], _Encoder] = {}
-        self._namespaces: dict[bytes, Namespace] = {}  # ns_id -> namespace, of features seen (purges)
+        self._encoders: dict[Source, _Encoder] = {}
+        self._fences: list[tuple[Selector, int]] = []  # Invalidate(features) selectors and when
 
-    def add_encoder(self, model: str, version: str, samples: np.ndarray) -> None:
-        """Called once per encoder version that heads read, with some of its outputs (the stored form is
-        chosen from them). The memory cap is shared equally by the encoders."""
-        dtype = storage_dtype(samples)
-        self._encoders[(model, version)] = _Encoder(samples.shape[1], dtype, None)  # type: ignore[arg-type]
-        share = self.memory_bytes // len(self._encoders)
-        for encoder in self._encoders.values():  # few encoders: re-made at start, before any feature
-            encoder.lru = FeatureLRU(encoder.dim, encoder.dtype.name, share, self.device)
-        log.info("feature tier: %s/%s stored as %s, %d rows in %s memory per encoder", model, version,
-                 dtype.name, share // (encoder.dim * dtype.itemsize), self.device or "host")
+    def add_encoder(self, source: Source, samples: np.ndarray) -> None:
+        """Called once per encoder output that heads read, with some of its values (the stored form is
+        chosen from them), before any lookup. The caps are shared equally by the encoder outputs."""
+        self._encoders[source] = _Encoder(samples.shape[1], storage_dtype(samples))
+        share, rows = self.memory_bytes // len(self._encoders), self.index_bytes // INDEX_BYTES_PER_ROW // len(self._encoders)
+        for encoder in self._encoders.values():
+            encoder.lru = FeatureLRU(encoder.dim, encoder.dtype.name, min(share, rows * encoder.dim * encoder.dtype.itemsize),
+                                     self.device)
+        added = self._encoders[source]
+        log.info("feature tier: %s stored as %s, up to %d rows in %s memory", "/".join(source), added.dtype.name,
+                 added.lru.capacity, self.device or "host")
 
-    def dtype(self, model: str, version: str) -> np.dtype:
-        return self._encoders[(model, version)].dtype
+    @staticmethod
+    def key(ns: Namespace, source: Source, ids: bytes) -> bytes:
+        return feature_key(ns.ns_id, source[2].encode() + b"\0" + ids)
 
-    def key(self, ns: Namespace, ids: bytes) -> bytes:
-        ns_id = ns.ns_id
-        self._namespaces.setdefault(ns_id, ns)
-        return feature_key(ns_id, ids)
-
-    def get(self, ns: Namespace, key: bytes):
+    def get(self, ns: Namespace, source: Source, key: bytes):
         """(feature, level) with level "l2_device" (the memory LRU) or "l2_host" (LMDB), or None. A device
-        LRU's feature is a pinned DeviceRow: pass it to `release` once the head has run on it."""
-        encoder = self._encoders[(ns.model, ns.version)]
-        found = encoder.lru.get(key)
+        LRU's feature is a pinned DeviceRow: pass it to `release` once the head has run on it. A level
+        that fails is a miss (counted)."""
+        encoder = self._encoders[source]
+        now = now_us()
+        try:
+            found = encoder.lru.get(key, now)
+        except Exception as exc:  # noqa: BLE001 (a device error: the memory level is skipped, not the request)
+            found = self._failed("memory_errors", exc)
         if found is not None:
             return found, "l2_device"
-        if self.store is None:
-            return None
-        record = self.store.get(key, now_us())
-        if record is None:
+        if self.store is None or (record := self.store.get(key, now)) is None:
             return None
         try:
             vector = decode(record.payload, encoder.dim)
         except CorruptRecord as exc:
-            self.counters["unreadable"] += 1
-            log.warning("feature record %s unreadable, recomputing: %s", key.hex(), exc)
-            return None
+            return self._failed("unreadable", exc)
         if vector.dtype != encoder.dtype:  # stored by a worker that chose the other form
             vector = vector.astype(encoder.dtype)
-        encoder.lru.put(key, vector)
+        self._remember(encoder, ns, key, vector, record.created_us)
         return vector, "l2_host"
 
     @staticmethod
@@ -151,26 +160,44 @@ class FeatureTier:
         if isinstance(feature, DeviceRow):
             feature.lru.release(feature)
 
-    def stored_form(self, ns: Namespace, feature: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(feature, dtype=self._encoders[(ns.model, ns.version)].dtype)
+    def stored_form(self, source: Source, feature: np.ndarray) -> np.ndarray | None:
+        """The feature as it is stored and as the head reads it; None when it does not fit that form (an
+        output out of FP16's range): the head then reads it as computed, and it is not kept."""
+        stored = np.ascontiguousarray(feature, dtype=self._encoders[source].dtype)
+        return stored if np.isfinite(stored).all() else None
 
-    def put(self, ns: Namespace, key: bytes, vector: np.ndarray) -> None:
-        """Keeps a computed feature (in its stored form) in memory and writes it behind to LMDB."""
-        self._encoders[(ns.model, ns.version)].lru.put(key, vector)
+    def put(self, ns: Namespace, source: Source, key: bytes, vector: np.ndarray, created_us: int) -> None:
+        """Keeps a feature in its stored form, computed by a flight that started at `created_us`, in
+        memory and behind in LMDB; not when an Invalidate(features) covering it came after that start."""
+        if any(created_us < at and selector.matches(ns) for selector, at in self._fences):
+            self.counters["fenced"] += 1
+            return
+        self._remember(self._encoders[source], ns, key, vector, created_us)
         if self.writer is not None:
-            created = now_us()
-            self.writer.put(key, ns, records.Record(created, created + self.ttl_us if self.ttl_us else 0,
-                                                    encode(vector)))
+            expires = created_us + self.ttl_us if self.ttl_us else 0
+            self.writer.put(key, ns, records.Record(created_us, expires, encode(vector)))
 
-    def purge(self, selector: Selector) -> int:
-        """Drops from memory the features a (feature) selector names; the caller purges LMDB."""
-        def doomed(key: bytes) -> bool:
-            if selector.key is not None:
-                return key == selector.key
-            ns = self._namespaces.get(key[:NS_ID_BYTES])
-            return ns is not None and selector.matches(ns)
+    def _remember(self, encoder: _Encoder, ns: Namespace, key: bytes, vector: np.ndarray, created_us: int) -> None:
+        try:
+            encoder.lru.put(key, vector, ns, created_us + self.ttl_us if self.ttl_us else 0)
+        except Exception as exc:  # noqa: BLE001 (kept in LMDB all the same)
+            self._failed("memory_errors", exc)
 
-        return sum(encoder.lru.purge(doomed) for encoder in self._encoders.values())
+    def _failed(self, counter: str, exc: Exception) -> None:
+        self.counters[counter] += 1
+        log.warning("feature tier: %s (%s), served as a miss", counter.replace("_", " "), exc)
+        return None
+
+    async def invalidate(self, selector: Selector) -> int:
+        """Removes the features a (feature) selector names: from LMDB first, then from memory (a lookup
+        meanwhile would put an LMDB record back), and fences computations that started before."""
+        now = now_us()
+        self._fences = [(s, t) for s, t in self._fences if now - t < FENCE_S * 1_000_000] + [(selector, now)]
+        removed = 0
+        if self.writer is not None:
+            removed = await asyncio.wrap_future(self.writer.invalidate(selector))
+        purged = sum(encoder.lru.purge(selector.matches) for encoder in self._encoders.values())
+        return removed if self.writer is not None else purged
 
     def stats(self) -> Counter[str]:
         out = Counter(self.counters)

@@ -102,7 +102,7 @@ class HeadRuntime(ModelRuntime):
         self.spec = spec
         self.version = version
         self.ref = ref
-        self.source = encoder  # the encoder's runtime: its batcher computes the features
+        self.encoder_runtime = encoder  # its batcher computes the features
         self.engine = _TorchHead(weight, bias, device) if device else _NumpyHead(weight, bias)
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=f"head on {ref.encoder}/{ref.encoder_version}",
                                   precision="fp32", device=device or "cpu")
@@ -117,20 +117,17 @@ class HeadRuntime(ModelRuntime):
         )
 
     @property
-    def source_key(self) -> tuple[str, str]:
-        """(model, version) of the encoder: the namespace of its features."""
-        return self.ref.encoder, self.ref.encoder_version
+    def source(self) -> tuple[str, str, str]:
+        """(encoder model, version, output): what this head reads (server/features.py Source)."""
+        return self.ref.encoder, self.ref.encoder_version, self.ref.input
 
     def reads(self, runtime: ModelRuntime, output: str) -> bool:
         """Whether this head reads `output` of that model version (its features are then that output)."""
-        return (runtime.spec.name, runtime.version, output) == (*self.source_key, self.ref.input)
+        return (runtime.spec.name, runtime.version, output) == self.source
 
     def _run_batch(self, features: list) -> list[dict[str, np.ndarray]]:
         scores = self.engine.run(features)
         return [{"scores": row} for row in scores]
-
-    def output_dim(self, name: str) -> int:
-        return int(self.engine.weight.shape[1])
 
     def warmup(self) -> None:
         started = time.perf_counter()

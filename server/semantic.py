@@ -105,7 +105,9 @@ class SemanticTier:
 
     @property
     def counters(self) -> Counter[str]:
-        return self._lookups + self._index_counters
+        merged = Counter(self._lookups)
+        merged.update(self._index_counters)  # (not `+`: that drops zeros such as rebuild_ms=0)
+        return merged
 
     # ---- called from the event loop -----------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from cachestore import integrity
 from cachestore.env import DIR_MODE
 from server import devices, frontend, process, worker
-from server.config import Config
+from server.config import Config, feature_store_settings
 
 log = logging.getLogger("infercache.supervisor")
 
@@ -97,8 +97,12 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGHUP, self._on_reload)
         started = time.monotonic()
-        # Before any child maps the store: a truncated data file would kill them with SIGBUS.
+        # Before any child maps the stores: a truncated data file would kill them with SIGBUS.
         integrity.quarantine_if_damaged(Path(self.config.cache.dir))
+        try:  # (inside cache.dir by default: when that is not a folder, the workers serve without it)
+            integrity.quarantine_if_damaged(feature_store_settings(self.config).path)
+        except OSError as exc:
+            log.error("feature store not checked: %s", exc)
         # All at once: frontends answer L1 hits without the worker, so a warm pod serves hits while the
         # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
         for child in (*self.workers, *self.frontends):

@@ -142,46 +142,65 @@ _SAMPLES = ("how do i reset my card pin", "My transfer hasn't arrived yet, what 
             "exchange between, and at which rate do you exchange them on weekends?")
 
 
-async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 gpu: bool) -> tuple[dict[tuple[str, str], HeadRuntime], FeatureTier | None]:
-    """A runtime for every head version whose encoder this worker serves, and the feature tier they
-    share (memory on the GPU when there is one, the LMDB store beside the result store)."""
-    device, memory = None, config.l2.memory_mb << 20
-    if gpu:
-        import torch  # the GPU runtimes have loaded it already
+def _feature_memory(config: Config, placement: WorkerPlacement) -> tuple[str | None, int]:
+    """Where the feature tier's memory level lives and its cap: this worker's share of l2.device_fraction
+    of its GPU when torch can reach it (a TensorRT-only host has no torch: host memory then), else
+    l2.memory_mb of host memory."""
+    if placement.gpu is not None:
+        try:
+            import torch
 
-        device, memory = "cuda", int(config.l2.device_fraction * torch.cuda.get_device_properties(0).total_memory)
-    heads: dict[tuple[str, str], HeadRuntime] = {}
-    samples: dict[tuple[str, str, str], np.ndarray] = {}  # encoder outputs heads read: some of them
+            if torch.cuda.is_available():
+                total = torch.cuda.get_device_properties(0).total_memory
+                return "cuda", int(config.l2.device_fraction * total / placement.sharing)
+        except ImportError:
+            log.info("no torch on this GPU host: the feature tier's memory level is in host memory")
+    return None, config.l2.memory_mb << 20
+
+
+async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
+                 placement: WorkerPlacement) -> tuple[dict[tuple[str, str], HeadRuntime], FeatureTier | None]:
+    """A runtime for every head version whose encoder this worker serves, and the feature tier they
+    share (memory on the GPU when there is one, the LMDB store beside the result store). A head that
+    cannot be served is logged and left out; the other models are served."""
+    found = []  # (spec, version, ref, encoder runtime)
+    samples: dict[tuple[str, str, str], np.ndarray] = {}  # encoder outputs heads read: some of their values
     for spec in repository.servable():
         for version in spec.versions:
-            if (ref := spec.head(version)) is None:
-                continue
-            encoder = runtimes.get((ref.encoder, ref.encoder_version))
             try:
+                if (ref := spec.head(version)) is None:
+                    continue
+                encoder = runtimes.get((ref.encoder, ref.encoder_version))
                 if encoder is None or ref.input not in encoder.spec.outputs:
                     raise ModelConfigError(f"its encoder {ref.encoder}/{ref.encoder_version} (output {ref.input!r}) "
                                            "is not served")
-                output = (ref.encoder, ref.encoder_version, ref.input)
-                if output not in samples:
-                    texts = [encoder.encoder.encode(text) for text in _SAMPLES]
-                    rows = await asyncio.to_thread(encoder._run_batch, texts)
-                    samples[output] = np.stack([row[ref.input] for row in rows])
-                heads[(spec.name, version)] = HeadRuntime(spec, version, ref, encoder, samples[output].shape[1],
-                                                          config, device)
-            except ModelConfigError as exc:
+                source = (ref.encoder, ref.encoder_version, ref.input)
+                if source not in samples:
+                    rows = await asyncio.to_thread(encoder._run_batch, [encoder.encoder.encode(t) for t in _SAMPLES])
+                    samples[source] = np.stack([np.asarray(row[ref.input]).reshape(-1) for row in rows])
+                found.append((spec, version, ref, encoder))
+            except (ModelConfigError, OSError, ValueError) as exc:
                 log.error("%s version %s not served: %s", spec.name, version, exc)
-    if not heads:
-        return heads, None
+    if not found:
+        return {}, None
+    device, memory = _feature_memory(config, placement)
+    heads: dict[tuple[str, str], HeadRuntime] = {}
+    for spec, version, ref, encoder in found:
+        try:
+            dim = samples[(ref.encoder, ref.encoder_version, ref.input)].shape[1]
+            heads[(spec.name, version)] = HeadRuntime(spec, version, ref, encoder, dim, config, device)
+        except (ModelConfigError, OSError, ValueError) as exc:
+            log.error("%s version %s not served: %s", spec.name, version, exc)
     writer = None
     if config.l2.enabled:
         writer = await asyncio.to_thread(_open_writer, config, feature_store_settings(config), "feature store (L2)")
     else:
         memory = 0
-    ttl_s = min(config.l2.ttl_s, config.cache.max_ttl_s) if config.cache.max_ttl_s else config.l2.ttl_s
-    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, device=device)
-    for (model, version, _), rows in samples.items():
-        tier.add_encoder(model, version, rows)
+    ttl_s = min((t for t in (config.l2.ttl_s, config.cache.max_ttl_s) if t), default=0)
+    index = (config.l2.memory_mb << 20) if config.l2.enabled else 0
+    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, index_bytes=index, device=device)
+    for source, rows in samples.items():
+        tier.add_encoder(source, rows)
     return heads, tier
 
 
@@ -213,7 +232,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config)
         await asyncio.to_thread(runtime.warmup)
     writer = await asyncio.to_thread(_open_writer, config)
-    heads, features = await _heads(config, repository, runtimes, placement.gpu is not None)
+    heads, features = await _heads(config, repository, runtimes, placement)
     for runtime in heads.values():
         await asyncio.to_thread(runtime.warmup)
     runtimes.update(heads)

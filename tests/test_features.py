@@ -17,11 +17,12 @@ import pytest
 from cachestore import records
 from cachestore.env import DB_RESULTS, Store
 from cachestore.errors import CorruptRecord
+from cachestore.keys import Namespace
 from infercache.testing import ServerProcess
 from server.batcher import Batcher
 from server.config import Config, feature_store_settings
 from server.feature_lru import DeviceRow, FeatureLRU
-from server.features import decode, encode, storage_dtype
+from server.features import FeatureTier, decode, encode, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, reseal_crc, unique
 
@@ -174,13 +175,16 @@ def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, versio
 
 # ---- the memory level and the stored form, without a server ----------------------------------------
 
-def _key(k: int) -> bytes:
-    return k.to_bytes(24, "big")
+NS_A, NS_B = Namespace("t:a", "minilm", "1"), Namespace("t:b", "minilm", "1")
 
 
-def _fill(lru: FeatureLRU, keys: range) -> None:
+def _key(k: int) -> bytes:  # namespace "a" below 1000, "b" from there: key = namespace id + number
+    return (NS_A if k < 1000 else NS_B).ns_id + k.to_bytes(16, "big")
+
+
+def _fill(lru: FeatureLRU, keys: range, expires_us: int = 0) -> None:
     for k in keys:
-        lru.put(_key(k), np.full(lru.dim, k % 1000, dtype=lru.dtype))
+        lru.put(_key(k), np.full(lru.dim, k % 1000, dtype=lru.dtype), NS_A if k < 1000 else NS_B, expires_us)
 
 
 def _value(lru: FeatureLRU, found) -> float:
@@ -192,28 +196,37 @@ def _value(lru: FeatureLRU, found) -> float:
     return float(found[0])
 
 
+def _get(lru: FeatureLRU, k: int, now_us: int = 1):
+    return lru.get(_key(k), now_us)
+
+
 def _check_lru(device: str | None) -> None:
     row = 384 * 2
     lru = FeatureLRU(384, "float16", 10 * row + row // 2, device)
     assert lru.capacity == 10
     _fill(lru, range(10))
-    assert _value(lru, lru.get(_key(0))) == 0.0  # 0 is now the most recently used
+    assert _value(lru, _get(lru, 0)) == 0.0  # 0 is now the most recently used
     _fill(lru, range(10, 15))                   # evicts 1..5, the least recently used
     held = [k for k in range(15) if _key(k) in lru]
     assert held == [0] + list(range(6, 15)) and len(lru) == 10 and lru.allocated_bytes <= 10 * row + row // 2
-    copy = lru.get(_key(14))                    # a host copy, or a pinned row: neither changes ...
+    copy = _get(lru, 14)                    # a host copy, or a pinned row: neither changes ...
     _fill(lru, range(100, 110))                 # ... while every other row is reused
     assert (_key(14) in lru) == bool(device)   # a pinned row is passed over; the next oldest goes instead
     assert _value(lru, copy) == 14.0 and lru.counters["evicted"] == 15
-    assert lru.purge(lambda key: int.from_bytes(key, "big") >= 105) == 5 and len(lru) == 5
+    _fill(lru, range(1000, 1005))               # namespace b: evicts 5 of a's
+    assert lru.purge(lambda ns: ns == NS_B) == 5 and len(lru) == 5
+    assert lru.counters["evicted"] == 20
     _fill(lru, range(200, 205))                 # purged rows are reused before any eviction
-    assert len(lru) == 10 and lru.counters["evicted"] == 15
-    assert [_value(lru, lru.get(_key(k))) for k in (101, 204)] == [101.0, 204.0]
+    assert len(lru) == 10 and lru.counters["evicted"] == 20
+    assert _value(lru, _get(lru, 204)) == 204.0
+    _fill(lru, range(300, 301), expires_us=5)   # an expired feature is a miss, and gone
+    assert _value(lru, _get(lru, 300, now_us=4)) == 300.0
+    assert _get(lru, 300, now_us=5) is None and len(lru) == 9
     assert FeatureLRU(384, "float16", row - 1, device).capacity == 0
     if device:  # a row purged while a head batch reads it is reused only after the read
-        pinned = lru.get(_key(200))
-        lru.purge(lambda key: key == _key(200))
-        _fill(lru, range(300, 301))
+        pinned = _get(lru, 200)
+        lru.purge(lambda ns: ns == NS_A)
+        _fill(lru, range(1000, 1010))
         assert _value(lru, pinned) == 200.0
 
 
@@ -234,7 +247,7 @@ def test_the_device_lru_gathers_rows_across_slabs_in_order():
     _fill(lru, range(lru.capacity))
     lru.flush()
     picks = np.random.default_rng(0).integers(0, lru.capacity, 64)
-    handles = [lru.get(_key(int(k))) for k in picks]
+    handles = [_get(lru, int(k)) for k in picks]
     assert len({h.row // lru.slab_rows for h in handles}) == 2
     assert np.array_equal(lru.gather(handles)[:, 0].numpy(), (picks % 1000).astype(np.float32))
 
@@ -251,7 +264,7 @@ def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
     lru.flush()
     assert len(lru) == lru.capacity and 0.9 * cap < lru.capacity * 768 <= cap
     assert torch.cuda.memory_allocated() - before <= cap
-    assert _value(lru, lru.get(_key(199_999))) == 999.0
+    assert _value(lru, _get(lru, 199_999)) == 999.0
 
 
 def test_the_head_gives_the_same_scores_on_torch_for_features_in_the_lru_and_on_the_host():
@@ -263,8 +276,8 @@ def test_the_head_gives_the_same_scores_on_torch_for_features_in_the_lru_and_on_
     rows = [rng.normal(size=384).astype(np.float16) for _ in range(5)]
     lru = FeatureLRU(384, "float16", 1 << 20, "cpu")
     for n in (1, 3):
-        lru.put(_key(n), rows[n])
-    mixed = [lru.get(_key(n)) if n in (1, 3) else r for n, r in enumerate(rows)]  # as the LRU and LMDB give them
+        lru.put(_key(n), rows[n], NS_A)
+    mixed = [_get(lru, n) if n in (1, 3) else r for n, r in enumerate(rows)]  # as the LRU and LMDB give them
     expected = _NumpyHead(weight, bias).run(rows)
     head = _TorchHead(weight, bias, "cpu")
     np.testing.assert_allclose(head.run(mixed), expected, rtol=1e-5, atol=1e-6)
@@ -292,6 +305,8 @@ def test_features_are_stored_in_fp16_only_when_the_encoder_output_survives_it():
     assert storage_dtype(np.vstack([unit, np.zeros((1, 384), np.float32)])) == np.float16
     half = unit[0].astype(np.float16)
     assert np.array_equal(decode(encode(half), 384), half)
+    ids = np.arange(5, dtype="<i4").tobytes()  # two outputs of one encoder never share a key
+    assert FeatureTier.key(NS_A, ("minilm", "1", "cls"), ids) != FeatureTier.key(NS_A, ("minilm", "1", "mean"), ids)
     for bad in (encode(half)[:-2], b"G" + encode(half)[1:], encode(unit[0])[:-4]):
         with pytest.raises(CorruptRecord):
             decode(bad, 384)

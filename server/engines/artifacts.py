@@ -13,7 +13,7 @@ from cachestore.engines import ArtifactKey, EngineStore, Loaded
 from server.config import Config
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
 from server.devices import RUNTIMES, resolve_runtime, visible_gpus
-from server.models import ModelRepository, ModelSpec
+from server.models import ModelConfigError, ModelRepository, ModelSpec
 
 log = logging.getLogger("infercache.engines")
 
@@ -88,7 +88,11 @@ def load_engines(config: Config, repository: ModelRepository, counters: Counter,
     engines = {}
     for spec in repository.servable():
         for version in spec.versions:
-            if spec.head(version) is not None:
+            try:
+                if spec.head(version) is not None:
+                    continue
+            except ModelConfigError as exc:  # a malformed head.json: that version is not served
+                log.error("%s version %s not served: %s", spec.name, version, exc)
                 continue
             started = time.monotonic()
             chosen = runtime
