@@ -196,16 +196,18 @@ def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, 
 async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats: int) -> dict:
     import torch
 
+    from cachestore.keys import Namespace
     from server.feature_lru import FeatureLRU
     from server.heads import _TorchHead
 
     lru = FeatureLRU(dim, "float16", 2 * entries * dim * 2, "cuda")  # room for all (slabs round down)
     rng = np.random.default_rng(0)
-    keys = [i.to_bytes(24, "big") for i in range(entries)]
+    ns = Namespace("t:bench", "minilm", "1")
+    keys = [ns.ns_id + i.to_bytes(16, "big") for i in range(entries)]
     vectors = rng.standard_normal((entries, dim)).astype(np.float16)
     for start in range(0, entries, 1000):
         for i in range(start, min(entries, start + 1000)):
-            lru.put(keys[i], vectors[i])
+            lru.put(keys[i], vectors[i], ns)
         lru.flush()
     head = _TorchHead(rng.standard_normal((dim, classes)).astype(np.float32), np.zeros(classes, np.float32), "cuda")
     picks = rng.integers(0, entries, size=(repeats, batch))
@@ -223,7 +225,7 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
         return round(statistics.median(samples) * 1e6, 1)
 
     def looked_up(row):
-        return [lru.get(keys[i]) for i in row]
+        return [lru.get(keys[i], 1) for i in row]
 
     def released(handles) -> None:
         for handle in handles:
@@ -233,7 +235,7 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
 
     def insert(row) -> None:
         for _ in row:
-            lru.put(next(fresh).to_bytes(24, "big"), vectors[0])
+            lru.put(ns.ns_id + next(fresh).to_bytes(16, "big"), vectors[0], ns)
         lru.flush()
 
     def gathered(row) -> None:
