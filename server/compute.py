@@ -3,7 +3,8 @@
 Items arrive already normalized, keyed and tokenized. For each, on the event loop and without
 awaiting: join the identical computation in flight (coalescing), else answer from L1 if the entry was
 committed since the frontend looked, else start one computation: straight into the model's batcher, or,
-for a model with semantic matching, the embed -> search -> match-or-compute coroutine. When it finishes,
+for a head model or a model with semantic matching, the `_answer` coroutine (the head's features from the
+feature tier or the encoder; embed -> search -> match; else the model or head). When it finishes,
 every waiter gets its answer through its frontend's connection, then the result is written behind.
 A joiner shares the first item's deadline and policy (as before this worker core existed). A flight stays
 joinable until its entry is committed, so a request that missed L1 meanwhile joins it instead of
