@@ -348,12 +348,10 @@ class WorkerCore:
                     outputs = await runtime.batcher.submit(feature, deadline)
                 finally:
                     self.features.release(feature)
-                # A host feature of the embedder's output joins the new version's semantic index too.
-                indexed = policy is not None and isinstance(feature, np.ndarray) and not item.embed_ids and \
-                    runtime.reads(self._embedder(policy), "embedding")
-                return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE,
-                                embedding=feature.astype(np.float32) if indexed else None,
-                                label=runtime.label(outputs) if indexed else "")
+                # Not indexed for semantic matching: when the encoder is the embedder, a near-duplicate
+                # runs it anyway to search, so a semantic hit would save only the head; indexing every
+                # answer of a version bump doubled its cost (bench/l2.py: 3.8 s vs 1.7 s for 9,972 texts).
+                return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE)
             embedding = (await runtime.encoder_runtime.batcher.submit(token_ids(item.ids), deadline))[source[2]]
             feature = self.features.stored_form(source, embedding)
             if feature is None:  # out of the stored form's range: the head reads it as computed, not kept

@@ -80,10 +80,6 @@ class ModelRuntime:
             response.classification.probability = float(scores[best])
         return response
 
-    def label(self, outputs: dict[str, np.ndarray]) -> str:
-        """A classification's label ("" for other tasks)."""
-        return self.labels[int(np.argmax(outputs["scores"]))] if self.labels else ""
-
     def payload(self, outputs: dict[str, np.ndarray], key: bytes) -> bytes:
         """The serialized InferResponse of a computed result (what is replied and stored)."""
         if self._templated:
