@@ -144,7 +144,7 @@ class FeatureLRU:
 
         rows = np.fromiter(self._pending, dtype=np.int64, count=len(self._pending))
         try:
-            order, slabs, offsets, spans = self._by_slab(rows)
+            order, offsets, spans = self._by_slab(rows)
             values = torch.from_numpy(np.stack([self._pending[int(r)] for r in rows[order]])).to(self.device)
             index = torch.from_numpy(offsets).to(self.device)
             for slab, start, end in spans:
@@ -164,7 +164,7 @@ class FeatureLRU:
         import torch
 
         rows = np.fromiter((h.row for h in handles), dtype=np.int64, count=len(handles))
-        order, slabs, offsets, spans = self._by_slab(rows)
+        order, offsets, spans = self._by_slab(rows)
         if len(spans) == 1:  # one slab: the rows in their own order
             return self._slabs[spans[0][0]].index_select(0, torch.from_numpy(rows - spans[0][0] * self.slab_rows)
                                                          .to(self.device))
@@ -175,15 +175,15 @@ class FeatureLRU:
         return torch.cat(parts).index_select(0, index[len(rows):])
 
     def _by_slab(self, rows: np.ndarray):
-        """rows grouped by slab: (the order that groups them, their slabs and offsets in that order, and
-        (slab, start, end) of each group)."""
+        """rows grouped by slab: (the order that groups them, their offsets in that order, and (slab,
+        start, end) of each group)."""
         slabs = rows // self.slab_rows
         order = np.argsort(slabs, kind="stable")
         grouped = slabs[order]
         offsets = rows[order] - grouped * self.slab_rows
         cuts = np.flatnonzero(np.diff(grouped)) + 1
         starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])
-        return order, grouped, offsets, [(int(grouped[a]), int(a), int(b)) for a, b in zip(starts, ends)]
+        return order, offsets, [(int(grouped[a]), int(a), int(b)) for a, b in zip(starts, ends)]
 
     def purge(self, doomed: Callable[[object], bool]) -> int:
         """Drops the features of every namespace for which doomed(namespace) is true; their rows are free

@@ -54,11 +54,6 @@ def feature_selector(selector: Selector) -> Selector:
     return Selector(tenant=tenant, model=selector.model, version=selector.version, key=selector.key)
 
 
-def feature_key(ns_id: bytes, ids: bytes) -> bytes:
-    digest = hashlib.blake2b(ns_id + ids, digest_size=KEY_BYTES - NS_ID_BYTES, person=b"icache-feat")
-    return ns_id + digest.digest()
-
-
 def storage_dtype(samples: np.ndarray) -> np.dtype:
     """FP16 when every sample row survives it (finite, cosine >= 0.999 with the FP32 row), else FP32."""
     samples = np.asarray(samples, dtype=np.float32)
@@ -129,7 +124,10 @@ class FeatureTier:
 
     @staticmethod
     def key(ns: Namespace, source: Source, ids: bytes) -> bytes:
-        return feature_key(ns.ns_id, source[2].encode() + b"\0" + ids)
+        """ns_id + blake2b(ns_id, the output's name, the token ids): namespaced like every cache key."""
+        ns_id = ns.ns_id
+        material = ns_id + source[2].encode() + b"\0" + ids
+        return ns_id + hashlib.blake2b(material, digest_size=KEY_BYTES - NS_ID_BYTES, person=b"icache-feat").digest()
 
     def get(self, ns: Namespace, source: Source, key: bytes):
         """(feature, level) with level "l2_device" (the memory LRU) or "l2_host" (LMDB), or None. A device
@@ -174,12 +172,14 @@ class FeatureTier:
             return
         self._remember(self._encoders[source], ns, key, vector, created_us)
         if self.writer is not None:
-            expires = created_us + self.ttl_us if self.ttl_us else 0
-            self.writer.put(key, ns, records.Record(created_us, expires, encode(vector)))
+            self.writer.put(key, ns, records.Record(created_us, self._expires(created_us), encode(vector)))
+
+    def _expires(self, created_us: int) -> int:
+        return created_us + self.ttl_us if self.ttl_us else 0
 
     def _remember(self, encoder: _Encoder, ns: Namespace, key: bytes, vector: np.ndarray, created_us: int) -> None:
         try:
-            encoder.lru.put(key, vector, ns, created_us + self.ttl_us if self.ttl_us else 0)
+            encoder.lru.put(key, vector, ns, self._expires(created_us))
         except Exception as exc:  # noqa: BLE001 (kept in LMDB all the same)
             self._failed("memory_errors", exc)
 

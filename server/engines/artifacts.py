@@ -69,6 +69,19 @@ def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str,
     )
 
 
+def engine_versions(spec: ModelSpec) -> list[str]:
+    """The versions that need an engine: not heads (they run on their encoder's), and not a version whose
+    head.json is malformed (logged: it is not served)."""
+    out = []
+    for version in spec.versions:
+        try:
+            if spec.head(version) is None:
+                out.append(version)
+        except ModelConfigError as exc:
+            log.error("%s version %s not served: %s", spec.name, version, exc)
+    return out
+
+
 @dataclass(frozen=True)
 class LoadedEngine:
     engine: Engine
@@ -79,21 +92,15 @@ class LoadedEngine:
 
 def load_engines(config: Config, repository: ModelRepository, counters: Counter, runtime_name: str, *,
                  threads: int) -> dict[tuple[str, str], LoadedEngine]:
-    """An engine for every servable model version but heads (they run on their encoder's engine), from
-    the L3 store (built there if missing). A model version the runtime cannot serve (a GPU runtime and a model without its source form) runs on
-    ONNX Runtime instead, with a warning."""
+    """An engine for every servable model version with one of its own (engine_versions), from the L3
+    store (built there if missing). A model version the runtime cannot serve (a GPU runtime and a model
+    without its source form) runs on ONNX Runtime instead, with a warning."""
     store = EngineStore(Path(config.engines.dir))
     runtime = get_runtime(runtime_name)
     fallback: Runtime | None = None
     engines = {}
     for spec in repository.servable():
-        for version in spec.versions:
-            try:
-                if spec.head(version) is not None:
-                    continue
-            except ModelConfigError as exc:  # a malformed head.json: that version is not served
-                log.error("%s version %s not served: %s", spec.name, version, exc)
-                continue
+        for version in engine_versions(spec):
             started = time.monotonic()
             chosen = runtime
             reason = runtime.cannot_serve(spec.version_dir(version))

@@ -12,7 +12,7 @@ from pathlib import Path
 from cachestore.engines import EngineStore, Manifest
 from server.config import Config
 from server.devices import GPU_RUNTIMES
-from server.engines.artifacts import artifact_key, get_runtime, prepare
+from server.engines.artifacts import artifact_key, engine_versions, get_runtime, prepare
 from server.engines.base import EngineBuildError, RuntimeUnavailable
 from server.errors import ModelNotFound
 from server.models import ModelRepository
@@ -35,8 +35,7 @@ def build(config: Config, *, model: str | None, force: bool) -> int:
     except ModelNotFound as exc:
         _say(f"infercache: {exc}")
         return 2
-    # A head version has no engine of its own: it runs on its encoder's.
-    jobs = [(spec, version) for spec in specs for version in spec.versions if spec.head(version) is None]
+    jobs = [(spec, version) for spec in specs for version in engine_versions(spec)]
     if not jobs:
         _say("infercache: no model files to build (run `infercache prepare-model`)")
         return 2
