@@ -31,14 +31,17 @@ model: $(MODEL)
 run: setup
 	$(VENV)/bin/infercache serve $(ARGS)
 
-# Debian packages the tests and benchmarks run for real: redis-server (the fleet tier). Installed when
+# Debian packages the tests and benchmarks run for real: redis-server (the fleet tier) and prometheus
+# (with promtool: /metrics scraped by a real Prometheus, the alert rules' unit tests). Installed when
 # missing and this is root (CI); elsewhere it says what to install, and those tests skip saying why.
+SYSTEM_DEPS := redis-server:redis-server redis-cli:redis-server prometheus:prometheus promtool:prometheus
 system-deps:
-	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
+	@missing=$$(for dep in $(SYSTEM_DEPS); do command -v $${dep%%:*} >/dev/null || echo $${dep#*:}; done | sort -u); \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing redis-server (fleet tier tests)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
-	  else echo "redis-server missing: sudo apt-get install redis-server (the fleet tier tests skip without it)"; fi; }
+	    echo "installing" $$missing; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "missing: sudo apt-get install" $$missing "(the tests that need them skip)"; fi; fi
 
 test: setup system-deps
 	$(PY) -m pytest -q $(ARGS)

@@ -43,6 +43,9 @@ class ResultCache:
         self._ring = store.ring
         self.counters: Counter[str] = Counter()  # written by the thread that reads (the event loop)
         self._warn_at = 0.0
+        # Why the latest `get` found nothing: not_cached, expired, too_old (older than max_age_us) or
+        # store_error (/metrics miss reasons; set on the miss path only, read right after by the caller).
+        self.missed_because = ""
 
     def _unreadable(self, key: bytes, exc: Exception) -> None:
         self.counters["records_unsealable" if isinstance(exc, Unsealable) else "records_unreadable"] += 1
@@ -65,11 +68,17 @@ class ResultCache:
                     record = None if raw is None else records.decode(raw, key, self._ring)
         except CorruptRecord as exc:
             self._unreadable(key, exc)
+            self.missed_because = "store_error"
             return None
         except lmdb.Error as exc:
             log.warning("result cache read failed, serving a miss: %s", exc)
+            self.missed_because = "store_error"
             return None
-        if record is None or not record.is_fresh(now, max_age_us):
+        if record is None:
+            self.missed_because = "not_cached"
+            return None
+        if not record.is_fresh(now, max_age_us):
+            self.missed_because = "expired" if record.expires_us and now >= record.expires_us else "too_old"
             return None
         return record
 

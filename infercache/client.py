@@ -97,6 +97,11 @@ class Client:
         response = self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self.metadata)
         return list(response.models)
 
+    def hot_keys(self, model: str, limit: int = 0) -> list[pb.HotKey]:
+        """The model's hottest keys, most requested first (an admin token when tokens are on)."""
+        request = pb.GetHotKeysRequest(model=model, limit=limit)
+        return list(self.stub.GetHotKeys(request, timeout=self.timeout_s, metadata=self.metadata).keys)
+
     def close(self) -> None:
         self.channel.close()
 

@@ -20,7 +20,7 @@ DEFAULT_VERSION = "1"
 
 _FLAGS = (("host", "server.host"), ("port", "server.port"), ("frontends", "server.frontends"),
           ("models_dir", "server.models_dir"), ("cache_dir", "cache.dir"), ("engines_dir", "engines.dir"),
-          ("runtime", "engines.runtime"))
+          ("runtime", "engines.runtime"), ("metrics_port", "server.metrics_port"))
 
 
 def _config(args: argparse.Namespace):
@@ -83,6 +83,20 @@ def _engines(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
+    if args.cache_command in ("warm", "hot"):
+        from server.tools import warm
+
+        if not args.model:
+            print(f"infercache: cache {args.cache_command} needs --model", file=sys.stderr)
+            return 2
+        token = os.environ.get("INFERCACHE_TOKEN") or None
+        if args.cache_command == "hot":
+            return warm.run_hot(args.address, args.model, limit=args.limit, texts=args.texts, token=token)
+        if not args.file:
+            print("infercache: cache warm needs a FILE of texts (one per line, or a CSV with --column)", file=sys.stderr)
+            return 2
+        return warm.run_warm(args.address, args.model, Path(args.file), column=args.column, batch=args.batch,
+                             version=args.model_version, tenant=args.tenant, token=token)
     from server.tools import cache_cli
 
     config = _config(args)
@@ -136,6 +150,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     serve.add_argument("--port", type=int)
     serve.add_argument("--frontends", type=int, help="frontend processes (0 = one per CPU)")
     serve.add_argument("--cache-dir")
+    serve.add_argument("--metrics-port", type=int,
+                       help="serve Prometheus metrics on GET /metrics at this port (server.metrics_port; 0 = off)")
     serve.set_defaults(func=_serve)
 
     engines = commands.add_parser("engines", help="the L3 engine store: build, list, verify, prune")
@@ -151,10 +167,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--force", action="store_true", help="export even if the files exist")
     prepare.set_defaults(func=_prepare_model)
 
-    cache = commands.add_parser("cache", help="the result store: stats per namespace, LMDB reader table")
-    cache.add_argument("cache_command", choices=("stats", "readers"))
+    cache = commands.add_parser(
+        "cache", help="the result store: stats per namespace, LMDB reader table; warm a server, its hot keys",
+        epilog="warm and hot talk to a running server (--address); an auth token is read from $INFERCACHE_TOKEN")
+    cache.add_argument("cache_command", choices=("stats", "readers", "warm", "hot"))
+    cache.add_argument("file", nargs="?", help="warm: texts, one per line, or a CSV file (see --column)")
     _add_config_options(cache)
     cache.add_argument("--cache-dir")
+    cache.add_argument("--model", help="warm, hot: the model")
+    cache.add_argument("--address", default="127.0.0.1:50051", help="warm, hot: the server")
+    cache.add_argument("--column", help="warm: the CSV column of the texts (default: text)")
+    cache.add_argument("--batch", type=int, default=32, help="warm: texts per InferBatch call")
+    cache.add_argument("--tenant", default="", help="warm: the tenant to warm for")
+    cache.add_argument("--model-version", default="", help="warm: the model version (default: its serving one)")
+    cache.add_argument("--limit", type=int, default=20, help="hot: how many keys")
+    cache.add_argument("--texts", action="store_true", help="hot: print the texts only (a warm file)")
     cache.set_defaults(func=_cache)
 
     head = commands.add_parser("train-head", help="train a classification head on an encoder from a labelled CSV")

@@ -78,6 +78,11 @@ class Batcher:
         self._last_batch_s = 0.0            # the latest batch's duration
         self._started: dict[asyncio.Task, float] = {}  # running batches -> loop time they started
         self.counters: Counter[str] = Counter()
+        # For /metrics (server/worker_metrics.py): launches by size, engine seconds, and each bucket's
+        # recent engine seconds per text (what a hit of that bucket saves).
+        self.sizes: Counter[int] = Counter()
+        self.seconds = 0.0
+        self.text_s: dict[int, float] = {}
         self._incoming: deque[_Request] = deque()
         self._pending: dict[int, deque[_Request]] = {b: deque() for b in buckets}
         self._waiting = 0                   # admitted, not yet cut into a batch
@@ -267,6 +272,11 @@ class Batcher:
                     request.future.set_result(result)
             self.counters["batches"] += 1
             self.counters["batched_requests"] += len(batch)
+            self.sizes[len(batch)] += 1
+            self.seconds += took
+            per_text, bucket = took / len(batch), batch[0].bucket
+            known = self.text_s.get(bucket)
+            self.text_s[bucket] = per_text if known is None else known + DURATION_WEIGHT * (per_text - known)
         except Exception as exc:
             log.exception("engine batch of %d failed", len(batch))
             self.counters["batch_errors"] += 1

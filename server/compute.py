@@ -43,6 +43,7 @@ from server.features import FeatureTier, feature_selector, feature_tenant
 from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime
 from server.models import ModelRepository
+from server.telemetry import Recorder
 
 log = logging.getLogger("infercache.compute")
 
@@ -54,7 +55,7 @@ class Replies(Protocol):
 
     waiting: dict[int, "_Flight"]
 
-    def ok(self, item_id: int, source: int, payload: bytes) -> None: ...
+    def ok(self, item_id: int, source: int, payload: bytes, rejected: bool = False) -> None: ...
 
     def fail(self, item_id: int, exc: BaseException) -> None: ...
 
@@ -69,6 +70,7 @@ class _Outcome:
     embedding: np.ndarray | None = None       # the query's embedding (semantic models)
     label: str = ""
     matched: records.Record | None = None     # a stored record this answer came from (RESULT_SEMANTIC, RESULT_FLEET)
+    rejected: bool = False                    # computed although a semantic search found neighbours
 
 
 class _Flight:
@@ -118,6 +120,7 @@ class WorkerCore:
         self.features = features  # L2 (server/features.py); every head model has one
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
+        self.metrics: Recorder | None = None  # /metrics on (server/worker_metrics.py)
         self._inflight: dict[bytes, _Flight] = {}
         # Flights whose entries the writer committed, handed over from its thread: one wake-up of the
         # loop per batch of them, not one per entry (call_soon_threadsafe writes to a pipe each time).
@@ -287,7 +290,7 @@ class WorkerCore:
     def _reply(self, replies: Replies, item_id: int, outcome: _Outcome, joined: bool) -> None:
         replies.waiting.pop(item_id, None)
         source = Source.COALESCED if joined and outcome.source == Source.MISS else outcome.source
-        replies.ok(item_id, source, outcome.payload)
+        replies.ok(item_id, source, outcome.payload, outcome.rejected)
 
     def _store(self, flight: _Flight, outcome: _Outcome) -> None:
         item = flight.item
@@ -370,6 +373,9 @@ class WorkerCore:
                     embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
             if embedding is not None and lookup:
                 neighbors = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
+                if neighbors and self.metrics is not None:
+                    self.metrics.observe(("infercache_semantic_nearest_similarity", runtime.spec.name),
+                                         neighbors[0].similarity)
                 floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
                 chosen = policy.decide(neighbors, floor) if item.cached_ok else None
                 if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
@@ -382,7 +388,8 @@ class WorkerCore:
         payload = stored
         if self._explain(response, item, neighbors):
             payload = response.SerializeToString()
-        return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label)
+        return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
+                        rejected=bool(neighbors))
 
     def _embedder(self, policy) -> ModelRuntime:
         return self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)

@@ -45,6 +45,9 @@ class ServerSection:
     max_batch_texts: int = 256         # most texts in one InferBatch call
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     log_level: str = "INFO"
+    metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (nothing recorded)
+    metrics_host: str = "127.0.0.1"    # its bind address (0.0.0.0 for a scraper outside the pod)
+    hot_keys: int = 256                # hottest keys tracked per model and frontend (GetHotKeys); 0 = off
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,12 @@ def _loopback(host: str) -> bool:
 def validate(config: Config) -> None:
     if not 0 < config.server.port < 65536:
         raise ConfigError(f"server.port must be 1..65535, got {config.server.port}")
+    if not 0 <= config.server.metrics_port <= 65535:
+        raise ConfigError(f"server.metrics_port must be within 0..65535 (0 = off), got {config.server.metrics_port}")
+    if config.server.metrics_port and config.server.metrics_port == config.server.port:
+        raise ConfigError("server.metrics_port must differ from server.port")
+    if config.server.hot_keys < 0:
+        raise ConfigError("server.hot_keys must be >= 0 (0 = off)")
     if config.server.frontends < 0:
         raise ConfigError("server.frontends must be >= 0 (0 = one per CPU)")
     if config.server.workers < 0:

@@ -9,6 +9,7 @@ workers only batch, launch and write behind. Frontends never write the store.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import logging
 import os
@@ -30,11 +31,14 @@ from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, entry_key, namesp
 from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from server import metrics, process
+from server import metrics, process, telemetry
 from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
 from server.config import Config, store_settings
-from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable, grpc_errors, lenient,
-                           parsed, quoted)
+from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
+                           grpc_errors, lenient, parsed, quoted, status_of)
+from server.frontend_metrics import SAVING, FrontendMetrics, Source
+from server import hot_keys
+from server.hot_keys import HotKeys
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
 from server.tokenization import TextEncoder
@@ -48,6 +52,7 @@ _ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per reques
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
+HOT_KEYS_SHOWN = 20  # GetHotKeys without a limit
 PLANS_KEPT = 1024  # plans of distinct (model, version, tenant, mode) kept; past it they start over
 # Identifiers a client sends; longer ones are INVALID_ARGUMENT (they become store rows and cached strings).
 LIMITS = {"tenant": 256, "model": 128, "version": 64, "key": 2 * KEY_BYTES}
@@ -76,6 +81,11 @@ class _Served:
     def route(self, key: bytes) -> int:
         return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
 
+    def encoder_bucket(self, tokens: int) -> int:
+        """The sequence-length bucket (the worker's batcher's) of a text of `tokens` tokens."""
+        buckets = self.spec.buckets
+        return buckets[min(bisect.bisect_left(buckets, tokens), len(buckets) - 1)]
+
 
 @dataclass(slots=True)
 class _Plan:
@@ -95,12 +105,15 @@ class FrontendCore:
     """Transport-free request handling: validation, normalization, keys, L1, tokenizing and sending misses."""
 
     def __init__(self, config: Config, repository: ModelRepository, workers: WorkerPool, counters: Counter,
-                 fleet=None) -> None:
+                 fleet=None, metrics: FrontendMetrics | None = None, hot: HotKeys | None = None) -> None:
         self.config = config
         self.repository = repository
         self.workers = workers
         self.counters = counters  # the process's counters, written on its event loop only
         self.fleet = fleet        # server/fleet/tier.py FleetTier (lookups only), or None
+        self.metrics = metrics    # /metrics figures (server/frontend_metrics.py), None when it is off
+        self.hot = hot            # the hottest keys (server/hot_keys.py), None when server.hot_keys is 0
+        self.hot_published = None  # () -> every frontend's published hot keys (set by _serve)
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
         self._cache_warn_at = 0.0
@@ -202,6 +215,37 @@ class FrontendCore:
                 return answer
         return None
 
+    def _why_missed(self, plan: _Plan, private: bool) -> str:
+        """Why _hit (just now) found no answer: a miss reason of /metrics."""
+        if not plan.cached_ok:
+            return "bypass"
+        if private:
+            return "no_store"
+        if self._cache is None:
+            return "store_error"
+        reason = self._cache.missed_because
+        if reason == "too_old" and plan.max_age_us >= plan.served.spec.ttl_s * 1_000_000:
+            return "expired"  # the model's TTL cut it (lowered since it was stored), not the request
+        return reason
+
+    def _seen(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]]) -> None:
+        """The call's keys into the hot-key sketch (texts where the model keeps them)."""
+        served = plan.served
+        keep = served.spec.hot_key_text
+        for text, key, private in keyed:
+            if not private:
+                self.hot.add(served.spec.name, served.version, key, text if keep else "")
+
+    def _counted(self, sources: list, plan: _Plan, keyed: tuple[str, bytes, bool], source: int,
+                 reason: str | None = None, rejected: bool = False) -> None:
+        """One answered text into /metrics: its source, and a hit's model time saved or a miss's reason."""
+        sources.append(source)
+        served = plan.served
+        if source in SAVING:
+            self.metrics.hit(served.spec.name, served.version, len(keyed[0]))
+        elif source == Source.MISS:
+            self.metrics.missed(served.spec.name, "semantic_rejected" if rejected else reason)
+
     async def _fleet_hit(self, plan: _Plan, key: bytes, private: bool) -> bytes | None:
         """A fresh entry of the fleet tier as the answer, its copy sent to the key's worker for L1; or
         None (and the worker need not look again)."""
@@ -217,12 +261,15 @@ class FrontendCore:
                 _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw))
         return record.payload + wire.cache_info(pb.CacheInfo.RESULT_FLEET, record.age_s(now_us()))
 
-    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], fleet_looked: bool = False
-               ) -> list[tuple[int, object]]:
-        """(route, fill) for each missed (text, key, private): token ids here, in this process."""
+    def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], fleet_looked: bool = False,
+               lengths: list | None = None) -> list[tuple[int, object]]:
+        """(route, fill) for each missed (text, key, private): token ids here, in this process. With
+        `lengths`, each text's token count is appended to it."""
         served = plan.served
         texts = [text for text, _, _ in keyed]
         ids = served.encoder.encode_batch(texts) if len(texts) > 1 else [served.encoder.encode(texts[0])]
+        if lengths is not None:
+            lengths.extend(len(one) for one in ids)
         embed_ids = served.embed_encoder.encode_batch(texts) if served.embed_encoder is not None else None
         spec, version = served.spec, served.version
 
@@ -245,32 +292,52 @@ class FrontendCore:
         """A worker's answer as sent: its serialized response marked with how it was answered."""
         return result.response + wire.cache_info(result.source)
 
-    async def infer(self, request: pb.InferRequest, time_remaining: float | None) -> bytes:
-        """The serialized InferResponse (answers leave as bytes: cachestore/wire.py)."""
+    def _tokenized(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], lengths: list[int]) -> None:
+        served = plan.served
+        for (text, _, _), tokens in zip(keyed, lengths):
+            self.metrics.tokenized(served.spec.name, served.version, len(text), served.encoder_bucket(tokens))
+
+    async def infer(self, request: pb.InferRequest, time_remaining: float | None, sources: list | None = None
+                    ) -> bytes:
+        """The serialized InferResponse (answers leave as bytes: cachestore/wire.py). With `sources`
+        (/metrics on), the answer's source is appended to it."""
         plan = self._plan(request)
         keyed = self._keyed(request.tenant, plan.served, request.text)
+        if self.hot is not None:
+            self._seen(plan, [keyed])
         if (hit := self._hit(plan, keyed[1], keyed[2])) is not None:
+            if sources is not None:
+                self._counted(sources, plan, keyed, Source.RESULT_EXACT)
             return hit
+        reason = self._why_missed(plan, keyed[2]) if sources is not None else None
         looked = self.fleet is not None and self.fleet.usable
         if looked and (hit := await self._fleet_hit(plan, keyed[1], keyed[2])) is not None:
+            if sources is not None:
+                self._counted(sources, plan, keyed, Source.RESULT_FLEET)
             return hit
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
         self.workers.admit(plan.served.spec.name, plan.served.version, (plan.served.route(keyed[1]),), time_remaining)
         self.counters["forwarded"] += 1
-        [result] = await self.workers.compute(self._items(plan, [keyed], looked), time_remaining)
+        lengths = [] if sources is not None else None
+        items = self._items(plan, [keyed], looked, lengths)
+        [result] = await self.workers.compute(items, time_remaining)
+        if sources is not None:
+            self._tokenized(plan, [keyed], lengths)
+            self._counted(sources, plan, keyed, result.source, reason, result.semantic_rejected)
         return self._answer(result)
 
-    async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None) -> bytes:
-        """The serialized InferBatchResponse."""
+    async def infer_batch(self, request: pb.InferBatchRequest, time_remaining: float | None,
+                          sources: list | None = None) -> bytes:
+        """The serialized InferBatchResponse. With `sources`, each text's source is appended to it."""
         plan = self._plan(request)
         limit = self.config.server.max_batch_texts
         if not request.texts:
             raise InvalidArgument("texts is empty; send at least one text")
         if len(request.texts) > limit:
             raise InvalidArgument(f"texts has {len(request.texts)} items; at most {limit} per call (server.max_batch_texts)")
-        keyed, answers, missed = [], [], []
+        keyed, answers, missed, reasons = [], [], [], {}
         for n, text in enumerate(request.texts):
             try:
                 keyed.append(self._keyed(request.tenant, plan.served, text))
@@ -279,6 +346,10 @@ class FrontendCore:
             answers.append(self._hit(plan, keyed[-1][1], keyed[-1][2]))
             if answers[-1] is None:
                 missed.append(n)
+                if sources is not None:
+                    reasons[n] = self._why_missed(plan, keyed[-1][2])
+        if self.hot is not None:
+            self._seen(plan, keyed)
         self.counters["batch_calls"] += 1
         self.counters["batch_texts"] += len(keyed)
         looked = bool(missed) and self.fleet is not None and self.fleet.usable
@@ -291,7 +362,7 @@ class FrontendCore:
             self.counters["not_cached"] += len(missed)
             raise NotCached(f"texts[{missed[0]}]: no fresh cached entry ({len(missed)} of {len(keyed)} texts have "
                             "none; cache.mode is ONLY_IF_CACHED)")
-        results = []
+        results, lengths = [], [] if sources is not None else None
         if missed:
             miss_keyed = [keyed[n] for n in missed]
             served = plan.served
@@ -299,12 +370,25 @@ class FrontendCore:
                                time_remaining)
             self.counters["forwarded"] += len(missed)
             if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
-                items = await asyncio.to_thread(self._items, plan, miss_keyed, looked)
+                items = await asyncio.to_thread(self._items, plan, miss_keyed, looked, lengths)
             else:
-                items = self._items(plan, miss_keyed, looked)
+                items = self._items(plan, miss_keyed, looked, lengths)
             results = await self.workers.compute(items, time_remaining)
+            if sources is not None:
+                self._tokenized(plan, miss_keyed, lengths)
+        if sources is not None:
+            self._count_batch(sources, plan, keyed, answers, dict(zip(missed, results)), reasons)
         computed = iter(results)
         return wire.batch_response([self._answer(next(computed)) if answer is None else answer for answer in answers])
+
+    def _count_batch(self, sources: list, plan: _Plan, keyed: list, answers: list, results: dict, reasons: dict
+                     ) -> None:
+        for n, answer in enumerate(answers):
+            if n in results:
+                result = results[n]
+                self._counted(sources, plan, keyed[n], result.source, reasons[n], result.semantic_rejected)
+            else:  # answered here: L1, or the fleet tier for a text L1 missed
+                self._counted(sources, plan, keyed[n], Source.RESULT_FLEET if n in reasons else Source.RESULT_EXACT)
 
     async def invalidate(self, request: pb.InvalidateRequest, time_remaining: float | None) -> pb.InvalidateResponse:
         if not (request.model or request.version or request.tenant or request.match_empty_tenant
@@ -367,6 +451,20 @@ class FrontendCore:
             response.store.CopyFrom(pb.StoreStats(**cache.store.stats()))
         return response
 
+    async def hot_keys(self, request: pb.GetHotKeysRequest) -> pb.GetHotKeysResponse:
+        """The model's hottest keys over every frontend: this one's sketch as it is now, the others' as
+        they last published it."""
+        check_identifiers(request)
+        spec = self.repository.get(request.model)
+        if self.hot is None:
+            raise InvalidArgument("hot keys are not tracked (server.hot_keys is 0)")
+        limit = min(request.limit or HOT_KEYS_SHOWN, self.hot.capacity)
+        others = await asyncio.to_thread(self.hot_published) if self.hot_published is not None else []
+        tops = [self.hot.top(spec.name)] + [published.get(spec.name, []) for published in others]
+        return pb.GetHotKeysResponse(keys=[
+            pb.HotKey(key=key, count=count, error=error, version=version, text=text)
+            for key, count, error, version, text in hot_keys.combine(tops, limit)])
+
     async def list_models(self) -> pb.ListModelsResponse:
         engines: dict[str, list[pb.EngineInfo]] = {}
         for stats in await self._worker_stats():
@@ -403,12 +501,28 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     @grpc_errors
     async def Infer(self, request, context):
         self._admit(request, context, CLIENT)
-        return await self.core.infer(request, context.time_remaining())
+        if self.core.metrics is None:
+            return await self.core.infer(request, context.time_remaining())
+        return await self._measured(self.core.infer, request, context, 1)
 
     @grpc_errors
     async def InferBatch(self, request, context):
         self._admit(request, context, CLIENT)
-        return await self.core.infer_batch(request, context.time_remaining())
+        if self.core.metrics is None:
+            return await self.core.infer_batch(request, context.time_remaining())
+        return await self._measured(self.core.infer_batch, request, context, len(request.texts))
+
+    async def _measured(self, call, request, context, texts: int) -> bytes:
+        """A call with /metrics on: its texts by source and status code, and its latency."""
+        metrics, started, sources = self.core.metrics, time.perf_counter(), []
+        try:
+            answer = await call(request, context.time_remaining(), sources)
+        except BaseException as exc:
+            code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_of(exc)[0].name
+            metrics.failed(metrics.model_label(request.model), texts, code, time.perf_counter() - started)
+            raise
+        metrics.answered(request.model, sources, time.perf_counter() - started)
+        return answer
 
     @grpc_errors
     async def Invalidate(self, request, context):
@@ -424,6 +538,11 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     async def ListModels(self, request, context):
         self._admit(request, context, CLIENT)
         return await self.core.list_models()
+
+    @grpc_errors
+    async def GetHotKeys(self, request, context):
+        self._admit(request, context, ADMIN)
+        return await self.core.hot_keys(request)
 
 
 def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes) -> None:
@@ -471,7 +590,45 @@ def listen(server: grpc.aio.Server, address: str, tls: tuple[bytes, bytes, bytes
     return server.add_secure_port(address, credentials)
 
 
-async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event) -> None:
+class _Published:
+    """This frontend's figures (/metrics and hot keys) out, the other processes' in, through the
+    snapshot files of server/telemetry.py."""
+
+    def __init__(self, core: FrontendCore, directory: Path, index: int) -> None:
+        self.core = core
+        self.directory = directory
+        self.path = telemetry.snapshot_path(directory, "frontend", index)
+        self.base = telemetry.predecessor(self.path)  # a restarted frontend continues its counters
+        if core.hot is not None:                        # and its hot keys
+            core.hot.adopt((telemetry.read_snapshot(self.path) or {}).get("hot") or {})
+
+    def snapshot(self) -> dict:
+        core = self.core
+        recorded = self.base.plus(core.metrics.recorder) if core.metrics is not None else telemetry.Recorder()
+        return recorded.snapshot(hot=core.hot.published() if core.hot is not None else {})
+
+    def others(self, role: str) -> list[dict]:
+        found = [telemetry.read_snapshot(path) for path in sorted(self.directory.glob(f"{role}-*.json"))
+                 if path != self.path]
+        return [snapshot for snapshot in found if snapshot is not None]
+
+    def hot_keys(self) -> list[dict]:
+        return [snapshot.get("hot") or {} for snapshot in self.others("frontend")]
+
+    async def settle(self) -> None:
+        """Hits counted since the last publish into model time saved, at the workers' latest times."""
+        if self.core.metrics is None:
+            return
+        means = {}
+        for snapshot in await asyncio.to_thread(self.others, "worker"):
+            for name, times in (snapshot.get("means") or {}).items():
+                model, _, version = name.partition(telemetry.MEANS_SEP)
+                means[(model, version)] = {int(bucket): float(s) for bucket, s in times.items()}
+        self.core.metrics.settle(means)
+
+
+async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,
+                 metrics_dir: Path | None = None) -> None:
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
@@ -482,8 +639,16 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         from server.fleet import tier
 
         fleet = tier.start(config)
-    core = FrontendCore(config, repository, workers, counters, fleet)
+    metrics = FrontendMetrics(repository.models) if config.server.metrics_port else None
+    hot = HotKeys(config.server.hot_keys) if config.server.hot_keys else None
+    core = FrontendCore(config, repository, workers, counters, fleet, metrics, hot)
     core.l1()
+    publisher = published = None
+    if metrics_dir is not None and (metrics is not None or hot is not None):
+        published = _Published(core, metrics_dir, index)
+        core.hot_published = published.hot_keys
+        publisher = asyncio.get_running_loop().create_task(
+            telemetry.publish_forever(published.path, published.snapshot, published.settle))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     gate = Gate(config.secrets.tokens)
     add_servicer(FrontendServicer(core, gate), server)
@@ -525,13 +690,18 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     await workers.close()
     if fleet is not None:
         await fleet.close()
+    if publisher is not None:
+        publisher.cancel()
+        await published.settle()
+        await asyncio.to_thread(telemetry.write_snapshot, published.path, published.snapshot())
     log.info("frontend stopped")
 
 
-def main(config: Config, index: int, socket_paths: list[str], ready) -> None:
+def main(config: Config, index: int, socket_paths: list[str], ready, metrics_dir: str | None = None) -> None:
     """Entry point of a spawned frontend process."""
     # The frontends are the parallelism: each tokenizes on its own thread, not on a pool per process.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload that arrives before the loop's handler is not an exit
     process.setup_logging(config.server.log_level, f"frontend-{index}")
-    process.run(lambda stop: _serve(config, index, [Path(p) for p in socket_paths], ready, stop))
+    process.run(lambda stop: _serve(config, index, [Path(p) for p in socket_paths], ready, stop,
+                                    Path(metrics_dir) if metrics_dir else None))

@@ -106,6 +106,7 @@ class HeadRuntime(ModelRuntime):
         self.engine = _TorchHead(weight, bias, device) if device else _NumpyHead(weight, bias)
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=f"head on {ref.encoder}/{ref.encoder_version}",
                                   precision="fp32", device=device or "cpu")
+        self.built_s, self.warmup_s = 0.0, 0.0  # nothing to build: weights
         self.encoder = encoder.encoder
         self.labels = json.loads((directory / LABELS_FILE).read_text()) if spec.task == "classification" else []
         self._template = None

@@ -54,6 +54,8 @@ class ModelRuntime:
         self.engine = loaded.engine
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=loaded.runtime,
                                   precision=loaded.precision, device=loaded.device)
+        self.built_s = loaded.built_s  # building its engine at start took this long (0: loaded)
+        self.warmup_s = 0.0            # set by the worker once warmed up
         # Frontends tokenize requests; the worker needs the tokenizer only for its warmup batches.
         self.encoder = TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
         labels_path = spec.version_dir(version) / LABELS_FILE

@@ -55,6 +55,7 @@ class ModelSpec:
     pii: str = "off"                  # privacy.pii: redact (placeholders before keying), no_store, off
     share_features: bool = False      # l2.share_across_tenants: a head model's encoder outputs (L2)
                                       # are keyed without the tenant (the text alone decides them)
+    hot_key_text: bool = False        # hot_keys.keep_text: GetHotKeys shows the hottest keys' texts
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -136,6 +137,7 @@ def load_model(root: Path) -> ModelSpec:
             semantic=policy_from_config(data.get("semantic")),
             pii=str((data.get("privacy") or {}).get("pii", "off")),
             share_features=bool((data.get("l2") or {}).get("share_across_tenants", False)),
+            hot_key_text=bool((data.get("hot_keys") or {}).get("keep_text", False)),
         )
     except (ModelConfigError, ValueError) as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None

@@ -109,6 +109,10 @@ class SemanticTier:
         merged.update(self._index_counters)  # (not `+`: that drops zeros such as rebuild_ms=0)
         return merged
 
+    def entries(self) -> int:
+        """Rows in every namespace's index (read from any thread: sizes of dicts only)."""
+        return sum(len(index.rows) for index in list(self._indexes.values()))
+
     # ---- called from the event loop -----------------------------------------------------------------
 
     def start(self) -> asyncio.Future:

@@ -61,12 +61,22 @@ class Supervisor:
                                                config.server.workers_per_gpu)
         cpu_workers = sum(1 for p in self.placements if p.gpu is None)
         sockets = [str(socket_dir / f"worker-{p.index}.sock") for p in self.placements]
-        self.workers = [_Child("worker", p.index, worker.main, (config, p, cpu_workers, sockets[p.index], self.ready))
+        # The children's published figures (server/telemetry.py): /metrics and hot keys. Emptied here:
+        # counters start at zero with each run of the server.
+        self.metrics_dir = socket_dir / "metrics"
+        self.metrics_dir.mkdir(mode=DIR_MODE, exist_ok=True)
+        for stale in self.metrics_dir.iterdir():
+            stale.unlink()
+        figures = str(self.metrics_dir)
+        self.workers = [_Child("worker", p.index, worker.main,
+                               (config, p, cpu_workers, sockets[p.index], self.ready, figures))
                         for p in self.placements]
         self.frontends = [
-            _Child("frontend", i, frontend.main, (config, i, sockets, self.ready))
+            _Child("frontend", i, frontend.main, (config, i, sockets, self.ready, figures))
             for i in range(config.frontend_count)
         ]
+        self.restarts = {"worker": 0, "frontend": 0}  # this process's figures for /metrics
+        self._metrics_server = None
         self._stopping = False
         self._reload = False
 
@@ -103,6 +113,16 @@ class Supervisor:
             integrity.quarantine_if_damaged(feature_store_settings(self.config).path)
         except OSError as exc:
             log.error("feature store not checked: %s", exc)
+        if self.config.server.metrics_port:
+            from server import metrics_http  # prometheus_client: only when /metrics is on
+
+            try:
+                self._metrics_server = metrics_http.serve(self.config.server.metrics_host,
+                                                          self.config.server.metrics_port, self.metrics_dir,
+                                                          self._own_figures)
+            except OSError as exc:
+                raise SystemExit(f"infercache: cannot serve /metrics on {self.config.server.metrics_host}:"
+                                 f"{self.config.server.metrics_port}: {exc}") from None
         # All at once: frontends answer L1 hits without the worker, so a warm pod serves hits while the
         # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
         for child in (*self.workers, *self.frontends):
@@ -121,6 +141,8 @@ class Supervisor:
             f"{server.models_dir}, cache in {self.config.cache.dir})",
             flush=True,
         )
+        if self._metrics_server is not None:
+            print(f"infercache: metrics on http://{server.metrics_host}:{server.metrics_port}/metrics", flush=True)
         print(f"infercache: ready in {time.monotonic() - started:.1f} s", flush=True)
         while not self._stopping:
             self._watch()
@@ -164,10 +186,21 @@ class Supervisor:
                 continue
             lived = now - child.started
             child.failures = 0 if lived > STABLE_AFTER_S else child.failures + 1
+            self.restarts[child.role] += 1
             delay = min(MAX_BACKOFF_S, 0.1 * 2 ** child.failures) if child.failures else 0.0
             log.error("%s (pid %d) exited with code %s after %.1f s; restarting in %.1f s",
                       child.name, child.process.pid, child.process.exitcode, lived, delay)
             child.restart_at = now + delay
+
+    def _own_figures(self) -> dict:
+        """The supervisor's /metrics figures, as a snapshot (called on the metrics server's thread:
+        reads only)."""
+        live = {"worker": 0, "frontend": 0}
+        for child in (*self.workers, *self.frontends):
+            if child.process is not None and child.process.is_alive():
+                live[child.role] += 1
+        return {"counters": [["infercache_process_restarts_total", [role], n] for role, n in self.restarts.items()],
+                "gauges": [["infercache_processes", [role], n] for role, n in live.items()]}
 
     def _stop(self, children: list[_Child]) -> None:
         live = [c.process for c in children if c.process is not None and c.process.is_alive()]
@@ -186,6 +219,8 @@ class Supervisor:
         log.info("draining")
         self._stop(self.frontends)
         self._stop(self.workers)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self._remove_temporary_sockets()
         print("infercache: stopped", flush=True)
         return 0

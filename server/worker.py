@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from cachestore.errors import StoreError
 from cachestore.writer import WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server import metrics, process
+from server import metrics, process, telemetry
 from server.compute import WorkerCore
 from server.config import Config, feature_store_settings, store_settings
 from server.devices import WorkerPlacement
@@ -34,6 +35,7 @@ from server.features import FeatureTier
 from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime
 from server.models import ModelConfigError, ModelRepository
+from server.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("infercache.worker")
 
@@ -68,8 +70,8 @@ class _Connection:
         for item_id in list(self.waiting):  # the frontend went away: nobody reads these answers
             self.core.cancel(self, item_id)
 
-    def ok(self, item_id: int, source: int, payload: bytes) -> None:
-        self.protocol.out.results.add(id=item_id, response=payload, source=source)
+    def ok(self, item_id: int, source: int, payload: bytes, rejected: bool = False) -> None:
+        self.protocol.out.results.add(id=item_id, response=payload, source=source, semantic_rejected=rejected)
         self.protocol.flush_soon()
 
     def fail(self, item_id: int, exc: BaseException) -> None:
@@ -221,8 +223,25 @@ def _engine_threads(config: Config, cpu_workers: int) -> int:
     return config.server.engine_threads or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
 
+async def _warm(runtime: ModelRuntime) -> None:
+    started = time.monotonic()
+    await asyncio.to_thread(runtime.warmup)
+    runtime.warmup_s = time.monotonic() - started
+
+
+def _publish(core: WorkerCore, placement: WorkerPlacement, metrics_dir: Path | None):
+    """(task publishing this worker's /metrics figures, final write) when /metrics is on; else (None, None)."""
+    if metrics_dir is None:
+        return None, None
+    path = telemetry.snapshot_path(metrics_dir, "worker", placement.index)
+    figures = WorkerMetrics(core, placement, telemetry.predecessor(path))
+    task = asyncio.get_running_loop().create_task(
+        telemetry.publish_forever(path, figures.snapshot, figures.refresh_store_gauges))
+    return task, lambda: telemetry.write_snapshot(path, figures.snapshot())
+
+
 async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: Path, ready,
-                 stop: asyncio.Event) -> None:
+                 stop: asyncio.Event, metrics_dir: Path | None) -> None:
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     engine_counters: Counter[str] = Counter()
     engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
@@ -230,15 +249,16 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     runtimes = {}
     for (name, version), loaded in engines.items():
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config)
-        await asyncio.to_thread(runtime.warmup)
+        await _warm(runtime)
     writer = await asyncio.to_thread(_open_writer, config)
-    heads, features = await _heads(config, repository, runtimes, placement)
+    heads, features = await _heads(config, repository, runtimes, placement)  # runs the warm encoders
     for runtime in heads.values():
-        await asyncio.to_thread(runtime.warmup)
+        await _warm(runtime)
     runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features)
     core.counters.update(engine_counters)
+    publisher, publish_last = _publish(core, placement, metrics_dir if config.server.metrics_port else None)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
     items_path = items_socket(socket_path)
@@ -275,13 +295,18 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await asyncio.to_thread(features.writer.close)
     if tier is not None:
         await tier.close()
+    if publisher is not None:
+        publisher.cancel()
+        await asyncio.to_thread(publish_last)
     log.info("worker stopped")
 
 
-def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: str, ready) -> None:
+def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: str, ready,
+         metrics_dir: str | None = None) -> None:
     """Entry point of a spawned worker process."""
     if placement.gpu is not None:
         # Before anything imports torch or CUDA: this process sees its own GPU only, as device 0.
         os.environ["CUDA_VISIBLE_DEVICES"] = placement.gpu
     process.setup_logging(config.server.log_level, f"worker-{placement.index}")
-    process.run(lambda stop: _serve(config, placement, cpu_workers, Path(socket_path), ready, stop))
+    process.run(lambda stop: _serve(config, placement, cpu_workers, Path(socket_path), ready, stop,
+                                    Path(metrics_dir) if metrics_dir else None))

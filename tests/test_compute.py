@@ -25,7 +25,7 @@ class Answers:
         self.waiting: dict = {}
         self.answers: dict[int, tuple[int, bytes | BaseException]] = {}
 
-    def ok(self, item_id: int, source: int, payload: bytes) -> None:
+    def ok(self, item_id: int, source: int, payload: bytes, rejected: bool = False) -> None:
         self.answers[item_id] = (source, payload)
 
     def fail(self, item_id: int, exc: BaseException) -> None:

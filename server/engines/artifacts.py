@@ -88,6 +88,7 @@ class LoadedEngine:
     runtime: str
     precision: str
     device: str
+    built_s: float = 0.0  # seconds spent building it at start; 0 = loaded from the store
 
 
 def load_engines(config: Config, repository: ModelRepository, counters: Counter, runtime_name: str, *,
@@ -119,8 +120,9 @@ def load_engines(config: Config, repository: ModelRepository, counters: Counter,
                             "build` so pods only load", artifact.manifest.name, artifact.manifest.build_seconds,
                             f" (stored one not trusted: {artifact.rebuilt_reason})" if artifact.rebuilt_reason else "")
             counters["engines_loaded"] += 1
-            engines[(spec.name, version)] = LoadedEngine(engine, chosen.name, artifact.manifest.key["precision"],
-                                                         chosen.device_label())
+            engines[(spec.name, version)] = LoadedEngine(
+                engine, chosen.name, artifact.manifest.key["precision"], chosen.device_label(),
+                artifact.manifest.build_seconds if artifact.built else 0.0)
             log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name,
                      time.monotonic() - started)
     return engines

@@ -1,0 +1,90 @@
+"""A frontend's Prometheus figures (server/telemetry.py): calls, miss reasons, model time saved.
+
+Only made when /metrics is on (server.metrics_port); with it off, the request path records nothing.
+
+Model time saved: each hit counts its model's recent mean engine time per text for the input's
+sequence-length bucket, which the workers publish. A hit is never tokenized (that would cost more than
+the rest of the hit), so its bucket is estimated from the normalized text's length: for the misses it
+tokenizes, the frontend counts which bucket the texts of each length class (powers of two of
+characters) fell in, and a hit of that class counts the mean of those buckets' times weighted by those
+counts. Hits wait (counted per class) until their model's times are known, then are converted at
+each publish.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+
+from infercache.v1 import infercache_pb2 as pb
+from server.telemetry import Recorder
+
+Source = pb.CacheInfo.Source
+SOURCE_NAMES = {value: name.lower() for name, value in Source.items()}
+# A batch call is labelled with its costliest text's source.
+COST_ORDER = {Source.RESULT_EXACT: 0, Source.RESULT_FLEET: 1, Source.RESULT_SEMANTIC: 2, Source.FEATURE: 3,
+              Source.COALESCED: 4, Source.MISS: 5}
+SAVING = frozenset({Source.RESULT_EXACT, Source.RESULT_FLEET, Source.RESULT_SEMANTIC, Source.COALESCED})
+UNKNOWN_MODEL = "unknown"  # a name the server does not serve: clients must not be able to mint series
+
+
+def length_class(chars: int) -> int:
+    return chars.bit_length()
+
+
+class FrontendMetrics:
+    """Written by the frontend's event loop only."""
+
+    def __init__(self, served_models) -> None:
+        self.recorder = Recorder()
+        self._served = served_models              # a container of the model names served
+        self._pending: Counter[tuple[str, str, int]] = Counter()        # (model, version, class) -> hits
+        self._buckets: defaultdict[tuple[str, str, int], Counter[int]] = defaultdict(Counter)
+
+    def model_label(self, model: str) -> str:
+        return model if model in self._served else UNKNOWN_MODEL
+
+    def answered(self, model: str, sources: list[int], seconds: float) -> None:
+        """An OK call: one count per text by its source, and the call's latency."""
+        inc = self.recorder.inc
+        for source in sources:
+            inc(("infercache_requests_total", model, SOURCE_NAMES[source], "OK"))
+        costliest = max(sources, key=COST_ORDER.__getitem__)
+        self.recorder.observe(("infercache_request_duration_seconds", model, SOURCE_NAMES[costliest]), seconds)
+
+    def failed(self, model: str, texts: int, code: str, seconds: float) -> None:
+        self.recorder.inc(("infercache_requests_total", model, "none", code), texts)
+        self.recorder.observe(("infercache_request_duration_seconds", model, "none"), seconds)
+
+    def missed(self, model: str, reason: str) -> None:
+        self.recorder.inc(("infercache_misses_total", model, reason))
+
+    def hit(self, model: str, version: str, chars: int) -> None:
+        self._pending[(model, version, length_class(chars))] += 1
+
+    def tokenized(self, model: str, version: str, chars: int, bucket: int) -> None:
+        self._buckets[(model, version, length_class(chars))][bucket] += 1
+
+    def settle(self, means: dict[tuple[str, str], dict[int, float]]) -> None:
+        """Pending hits into seconds saved, for the models whose per-bucket times the workers published."""
+        for (model, version, cls), hits in list(self._pending.items()):
+            times = means.get((model, version))
+            if not times:
+                continue
+            seconds = self._expected(model, version, cls, times)
+            del self._pending[(model, version, cls)]
+            self.recorder.inc(("infercache_compute_seconds_saved_total", model), hits * seconds)
+
+    def _expected(self, model: str, version: str, cls: int, times: dict[int, float]) -> float:
+        """Mean engine seconds of a text of this length class: its buckets weighted by how often misses
+        of the class fell in each; without such misses yet, the nearest class that has some, else the
+        mean over the known buckets."""
+        classes = sorted(c for (m, v, c), seen in self._buckets.items() if m == model and v == version and seen)
+        if classes:
+            at = bisect.bisect_left(classes, cls)
+            nearest = min(classes[max(0, at - 1):at + 1], key=lambda c: abs(c - cls))
+            seen = self._buckets[(model, version, nearest)]
+            known = {bucket: n for bucket, n in seen.items() if bucket in times}
+            if known:
+                return sum(times[b] * n for b, n in known.items()) / sum(known.values())
+        return sum(times.values()) / len(times)

@@ -1,0 +1,171 @@
+"""Prometheus figures: what each process records, and the snapshot file it publishes them in.
+
+Each frontend and worker records into its own `Recorder`, on its event loop only (one writer). A task
+(`publish_forever`) writes a JSON snapshot to `<metrics dir>/<role>-<index>.json` every PUBLISH_S,
+atomically (a temporary file renamed over the old one); the supervisor's /metrics endpoint
+(server/metrics_http.py) reads and adds them up on each scrape. A process that restarts starts from its
+predecessor's counters (`Recorder.adopt`), so a counter summed over the server never goes down while
+the server runs. Recording is a dict increment or two; publishing, one small write per second.
+
+JSON, not pickle: the files are read by another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("infercache.telemetry")
+
+PUBLISH_S = 1.0
+MEANS_SEP = "\t"  # "model<TAB>version": keys of the per-bucket times workers publish (JSON keys are strings)
+LATENCY_BOUNDS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1.0, 2.0, 5.0, 10.0)
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SIMILARITY_BOUNDS = (.5, .6, .7, .75, .8, .85, .9, .95, .98, .99, 1.0)
+
+# name -> (type, help, label names, histogram bounds). Every series the server exposes is named here.
+SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
+    "infercache_requests_total": (
+        "counter", "Texts of Infer and InferBatch calls, by the tier that answered (none: the call failed) "
+        "and the call's status code.", ("model", "source", "code"), ()),
+    "infercache_request_duration_seconds": (
+        "histogram", "Infer and InferBatch call latency in the frontend, by the call's costliest source.",
+        ("model", "source"), LATENCY_BOUNDS),
+    "infercache_misses_total": (
+        "counter", "Texts the model computed for their request, by why no cache tier answered.",
+        ("model", "reason"), ()),
+    "infercache_compute_seconds_saved_total": (
+        "counter", "Model time that hits saved: each hit counts its model's recent mean compute time per "
+        "text for the input's sequence-length bucket.", ("model",), ()),
+    "infercache_compute_seconds_total": (
+        "counter", "Engine time spent running batches.", ("model",), ()),
+    "infercache_batch_size": (
+        "histogram", "Texts per engine launch.", ("model",), BATCH_BOUNDS),
+    "infercache_queue_depth": ("gauge", "Texts waiting in the model's batch queue.", ("model",), ()),
+    "infercache_store_entries": ("gauge", "Entries in the store.", ("store",), ()),
+    "infercache_store_bytes": ("gauge", "Bytes of live pages in the store.", ("store",), ()),
+    "infercache_store_budget_bytes": ("gauge", "The store's byte budget (eviction starts above it).",
+                                      ("store",), ()),
+    "infercache_store_evictions_total": ("counter", "Entries evicted to stay under the budget.", ("store",), ()),
+    "infercache_store_swept_total": ("counter", "Expired entries removed by sweeps.", ("store",), ()),
+    "infercache_semantic_index_entries": ("gauge", "Entries in the semantic indexes of the workers.", (), ()),
+    "infercache_semantic_nearest_similarity": (
+        "histogram", "Cosine similarity of the nearest neighbour found by each semantic search.", ("model",),
+        SIMILARITY_BOUNDS),
+    "infercache_engines_built_total": (
+        "counter", "Engines built when the server started (not found in the engine store): a cold start.",
+        ("model", "runtime", "device"), ()),
+    "infercache_engine_build_seconds": (
+        "gauge", "Seconds this server spent building the engine at start (0: loaded from the engine store).",
+        ("model", "version", "runtime", "device"), ()),
+    "infercache_engine_warmup_seconds": (
+        "gauge", "Seconds the engine's warmup took at start.", ("model", "version", "runtime", "device"), ()),
+    "infercache_process_restarts_total": ("counter", "Child processes the supervisor restarted.", ("role",), ()),
+    "infercache_processes": ("gauge", "Live child processes.", ("role",), ()),
+}
+
+
+class Recorder:
+    """One process's counters and histograms. Keys are (metric name, *label values)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[tuple, float] = {}
+        self.histograms: dict[tuple, list[float]] = {}  # per-bound counts (the last is +Inf), then the sum
+
+    def inc(self, key: tuple, amount: float = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + amount
+
+    def observe(self, key: tuple, value: float, count: int = 1) -> None:
+        found = self.histograms.get(key)
+        if found is None:
+            found = self.histograms[key] = [0] * (len(SCHEMA[key[0]][3]) + 2)
+        found[bisect.bisect_left(SCHEMA[key[0]][3], value)] += count
+        found[-1] += value * count
+
+    def adopt(self, snapshot: dict) -> None:
+        """A predecessor's counters and histograms (its published snapshot) as this one's start."""
+        for name, labels, value in snapshot.get("counters", ()):
+            if SCHEMA.get(name, ("",))[0] == "counter":
+                self.inc((name, *labels), value)
+        for name, labels, values in snapshot.get("histograms", ()):
+            spec = SCHEMA.get(name)
+            if spec is not None and len(values) == len(spec[3]) + 2:
+                found = self.histograms.setdefault((name, *labels), [0] * len(values))
+                for n, value in enumerate(values):
+                    found[n] += value
+
+    def plus(self, *others: Recorder) -> Recorder:
+        """A new recorder holding this one's figures and the others' (a predecessor's, or figures derived
+        at publish time from the counters their owners keep, such as a batcher's batch sizes)."""
+        out = Recorder()
+        for source in (self, *others):
+            for key, value in source.counters.items():
+                out.inc(key, value)
+            for key, values in source.histograms.items():
+                found = out.histograms.setdefault(key, [0] * len(values))
+                for n, value in enumerate(values):
+                    found[n] += value
+        return out
+
+    def snapshot(self, gauges: list[tuple[tuple, float]] = (), **extra) -> dict:
+        """A copy, safe to serialize on another thread."""
+        return {
+            "pid": os.getpid(),
+            "counters": [[key[0], list(key[1:]), value] for key, value in self.counters.items()],
+            "histograms": [[key[0], list(key[1:]), list(values)] for key, values in self.histograms.items()],
+            "gauges": [[key[0], list(key[1:]), value] for key, value in gauges],
+            **extra,
+        }
+
+
+def snapshot_path(directory: Path, role: str, index: int) -> Path:
+    return directory / f"{role}-{index}.json"
+
+
+def read_snapshot(path: Path) -> dict | None:
+    """A published snapshot, or None when it is missing or unreadable (a process killed mid-write
+    leaves only its temporary file: the rename is atomic)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def predecessor(path: Path) -> Recorder:
+    """The counters a restarted process continues: what its predecessor last published, if anything."""
+    recorder = Recorder()
+    found = read_snapshot(path)
+    if found is not None:
+        recorder.adopt(found)
+    return recorder
+
+
+def write_snapshot(path: Path, snapshot: dict) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(json.dumps(snapshot, separators=(",", ":")))
+    os.replace(temporary, path)
+
+
+async def publish_forever(path: Path, snapshot: Callable[[], dict], after: Callable[[], object] | None = None
+                          ) -> None:
+    """Writes `snapshot()` (taken on the event loop) to `path` every PUBLISH_S, off the loop. `after`
+    runs on the loop after each write (a frontend reads the workers' figures then). A failed write is
+    logged once and retried next time: figures are never worth a request."""
+    warned = False
+    while True:
+        await asyncio.sleep(PUBLISH_S)
+        try:
+            await asyncio.to_thread(write_snapshot, path, snapshot())
+            warned = False
+        except OSError as exc:
+            if not warned:
+                log.warning("metrics snapshot not written (retrying every %.0f s): %s", PUBLISH_S, exc)
+                warned = True
+        if after is not None:
+            await after()

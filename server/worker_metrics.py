@@ -1,0 +1,92 @@
+"""A worker's Prometheus figures (server/telemetry.py), read off the owners that keep them.
+
+Batchers count launches by size, engine seconds and each bucket's recent seconds per text; the writers
+count evictions and sweeps; the runtimes know how their engines were built and warmed up. At each
+publish (on the event loop) these become the worker's snapshot, with the semantic searches' nearest
+similarities that the core records, and the per-bucket times the frontends turn hits into model time
+saved. Store figures come from worker 0 only (every worker shares the host's stores), read off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from server.compute import WorkerCore
+from server.devices import WorkerPlacement
+from server.heads import HeadRuntime
+from server.telemetry import MEANS_SEP, Recorder
+
+class WorkerMetrics:
+    def __init__(self, core: WorkerCore, placement: WorkerPlacement, base: Recorder) -> None:
+        self.core = core
+        self.placement = placement
+        self.base = base               # the predecessor's counters (a restarted worker continues them)
+        core.metrics = Recorder()      # what the core records as it serves
+        self._store_gauges: list[tuple[tuple, float]] = []
+
+    def _derived(self) -> Recorder:
+        out = Recorder()
+        for runtime in self.core.runtimes.values():
+            model, batcher = runtime.spec.name, runtime.batcher
+            for size, launches in batcher.sizes.items():
+                out.observe(("infercache_batch_size", model), size, launches)
+            out.inc(("infercache_compute_seconds_total", model), batcher.seconds)
+            if runtime.built_s:
+                out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device))
+        for name, writer in (("results", self.core.writer), ("features", self._feature_writer())):
+            if writer is not None:
+                out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
+                out.inc(("infercache_store_swept_total", name), writer.counters["swept"])
+        return out
+
+    def _feature_writer(self):
+        return self.core.features.writer if self.core.features is not None else None
+
+    def _gauges(self) -> list[tuple[tuple, float]]:
+        gauges: dict[tuple, float] = {}
+        for runtime in self.core.runtimes.values():
+            info = runtime.info
+            depth = ("infercache_queue_depth", info.model)
+            gauges[depth] = gauges.get(depth, 0) + runtime.batcher.depth
+            labels = (info.model, info.version, info.runtime, info.device)
+            gauges[("infercache_engine_build_seconds", *labels)] = runtime.built_s
+            gauges[("infercache_engine_warmup_seconds", *labels)] = runtime.warmup_s
+        if self.core.semantic is not None:
+            gauges[("infercache_semantic_index_entries",)] = self.core.semantic.entries()
+        return [*gauges.items(), *self._store_gauges]
+
+    def _means(self) -> dict[str, dict[int, float]]:
+        """Recent engine seconds per text of each model version's buckets; a head's adds its encoder's."""
+        out = {}
+        for (model, version), runtime in self.core.runtimes.items():
+            if isinstance(runtime, HeadRuntime):
+                head = sum(runtime.batcher.text_s.values())
+                times = {b: s + head for b, s in runtime.encoder_runtime.batcher.text_s.items()}
+            else:
+                times = dict(runtime.batcher.text_s)
+            if times:
+                out[f"{model}{MEANS_SEP}{version}"] = times
+        return out
+
+    def snapshot(self) -> dict:
+        total = self.base.plus(self.core.metrics, self._derived())
+        return total.snapshot(self._gauges(), means=self._means())
+
+    async def refresh_store_gauges(self) -> None:
+        """The stores' sizes (worker 0 only), read in a thread: a read transaction each."""
+        if self.placement.index == 0:
+            self._store_gauges = await asyncio.to_thread(self._read_store_gauges)
+
+    def _read_store_gauges(self) -> list[tuple[tuple, float]]:
+        out = []
+        for name, writer in (("results", self.core.writer), ("features", self._feature_writer())):
+            if writer is None:
+                continue
+            try:
+                stats = writer.store.stats()
+            except Exception:  # a damaged or vanished store: its figures are left out, never the rest
+                continue
+            out += [(("infercache_store_entries", name), stats["entries"]),
+                    (("infercache_store_bytes", name), stats["used_bytes"]),
+                    (("infercache_store_budget_bytes", name), stats["budget_bytes"])]
+        return out

@@ -1,0 +1,288 @@
+"""/metrics end to end: a real server (2 frontends, 1 worker) scraped by a real Prometheus every second;
+after known traffic, Prometheus' HTTP API must report exactly it. Also the alert rules evaluated against
+those series, every dashboard panel's query, hot keys (GetHotKeys, `cache hot`) and `cache warm`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from cachestore.keys import KEY_BYTES
+from infercache import testing_prometheus
+from infercache.testing import ServerProcess, free_port
+from infercache.testing_prometheus import PrometheusProcess, sample_value
+from server.frontend_metrics import FrontendMetrics
+from server.hot_keys import HotKeys, combine
+from server.telemetry import Recorder
+from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
+from tests.helpers import link_model, unique, wait_cached
+
+sys.path.insert(0, str(REPO / "deploy" / "grafana"))
+from queries import panel_queries  # noqa: E402
+
+needs_prometheus = pytest.mark.skipif(testing_prometheus.available() is not None,
+                                      reason=testing_prometheus.available() or "")
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "infercache.json"
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory, faq_models, engines_dir):
+    """(server, prometheus): /metrics on, hot keys with texts for `minilm`, scraped every second."""
+    root = tmp_path_factory.mktemp("metrics-models")
+    link_model(root, "minilm", MINILM_CONFIG + "hot_keys:\n  keep_text: true\n", {"1": MODEL_VERSION_DIR})
+    link_model(root, "faq", (faq_models / "faq" / "config.yaml").read_text(), {"1": faq_models / "faq" / "1"})
+    port = free_port()
+    server = ServerProcess(tmp_path_factory.mktemp("metrics-server"), root, engines_dir=engines_dir,
+                           settings=(f"server.metrics_port={port}",))
+    prometheus = PrometheusProcess(tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{port}"], rule_files=[ALERTS])
+    yield server, prometheus, port
+    prometheus.stop()
+    assert server.stop() == 0, server.log_text()
+
+
+def value(prometheus: PrometheusProcess, expr: str) -> float:
+    found = prometheus.query(expr)
+    return sum(sample_value(s) for s in found)
+
+
+def settled(prometheus: PrometheusProcess, expr: str, expected: float, timeout: float = 20.0) -> float:
+    """Waits until the expression's value (summed over series) is `expected` (figures lag ~2 s)."""
+    found = prometheus.wait_for(expr, lambda r: abs(sum(sample_value(s) for s in r) - expected) < 1e-9,
+                                timeout=timeout)
+    return sum(sample_value(s) for s in found)
+
+
+@needs_prometheus
+def test_traffic_is_counted_as_sent(observed):
+    server, prometheus, port = observed
+    prometheus.wait_for('up{job="infercache"}', lambda r: bool(r) and r[0]["value"][1] == "1", timeout=30)
+    texts = [unique(f"metrics text {n}") for n in range(6)]
+    with server.client() as client:
+        for text in texts:  # 6 misses, not cached
+            assert client.infer("minilm", text).source == "MISS"
+        for text in texts:  # 6 exact hits
+            wait_cached(client, "minilm", text)  # (ONLY_IF_CACHED hits: 6 more, counted below)
+            assert client.infer("minilm", text).source == "RESULT_EXACT"
+        fresh = [unique("metrics batch a"), unique("metrics batch b")]
+        batch = client.infer_batch("minilm", texts[:2] + fresh)  # 2 hits + 2 misses
+        assert [r.source for r in batch] == ["RESULT_EXACT"] * 2 + ["MISS"] * 2
+        for _ in range(2):
+            assert client.infer("minilm", texts[0], mode="BYPASS").source == "MISS"
+        assert client.infer("minilm", texts[1], max_age_s=0).source == "MISS"  # too old for this request
+        with pytest.raises(grpc.RpcError) as refused:
+            client.infer("no-such-model", "x")
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as not_cached:
+            client.infer("minilm", unique("never sent"), mode="ONLY_IF_CACHED")
+        assert not_cached.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    ok = 'infercache_requests_total{model="minilm",code="OK"'
+    assert settled(prometheus, f'{ok},source="miss"}}', 6 + 2 + 2 + 1) == 11
+    assert settled(prometheus, f'{ok},source="result_exact"}}', 6 + 6 + 2) == 14
+    assert settled(prometheus, 'infercache_requests_total{model="unknown",code="NOT_FOUND",source="none"}', 1) == 1
+    # (wait_cached polls with ONLY_IF_CACHED until the write-behind committed: some of those failed too)
+    assert prometheus.wait_for('infercache_requests_total{model="minilm",code="FAILED_PRECONDITION",source="none"}',
+                               lambda r: bool(r) and sample_value(r[0]) >= 1)
+    misses = {s["metric"]["reason"]: sample_value(s)
+              for s in prometheus.query('infercache_misses_total{model="minilm"}')}
+    assert misses == {"not_cached": 8, "bypass": 2, "too_old": 1}
+    # One latency observation per call: 6 + 6 + 1 + 2 + 1 miss/hit calls, labelled by costliest source.
+    assert value(prometheus, 'infercache_request_duration_seconds_count{model="minilm",source="miss"}') == 6 + 1 + 2 + 1
+    assert value(prometheus, 'infercache_request_duration_seconds_count{model="minilm",source="result_exact"}') == 12
+    # Engine work: every miss computed once, in launches of at least one text.
+    assert value(prometheus, 'infercache_batch_size_sum{model="minilm"}') == 11
+    assert value(prometheus, 'infercache_compute_seconds_total{model="minilm"}') > 0
+    saved = prometheus.wait_for('infercache_compute_seconds_saved_total{model="minilm"}',
+                                lambda r: bool(r) and sample_value(r[0]) > 0)
+    per_hit = sample_value(saved[0]) / 14
+    per_miss = value(prometheus, 'infercache_compute_seconds_total{model="minilm"}') / 11
+    assert 0.05 * per_miss < per_hit < 20 * per_miss  # the same engine's times, estimated per bucket
+    assert value(prometheus, 'infercache_store_entries{store="results"}') >= 8
+    assert value(prometheus, 'infercache_store_budget_bytes{store="results"}') > 0
+    assert value(prometheus, 'infercache_queue_depth{model="minilm"}') == 0
+    assert value(prometheus, 'infercache_processes{role="frontend"}') == 2
+    assert value(prometheus, 'infercache_processes{role="worker"}') == 1
+    assert prometheus.query('infercache_engine_warmup_seconds{model="minilm"}')
+
+
+@needs_prometheus
+def test_semantic_searches_and_rejections(observed):
+    server, prometheus, _ = observed
+    with server.client() as client:
+        assert client.infer("faq", "How do I return an item?").source == "MISS"
+        deadline = time.monotonic() + 20
+        while server.stats().worker.counters["semantic.indexed"] < 1:
+            assert time.monotonic() < deadline, "the FAQ answer was never indexed"
+            time.sleep(0.05)
+        # Nothing like it is cached: the nearest neighbour is found, and not trusted.
+        assert client.infer("faq", unique("the migration patterns of arctic terns")).source == "MISS"
+    assert settled(prometheus, 'infercache_misses_total{model="faq",reason="semantic_rejected"}', 1) == 1
+    assert value(prometheus, 'infercache_semantic_nearest_similarity_count{model="faq"}') >= 1
+    assert value(prometheus, "infercache_semantic_index_entries") >= 1
+
+
+@needs_prometheus
+def test_counters_survive_a_frontend_restart(observed):
+    server, prometheus, _ = observed
+    with server.client() as client:
+        for _ in range(5):
+            client.infer("minilm", unique("before the kill"))
+    time.sleep(2.5)  # published (each second) and scraped
+    before = value(prometheus, "sum(infercache_requests_total)")
+    frontend = server.stats().frontend.pid
+    os.kill(frontend, signal.SIGKILL)
+    settled(prometheus, 'infercache_process_restarts_total{role="frontend"}', 1)
+    prometheus.wait_for('infercache_processes{role="frontend"}', lambda r: bool(r) and sample_value(r[0]) == 2)
+    time.sleep(2.5)  # the new frontend has published what it adopted
+    assert value(prometheus, "sum(infercache_requests_total)") == before
+    assert value(prometheus, "sum(resets(infercache_requests_total[1m]))") == 0
+
+
+@needs_prometheus
+def test_alert_rules_evaluate_on_real_series(observed):
+    _, prometheus, _ = observed
+    with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=10) as response:
+        groups = json.load(response)["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert rules, "alerts.yml loaded no rules"
+    deadline = time.monotonic() + 10
+    while any(rule.get("health") == "unknown" for rule in rules) and time.monotonic() < deadline:
+        time.sleep(0.5)  # evaluated each second
+        with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=10) as response:
+            rules = [r for g in json.load(response)["data"]["groups"] for r in g["rules"]]
+    assert [(r["name"], r.get("lastError")) for r in rules if r.get("health") != "ok"] == []
+
+
+@needs_prometheus
+def test_every_dashboard_panel_returns_data(observed):
+    server, prometheus, _ = observed
+    with server.client() as client:  # traffic in the last minute for the rate() panels
+        for _ in range(3):
+            client.infer("minilm", unique("dashboard"))
+    time.sleep(3)
+    empty = []
+    for title, expr in panel_queries(json.loads(DASHBOARD.read_text())):
+        if not prometheus.query(expr):  # a query that does not parse raises PrometheusError
+            empty.append((title, expr))
+    assert empty == []
+
+
+@needs_prometheus
+def test_hot_keys_and_warm(observed, tmp_path):
+    server, _, _ = observed
+    hot, cold = unique("the hottest question"), unique("a colder question")
+    with server.client() as client:
+        for _ in range(7):
+            client.infer("minilm", hot)
+        for _ in range(2):
+            client.infer("minilm", cold)
+        deadline = time.monotonic() + 10
+        while True:  # the other frontend's share is published each second
+            keys = client.hot_keys("minilm", 100)
+            counts = {key.text: key.count for key in keys}
+            if counts.get(hot) == 7 and counts.get(cold) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert keys[0].text == hot, keys[0]
+        assert counts.get(hot) == 7 and counts.get(cold) == 2, counts
+        assert keys[0].version == "1" and len(keys[0].key) == 2 * KEY_BYTES
+        faq_keys = client.hot_keys("faq", 5)
+        assert faq_keys and all(key.text == "" for key in faq_keys)  # faq keeps no texts
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.hot_keys("no-such-model")
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+    cli = [sys.executable, "-m", "server", "cache"]
+    shown = subprocess.run([*cli, "hot", "--model", "minilm", "--texts", "--limit", "3", "--address", server.address],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert hot in shown.stdout.splitlines()[0]
+
+    warm_file = tmp_path / "warm.txt"
+    new = [unique(f"warm text {n}") for n in range(40)]
+    warm_file.write_text("\n".join([*new, "", hot]) + "\n")
+    first = subprocess.run([*cli, "warm", str(warm_file), "--model", "minilm", "--batch", "16",
+                            "--address", server.address], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert "41 texts" in first.stdout and "40 computed, 1 already cached, 0 failed" in first.stdout, first.stdout
+    assert "warm: 41/41 texts (100%)" in first.stderr  # progress
+    with server.client() as client:
+        assert wait_cached(client, "minilm", new[-1]).source == "RESULT_EXACT"
+
+    csv_file = tmp_path / "warm.csv"
+    csv_file.write_text("id,question\n1,\"" + new[0] + "\"\n2," + "x" * 100_000 + "\n")
+    second = subprocess.run([*cli, "warm", str(csv_file), "--model", "minilm", "--column", "question",
+                             "--address", server.address], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1, second.stdout + second.stderr  # the over-long text failed, the other warmed
+    assert "1 already cached, 1 failed" in second.stdout and "characters" in second.stderr
+    wrong = subprocess.run([*cli, "warm", str(csv_file), "--model", "minilm", "--column", "text",
+                            "--address", server.address], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "no column 'text'" in wrong.stderr and "question" in wrong.stderr
+
+
+def test_metrics_off_records_nothing(start_server):
+    server = start_server()
+    run_dir = server.workdir / "run" / "metrics"
+    with server.client() as client:
+        client.infer("minilm", unique("no metrics"))
+    time.sleep(1.5)
+    published = {p.name: json.loads(p.read_text()) for p in run_dir.glob("*.json")}
+    assert not any(name.startswith("worker") for name in published)  # workers publish only for /metrics
+    assert all(not snapshot["counters"] and not snapshot["histograms"] for snapshot in published.values())
+
+
+# ---- units -------------------------------------------------------------------------------------------
+
+def test_hot_key_sketch_keeps_heavy_hitters_within_its_bound():
+    sketch = HotKeys(capacity=8)
+    stream = [f"k{n % 50}".encode() for n in range(2000)] + [b"heavy"] * 300 + [b"warm"] * 120
+    for key in stream:
+        sketch.add("m", "1", key, "")
+    top = {bytes.fromhex(key): (count, error) for key, count, error, _, _ in sketch.top("m")}
+    true = {b"heavy": 300, b"warm": 120}
+    for key, count in true.items():  # above len(stream) / capacity: always held
+        held, error = top[key]
+        assert held - error <= count <= held
+    assert list(top)[0] == b"heavy"
+    merged = combine([sketch.top("m"), sketch.top("m")], 2)
+    assert merged[0][0] == b"heavy".hex() and merged[0][1] == 2 * top[b"heavy"][0]
+
+
+def test_time_saved_uses_the_bucket_of_the_length_class():
+    metrics = FrontendMetrics({"m"})
+    for _ in range(3):
+        metrics.tokenized("m", "1", chars=10, bucket=16)   # short texts fall in the 16-token bucket
+        metrics.tokenized("m", "1", chars=300, bucket=128)  # long ones in 128
+    metrics.hit("m", "1", chars=12)
+    metrics.hit("m", "1", chars=290)
+    metrics.hit("other", "1", chars=12)  # no times published for it: stays pending
+    metrics.settle({("m", "1"): {16: 0.001, 128: 0.010}})
+    assert metrics.recorder.counters[("infercache_compute_seconds_saved_total", "m")] == pytest.approx(0.011)
+    assert ("infercache_compute_seconds_saved_total", "other") not in metrics.recorder.counters
+    metrics.settle({("other", "1"): {16: 0.002, 128: 0.004}})  # no misses seen: the buckets' mean
+    assert metrics.recorder.counters[("infercache_compute_seconds_saved_total", "other")] == pytest.approx(0.003)
+
+
+def test_recorder_adopts_a_predecessor_and_adds_histograms():
+    first = Recorder()
+    first.inc(("infercache_requests_total", "m", "miss", "OK"), 3)
+    first.observe(("infercache_batch_size", "m"), 4, count=2)
+    first.inc(("infercache_unknown_metric",), 1)
+    second = Recorder()
+    second.adopt(first.snapshot())
+    second.observe(("infercache_batch_size", "m"), 300)
+    total = second.plus(first)
+    assert total.counters[("infercache_requests_total", "m", "miss", "OK")] == 6
+    sizes = total.histograms[("infercache_batch_size", "m")]
+    assert sizes[2] == 4 and sizes[-2] == 1 and sizes[-1] == 4 * 4 + 300
+    assert ("infercache_unknown_metric",) not in second.counters  # a name not in the schema is dropped
