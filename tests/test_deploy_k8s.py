@@ -52,7 +52,8 @@ def _without_nulls(value):
 
 
 def strategic_merge(base: dict, patch: dict) -> dict:
-    """base with patch applied: maps merged, null deletes a key, keyed lists merged by MERGE_KEYS."""
+    """base with patch applied: maps merged, null deletes a key, keyed lists merged by MERGE_KEYS (an
+    element with `$patch: delete` removes its namesake)."""
     out = dict(base)
     for key, value in patch.items():
         if isinstance(key, str) and key.startswith("$"):
@@ -65,7 +66,10 @@ def strategic_merge(base: dict, patch: dict) -> dict:
             merged, field = list(out[key]), MERGE_KEYS[key]
             for item in value:
                 at = next((i for i, old in enumerate(merged) if old.get(field) == item.get(field)), None)
-                if at is None:
+                if item.get("$patch") == "delete":  # the element named by its merge key goes
+                    if at is not None:
+                        del merged[at]
+                elif at is None:
                     merged.append(_without_nulls(item))
                 else:
                     merged[at] = strategic_merge(merged[at], item)
