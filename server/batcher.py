@@ -92,6 +92,7 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=name)
+        self._task.add_done_callback(self._loop_ended)
 
     @property
     def depth(self) -> int:
@@ -204,14 +205,23 @@ class Batcher:
             await self._slots.acquire()     # engine busy: the batches keep growing meanwhile
             self._take_incoming()
             now = loop.time()
-            bucket, _ = self._next_cut(now)  # a bucket due before stays due; an older one may now lead
-            batch = self._cut(bucket, now)
+            # An older bucket may lead now, or none: while this waited, a slow batch may have shed
+            # every request of the bucket that was due.
+            bucket, _ = self._next_cut(now)
+            batch = self._cut(bucket, now) if bucket is not None else []
             if not batch:
                 self._slots.release()
                 continue
             task = loop.create_task(self._run(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The owner task ends only at close; anything else is a bug that would leave every request
+        queued forever: said loudly, not kept in an exception nobody reads."""
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("batcher %s stopped: %r; this worker answers no more misses until restarted",
+                         self.name, task.exception(), exc_info=task.exception())
 
     def _take_incoming(self) -> None:
         while self._incoming:

@@ -216,3 +216,26 @@ def test_admission_bound_without_deadline_and_without_an_estimate():
     (admitted, refused), (admitted_untimed, refused_untimed) = asyncio.run(run())
     assert (len(admitted), refused) == (40, 60)
     assert (len(admitted_untimed), refused_untimed) == (100, 0)
+
+
+def test_a_bucket_emptied_by_shedding_while_waiting_for_the_engine_does_not_stop_the_batcher():
+    """The owner task waits for a free engine slot with a bucket due; meanwhile the running batch's
+    slowness sheds every request of that bucket. With the slot, nothing is due: the batcher must go
+    on waiting for work (it once cut the bucket None and its task died, silently: every later request
+    queued forever, the queue filled, and the worker refused all misses until restarted)."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(_sleeping(0.3), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=100)
+        batcher.seed_timing(0.005)
+        first = batcher.enqueue([101, 1, 102], None)  # holds the only slot for 0.3 s
+        await asyncio.sleep(0.01)
+        doomed = [batcher.enqueue([101, i, 102], loop.time() + 0.2) for i in range(4)]
+        outcomes = await asyncio.gather(first, *doomed, return_exceptions=True)
+        later = await asyncio.wait_for(batcher.enqueue([101, 9, 102], None), 5)
+        await batcher.close()
+        return outcomes, later, batcher
+
+    outcomes, later, batcher = asyncio.run(run())
+    assert outcomes[0] == 3 and all(isinstance(o, Overloaded) for o in outcomes[1:]), outcomes
+    assert batcher.counters["shed"] == 4
+    assert later == 3
