@@ -7,6 +7,8 @@
 2. Misses: throughput at 32 concurrent callers with the batcher vs max_batch_size 1 (same server,
    same weights, two model names).
 3. Start-up: process start to the first served hit (warm store) and to the first served miss.
+   Also in the serving section: /metrics on (scraped by a real Prometheus) vs off on exact hits
+   (bench/metrics_cost.py).
 4. L3 engine store: cold (build) vs warm (find, verify, load) for ONNX Runtime, TensorRT(-RTX) and the
    whole server's start to ready.
 5. Security (`--sections security`, bench/security.py): exact hits with auth + encryption + redaction
@@ -39,6 +41,7 @@ from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
 from bench.fleet import bench_fleet, print_fleet
 from bench.l2 import bench_l2, print_l2
+from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
 from bench.overload import bench_overload, print_overload
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
@@ -232,6 +235,7 @@ def print_table(report: dict) -> None:
     engine = report["engine_alone"]
     print(f"  engine alone (ceiling): batch 1 {engine['batch_1']['sequences_per_s']} seq/s, "
           f"batch 32 {engine['batch_32']['sequences_per_s']} seq/s = {engine['throughput_ratio']}x")
+    print_metrics_cost(report["metrics_cost"])
     start = report["startup"]
     print(f"\nstart-up: first hit {start['first_hit_s']} s (target <= 1.5), first miss {start['first_miss_s']} s")
 
@@ -253,6 +257,8 @@ def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rou
     finally:
         echo.stop(echo_procs + raw_procs)
         assert server.stop() == 0
+    print("benchmarking /metrics on vs off on exact hits ...", flush=True)
+    report["metrics_cost"] = bench_metrics_cost(workdir / "metrics", texts, rounds, scale)
     print("benchmarking the engine alone ...", flush=True)
     report["engine_alone"] = bench_engine(texts, scale)
     print("benchmarking start-up ...", flush=True)
@@ -264,7 +270,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
-                        help="comma-separated: serving (hits, misses, start-up), l3, semantic, security, fleet, overload, l2, gpu and "
+                        help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
+                             "alone), l3, semantic, security, fleet, overload, l2, gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -287,6 +294,10 @@ def main() -> None:
         models = make_models(workdir / "models")
         if "serving" in sections:
             run_serving(report, workdir, models, texts, rounds, scale)
+        if "metrics" in sections and "serving" not in sections:  # the serving section's /metrics part alone
+            print("benchmarking /metrics on vs off on exact hits ...", flush=True)
+            report["metrics_cost"] = bench_metrics_cost(workdir / "metrics", texts, rounds, scale)
+            print_metrics_cost(report["metrics_cost"])
         if "l3" in sections:
             print("benchmarking the L3 engine store ...", flush=True)
             report["l3_engines"] = bench_l3(workdir, models, rounds)

@@ -89,7 +89,13 @@ def _cache(args: argparse.Namespace) -> int:
         if not args.model:
             print(f"infercache: cache {args.cache_command} needs --model", file=sys.stderr)
             return 2
-        token = os.environ.get("INFERCACHE_TOKEN") or None
+        token = None
+        if args.token_file:  # a file, not a flag: a token on the command line is visible to `ps`
+            try:
+                token = Path(args.token_file).read_text().strip() or None
+            except OSError as exc:
+                print(f"infercache: --token-file: {exc}", file=sys.stderr)
+                return 2
         if args.cache_command == "hot":
             return warm.run_hot(args.address, args.model, limit=args.limit, texts=args.texts, token=token)
         if not args.file:
@@ -169,7 +175,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     cache = commands.add_parser(
         "cache", help="the result store: stats per namespace, LMDB reader table; warm a server, its hot keys",
-        epilog="warm and hot talk to a running server (--address); an auth token is read from $INFERCACHE_TOKEN")
+        epilog="warm and hot talk to a running server (--address); with tokens on, pass one with --token-file")
     cache.add_argument("cache_command", choices=("stats", "readers", "warm", "hot"))
     cache.add_argument("file", nargs="?", help="warm: texts, one per line, or a CSV file (see --column)")
     _add_config_options(cache)
@@ -182,6 +188,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cache.add_argument("--model-version", default="", help="warm: the model version (default: its serving one)")
     cache.add_argument("--limit", type=int, default=20, help="hot: how many keys")
     cache.add_argument("--texts", action="store_true", help="hot: print the texts only (a warm file)")
+    cache.add_argument("--token-file", help="warm, hot: a file holding the bearer token (hot needs an admin one)")
     cache.set_defaults(func=_cache)
 
     head = commands.add_parser("train-head", help="train a classification head on an encoder from a labelled CSV")

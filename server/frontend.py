@@ -31,13 +31,12 @@ from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, entry_key, namesp
 from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from server import metrics, process, telemetry
+from server import hot_keys, metrics, process, telemetry
 from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
 from server.config import Config, store_settings
 from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
                            grpc_errors, lenient, parsed, quoted, status_of)
 from server.frontend_metrics import SAVING, FrontendMetrics, Source
-from server import hot_keys
 from server.hot_keys import HotKeys
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
@@ -383,7 +382,7 @@ class FrontendCore:
 
     def _count_batch(self, sources: list, plan: _Plan, keyed: list, answers: list, results: dict, reasons: dict
                      ) -> None:
-        for n, answer in enumerate(answers):
+        for n in range(len(answers)):
             if n in results:
                 result = results[n]
                 self._counted(sources, plan, keyed[n], result.source, reasons[n], result.semantic_rejected)

@@ -28,6 +28,7 @@ from tests.helpers import link_model, unique, wait_cached
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))
 from queries import panel_queries  # noqa: E402
+from render import render  # noqa: E402
 
 needs_prometheus = pytest.mark.skipif(testing_prometheus.available() is not None,
                                       reason=testing_prometheus.available() or "")
@@ -178,6 +179,15 @@ def test_every_dashboard_panel_returns_data(observed):
 
 
 @needs_prometheus
+def test_dashboard_renders_from_real_series(observed, tmp_path):
+    """deploy/grafana/render.py (what draws the README's picture) on this run's series."""
+    _, prometheus, _ = observed
+    now = time.time()
+    out = render(prometheus.query_range, json.loads(DASHBOARD.read_text()), now - 120, now, tmp_path / "board.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 50_000
+
+
+@needs_prometheus
 def test_hot_keys_and_warm(observed, tmp_path):
     server, _, _ = observed
     hot, cold = unique("the hottest question"), unique("a colder question")
@@ -228,6 +238,9 @@ def test_hot_keys_and_warm(observed, tmp_path):
     wrong = subprocess.run([*cli, "warm", str(csv_file), "--model", "minilm", "--column", "text",
                             "--address", server.address], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "no column 'text'" in wrong.stderr and "question" in wrong.stderr
+    no_token = subprocess.run([*cli, "hot", "--model", "minilm", "--token-file", str(tmp_path / "absent"),
+                               "--address", server.address], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert no_token.returncode == 2 and "--token-file" in no_token.stderr
 
 
 def test_metrics_off_records_nothing(start_server):
