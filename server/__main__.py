@@ -97,7 +97,8 @@ def _cache(args: argparse.Namespace) -> int:
                 print(f"infercache: --token-file: {exc}", file=sys.stderr)
                 return 2
         if args.cache_command == "hot":
-            return warm.run_hot(args.address, args.model, limit=args.limit, texts=args.texts, token=token)
+            return warm.run_hot(args.address, args.model, limit=args.limit, texts=args.texts, tenant=args.tenant,
+                                token=token)
         if not args.file:
             print("infercache: cache warm needs a FILE of texts (one per line, or a CSV with --column)", file=sys.stderr)
             return 2
@@ -184,9 +185,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cache.add_argument("--address", default="127.0.0.1:50051", help="warm, hot: the server")
     cache.add_argument("--column", help="warm: the CSV column of the texts (default: text)")
     cache.add_argument("--batch", type=int, default=32, help="warm: texts per InferBatch call")
-    cache.add_argument("--tenant", default="", help="warm: the tenant to warm for")
+    cache.add_argument("--tenant", default="", help="warm: the tenant to warm for; hot --texts: whose texts")
     cache.add_argument("--model-version", default="", help="warm: the model version (default: its serving one)")
-    cache.add_argument("--limit", type=int, default=20, help="hot: how many keys")
+    cache.add_argument("--limit", type=int, default=20, help="hot: how many keys (at most server.hot_keys)")
     cache.add_argument("--texts", action="store_true", help="hot: print the texts only (a warm file)")
     cache.add_argument("--token-file", help="warm, hot: a file holding the bearer token (hot needs an admin one)")
     cache.set_defaults(func=_cache)

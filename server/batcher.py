@@ -41,6 +41,12 @@ SLOWDOWN = 1.1              # a batch this much slower than the estimate re-chec
                             # (when it ends, and every such interval while it still runs)
 
 
+def bucket_of(buckets: tuple[int, ...], length: int) -> int:
+    """The sequence-length bucket (engine profile) of a sequence of `length` tokens: the smallest that
+    holds it, else the largest (the tokenizer truncates to it)."""
+    return buckets[min(bisect.bisect_left(buckets, length), len(buckets) - 1)]
+
+
 def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:
     """The longest a request may wait for its answer: its deadline's remaining seconds, at most
     max_wait_s when that is set (0: unset); None when neither bounds it."""
@@ -99,8 +105,7 @@ class Batcher:
         return self._waiting
 
     def bucket_of(self, length: int) -> int:
-        index = bisect.bisect_left(self.buckets, length)
-        return self.buckets[min(index, len(self.buckets) - 1)]
+        return bucket_of(self.buckets, length)
 
     def enqueue(self, ids, deadline: float | None) -> asyncio.Future:
         """Admits one sequence; its future gets the engine's result for it. Cancelling the future

@@ -362,6 +362,7 @@ class WorkerCore:
             elif item.store:
                 self.features.put(ns, source, key, feature, started)
         neighbors: list[Neighbor] = []
+        rejected = False  # neighbours found, none the policy trusts (/metrics miss reason)
         if policy is not None:
             overrides = item.semantic
             lookup = not overrides.HasField("enabled") or overrides.enabled
@@ -380,6 +381,7 @@ class WorkerCore:
                 chosen = policy.decide(neighbors, floor) if item.cached_ok else None
                 if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
                     return matched
+                rejected = item.cached_ok and bool(neighbors) and chosen is None
         outputs = await runtime.batcher.submit(token_ids(item.ids) if feature is None else feature, deadline)
         if policy is None:
             return _Outcome(runtime.payload(outputs, item.key))
@@ -389,7 +391,7 @@ class WorkerCore:
         if self._explain(response, item, neighbors):
             payload = response.SerializeToString()
         return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
-                        rejected=bool(neighbors))
+                        rejected=rejected)
 
     def _embedder(self, policy) -> ModelRuntime:
         return self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)

@@ -45,7 +45,7 @@ class ServerSection:
     max_batch_texts: int = 256         # most texts in one InferBatch call
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     log_level: str = "INFO"
-    metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (nothing recorded)
+    metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (calls record no figures)
     metrics_host: str = "127.0.0.1"    # its bind address (0.0.0.0 for a scraper outside the pod)
     hot_keys: int = 256                # hottest keys tracked per model and frontend (GetHotKeys); 0 = off
 

@@ -32,6 +32,10 @@ class NotCached(InferCacheError):
     """ONLY_IF_CACHED and no fresh entry."""
 
 
+class Disabled(InferCacheError):
+    """The call needs a feature this server's configuration turns off."""
+
+
 class Overloaded(InferCacheError):
     """The batch queue is full; retry later or elsewhere."""
 
@@ -56,6 +60,7 @@ STATUS_CODES: dict[type[InferCacheError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     NotCached: grpc.StatusCode.FAILED_PRECONDITION,
+    Disabled: grpc.StatusCode.FAILED_PRECONDITION,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,

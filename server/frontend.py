@@ -9,7 +9,6 @@ workers only batch, launch and write behind. Frontends never write the store.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
 import logging
 import os
@@ -34,7 +33,8 @@ from infercache.v1 import infercache_pb2_grpc
 from server import hot_keys, metrics, process, telemetry
 from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
 from server.config import Config, store_settings
-from server.errors import (InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
+from server.batcher import bucket_of
+from server.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
                            grpc_errors, lenient, parsed, quoted, status_of)
 from server.frontend_metrics import SAVING, FrontendMetrics, Source
 from server.hot_keys import HotKeys
@@ -76,14 +76,12 @@ class _Served:
     by_namespace: bool                 # semantic models: a namespace's index lives in one worker
     normalize: Normalizer              # with the PII redaction step when the model's privacy.pii says redact
     no_store: bool                     # privacy.pii: no_store: texts holding PII are never cached
+    embedder: tuple[str, str] | None   # (model, version) of the semantic embedder, for /metrics
+    feature_source: tuple[str, str] | None  # (model, version) a head model's features come from, for /metrics
 
     def route(self, key: bytes) -> int:
         return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
 
-    def encoder_bucket(self, tokens: int) -> int:
-        """The sequence-length bucket (the worker's batcher's) of a text of `tokens` tokens."""
-        buckets = self.spec.buckets
-        return buckets[min(bisect.bisect_left(buckets, tokens), len(buckets) - 1)]
 
 
 @dataclass(slots=True)
@@ -142,14 +140,20 @@ class FrontendCore:
         found = self._served.get((spec.name, version))
         if found is None:
             encoder = self._encoder(spec, version)
-            embed_encoder = None
+            embed_encoder = embedded_by = None
             if spec.semantic is not None and spec.semantic.embedder in self.repository.models:
                 embedder = self.repository.get(spec.semantic.embedder)  # an embedding model: no recursion
                 other = self.served(embedder, embedder.serving_version).encoder
                 embed_encoder = None if other.fingerprint == encoder.fingerprint else other
+                embedded_by = (embedder.name, embedder.serving_version)
+            try:
+                head = spec.head(version)
+            except (OSError, ValueError):  # a head the workers could not load either: no FEATURE answers
+                head = None
             found = self._served[(spec.name, version)] = _Served(
                 spec, version, encoder, embed_encoder, spec.semantic is not None,
-                Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store")
+                Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store",
+                embedded_by, (head.encoder, head.encoder_version) if head is not None else None)
         return found
 
     def _plan(self, request) -> _Plan:
@@ -217,7 +221,7 @@ class FrontendCore:
     def _why_missed(self, plan: _Plan, private: bool) -> str:
         """Why _hit (just now) found no answer: a miss reason of /metrics."""
         if not plan.cached_ok:
-            return "bypass"
+            return "bypass" if plan.mode == Mode.BYPASS else "not_cacheable"  # (the model's ttl_s is 0)
         if private:
             return "no_store"
         if self._cache is None:
@@ -231,9 +235,10 @@ class FrontendCore:
         """The call's keys into the hot-key sketch (texts where the model keeps them)."""
         served = plan.served
         keep = served.spec.hot_key_text
+        tenant = plan.tenant if keep else ""
         for text, key, private in keyed:
             if not private:
-                self.hot.add(served.spec.name, served.version, key, text if keep else "")
+                self.hot.add(served.spec.name, served.version, key, tenant, text if keep else "")
 
     def _counted(self, sources: list, plan: _Plan, keyed: tuple[str, bytes, bool], source: int,
                  reason: str | None = None, rejected: bool = False) -> None:
@@ -241,7 +246,13 @@ class FrontendCore:
         sources.append(source)
         served = plan.served
         if source in SAVING:
-            self.metrics.hit(served.spec.name, served.version, len(keyed[0]))
+            if source == Source.RESULT_SEMANTIC:
+                spared, spent = None, served.embedder
+            elif source == Source.FEATURE:
+                spared, spent = served.feature_source, None
+            else:
+                spared = spent = None
+            self.metrics.hit(served.spec.name, served.version, len(keyed[0]), spared, spent)
         elif source == Source.MISS:
             self.metrics.missed(served.spec.name, "semantic_rejected" if rejected else reason)
 
@@ -294,7 +305,7 @@ class FrontendCore:
     def _tokenized(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], lengths: list[int]) -> None:
         served = plan.served
         for (text, _, _), tokens in zip(keyed, lengths):
-            self.metrics.tokenized(served.spec.name, served.version, len(text), served.encoder_bucket(tokens))
+            self.metrics.tokenized(served.spec.name, served.version, len(text), bucket_of(served.spec.buckets, tokens))
 
     async def infer(self, request: pb.InferRequest, time_remaining: float | None, sources: list | None = None
                     ) -> bytes:
@@ -456,13 +467,13 @@ class FrontendCore:
         check_identifiers(request)
         spec = self.repository.get(request.model)
         if self.hot is None:
-            raise InvalidArgument("hot keys are not tracked (server.hot_keys is 0)")
+            raise Disabled("hot keys are not tracked on this server (server.hot_keys is 0)")
         limit = min(request.limit or HOT_KEYS_SHOWN, self.hot.capacity)
         others = await asyncio.to_thread(self.hot_published) if self.hot_published is not None else []
-        tops = [self.hot.top(spec.name)] + [published.get(spec.name, []) for published in others]
+        tops = [self.hot.top(spec.name)] + [published[spec.name] for published in others if spec.name in published]
         return pb.GetHotKeysResponse(keys=[
-            pb.HotKey(key=key, count=count, error=error, version=version, text=text)
-            for key, count, error, version, text in hot_keys.combine(tops, limit)])
+            pb.HotKey(key=key, count=count, error=error, version=version, tenant=tenant, text=text)
+            for key, count, error, version, tenant, text in hot_keys.merge_tops(tops, limit)])
 
     async def list_models(self) -> pb.ListModelsResponse:
         engines: dict[str, list[pb.EngineInfo]] = {}
@@ -517,7 +528,11 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         try:
             answer = await call(request, context.time_remaining(), sources)
         except BaseException as exc:
-            code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_of(exc)[0].name
+            if isinstance(exc, asyncio.CancelledError):  # gRPC cancels the handler at the client's deadline
+                remaining = context.time_remaining()
+                code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            else:
+                code = status_of(exc)[0].name
             metrics.failed(metrics.model_label(request.model), texts, code, time.perf_counter() - started)
             raise
         metrics.answered(request.model, sources, time.perf_counter() - started)
@@ -590,40 +605,51 @@ def listen(server: grpc.aio.Server, address: str, tls: tuple[bytes, bytes, bytes
 
 
 class _Published:
-    """This frontend's figures (/metrics and hot keys) out, the other processes' in, through the
-    snapshot files of server/telemetry.py."""
+    """This frontend's figures out, the other processes' in, through the files of server/telemetry.py:
+    its /metrics snapshot (frontend-N.json, summed by the supervisor) and its hot keys (frontend-N.hot,
+    read by the frontend that answers GetHotKeys; apart, so that no scrape parses them, and rewritten
+    only when they changed)."""
 
     def __init__(self, core: FrontendCore, directory: Path, index: int) -> None:
         self.core = core
         self.directory = directory
         self.path = telemetry.snapshot_path(directory, "frontend", index)
+        self.hot_path = self.path.with_suffix(".hot")
         self.base = telemetry.predecessor(self.path)  # a restarted frontend continues its counters
+        self._hot_written = -1                        # core.hot.changes when last written
         if core.hot is not None:                        # and its hot keys
-            core.hot.adopt((telemetry.read_snapshot(self.path) or {}).get("hot") or {})
+            core.hot.adopt(telemetry.read_snapshot(self.hot_path) or {})
 
     def snapshot(self) -> dict:
         core = self.core
         recorded = self.base.plus(core.metrics.recorder) if core.metrics is not None else telemetry.Recorder()
-        return recorded.snapshot(hot=core.hot.published() if core.hot is not None else {})
+        return recorded.snapshot()
 
-    def others(self, role: str) -> list[dict]:
-        found = [telemetry.read_snapshot(path) for path in sorted(self.directory.glob(f"{role}-*.json"))
-                 if path != self.path]
+    def _others(self, pattern: str) -> list[dict]:
+        found = [telemetry.read_snapshot(path) for path in sorted(self.directory.glob(pattern))
+                 if path not in (self.path, self.hot_path)]
         return [snapshot for snapshot in found if snapshot is not None]
 
     def hot_keys(self) -> list[dict]:
-        return [snapshot.get("hot") or {} for snapshot in self.others("frontend")]
+        """The other frontends' published hot keys (in a thread: file reads)."""
+        return self._others("frontend-*.hot")
 
-    async def settle(self) -> None:
-        """Hits counted since the last publish into model time saved, at the workers' latest times."""
-        if self.core.metrics is None:
-            return
-        means = {}
-        for snapshot in await asyncio.to_thread(self.others, "worker"):
-            for name, times in (snapshot.get("means") or {}).items():
-                model, _, version = name.partition(telemetry.MEANS_SEP)
-                means[(model, version)] = {int(bucket): float(s) for bucket, s in times.items()}
-        self.core.metrics.settle(means)
+    async def refresh(self) -> None:
+        """Before each publish: hits into model time saved at the workers' latest times (their mean per
+        bucket where several serve the model), and the hot keys out if they changed."""
+        if self.core.metrics is not None:
+            seen: dict[tuple[str, str], dict[int, list[float]]] = {}
+            for snapshot in await asyncio.to_thread(self._others, "worker-*.json"):
+                for name, times in (snapshot.get("means") or {}).items():
+                    model, _, version = name.partition(telemetry.MEANS_SEP)
+                    for bucket, seconds in times.items():
+                        seen.setdefault((model, version), {}).setdefault(int(bucket), []).append(float(seconds))
+            self.core.metrics.settle({key: {bucket: sum(values) / len(values) for bucket, values in times.items()}
+                                      for key, times in seen.items()})
+        hot = self.core.hot
+        if hot is not None and hot.changes != self._hot_written:
+            self._hot_written = hot.changes
+            await asyncio.to_thread(telemetry.write_snapshot, self.hot_path, hot.published())
 
 
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,
@@ -642,12 +668,11 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     hot = HotKeys(config.server.hot_keys) if config.server.hot_keys else None
     core = FrontendCore(config, repository, workers, counters, fleet, metrics, hot)
     core.l1()
-    publisher = published = None
+    publisher = None
     if metrics_dir is not None and (metrics is not None or hot is not None):
         published = _Published(core, metrics_dir, index)
         core.hot_published = published.hot_keys
-        publisher = asyncio.get_running_loop().create_task(
-            telemetry.publish_forever(published.path, published.snapshot, published.settle))
+        publisher = telemetry.Publisher(published.path, published.snapshot, published.refresh)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     gate = Gate(config.secrets.tokens)
     add_servicer(FrontendServicer(core, gate), server)
@@ -690,9 +715,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     if fleet is not None:
         await fleet.close()
     if publisher is not None:
-        publisher.cancel()
-        await published.settle()
-        await asyncio.to_thread(telemetry.write_snapshot, published.path, published.snapshot())
+        await publisher.close()  # the last figures
     log.info("frontend stopped")
 
 

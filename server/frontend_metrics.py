@@ -1,14 +1,16 @@
 """A frontend's Prometheus figures (server/telemetry.py): calls, miss reasons, model time saved.
 
-Only made when /metrics is on (server.metrics_port); with it off, the request path records nothing.
+Only made when /metrics is on (server.metrics_port); with it off, calls record none of this.
 
-Model time saved: each hit counts its model's recent mean engine time per text for the input's
-sequence-length bucket, which the workers publish. A hit is never tokenized (that would cost more than
-the rest of the hit), so its bucket is estimated from the normalized text's length: for the misses it
-tokenizes, the frontend counts which bucket the texts of each length class (powers of two of
-characters) fell in, and a hit of that class counts the mean of those buckets' times weighted by those
-counts. Hits wait (counted per class) until their model's times are known, then are converted at
-each publish.
+Model time saved: each answer the model did not compute counts the engine time it spared, at its
+models' recent mean engine time per text for the input's sequence-length bucket, which the workers
+publish: an exact, fleet or coalesced hit the model's own; a semantic hit the model's less its
+embedder's (which ran, to search); a FEATURE answer its encoder's (only the head ran). A hit is never
+tokenized (that would cost more than the rest of the hit), so its bucket is estimated from the
+normalized text's length: for the misses it tokenizes, the frontend counts which bucket the texts of
+each length class (powers of two of characters) fell in, and a hit of that class counts the mean of
+those buckets' times weighted by those counts. Hits wait (counted per class) until the times they need
+are known, then are converted at each publish.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ SOURCE_NAMES = {value: name.lower() for name, value in Source.items()}
 # A batch call is labelled with its costliest text's source.
 COST_ORDER = {Source.RESULT_EXACT: 0, Source.RESULT_FLEET: 1, Source.RESULT_SEMANTIC: 2, Source.FEATURE: 3,
               Source.COALESCED: 4, Source.MISS: 5}
-SAVING = frozenset({Source.RESULT_EXACT, Source.RESULT_FLEET, Source.RESULT_SEMANTIC, Source.COALESCED})
+SAVING = frozenset({Source.RESULT_EXACT, Source.RESULT_FLEET, Source.RESULT_SEMANTIC, Source.COALESCED, Source.FEATURE})
 UNKNOWN_MODEL = "unknown"  # a name the server does not serve: clients must not be able to mint series
 
 
@@ -59,26 +61,32 @@ class FrontendMetrics:
     def missed(self, model: str, reason: str) -> None:
         self.recorder.inc(("infercache_misses_total", model, reason))
 
-    def hit(self, model: str, version: str, chars: int) -> None:
-        self._pending[(model, version, length_class(chars))] += 1
+    def hit(self, model: str, version: str, chars: int, spared: tuple[str, str] | None = None,
+            spent: tuple[str, str] | None = None) -> None:
+        """An answer the model did not compute: it spared the engine time of `spared` (default the
+        model version itself), less that of `spent` (a model that ran for it anyway), if given."""
+        self._pending[(model, version, length_class(chars), spared or (model, version), spent)] += 1
 
     def tokenized(self, model: str, version: str, chars: int, bucket: int) -> None:
         self._buckets[(model, version, length_class(chars))][bucket] += 1
 
     def settle(self, means: dict[tuple[str, str], dict[int, float]]) -> None:
-        """Pending hits into seconds saved, for the models whose per-bucket times the workers published."""
-        for (model, version, cls), hits in list(self._pending.items()):
-            times = means.get((model, version))
-            if not times:
+        """Pending hits into seconds saved, where the workers have published the times they need."""
+        for key, hits in list(self._pending.items()):
+            model, version, cls, spared, spent = key
+            gained, lost = means.get(spared), means.get(spent) if spent is not None else {}
+            if not gained or (spent is not None and not lost):
                 continue
-            seconds = self._expected(model, version, cls, times)
-            del self._pending[(model, version, cls)]
+            seconds = self._expected(model, version, cls, gained)
+            if spent is not None:
+                seconds = max(0.0, seconds - self._expected(model, version, cls, lost))
+            del self._pending[key]
             self.recorder.inc(("infercache_compute_seconds_saved_total", model), hits * seconds)
 
     def _expected(self, model: str, version: str, cls: int, times: dict[int, float]) -> float:
-        """Mean engine seconds of a text of this length class: its buckets weighted by how often misses
-        of the class fell in each; without such misses yet, the nearest class that has some, else the
-        mean over the known buckets."""
+        """Mean engine seconds (`times`: per bucket) of a text of this length class of this model
+        version: its buckets weighted by how often its misses of the class fell in each; without such
+        misses yet, the nearest class that has some, else the mean over the known buckets."""
         classes = sorted(c for (m, v, c), seen in self._buckets.items() if m == model and v == version and seen)
         if classes:
             at = bisect.bisect_left(classes, cls)

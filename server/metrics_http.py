@@ -1,8 +1,8 @@
 """GET /metrics in the supervisor: the snapshots every process published (server/telemetry.py), added up.
 
-Counters and histograms are summed over the processes' files. Gauges are summed too: each gauge has one
-publisher per thing it measures (the store's figures come from worker 0 only, a batch queue from the
-worker that owns it). The supervisor adds its own figures (restarts, live processes). The endpoint is
+Counters and histograms are summed over the processes' files. Gauges are summed too: each series has one
+publisher (the store's figures come from worker 0 only, an engine's from its worker, named by the
+`worker` label), or adds up by nature (a model's queue depth over its workers). The supervisor adds its own figures (restarts, live processes). The endpoint is
 prometheus_client's HTTP server on a thread of its own, with a collector that reads the files on each
 scrape; nothing here runs on a request path.
 """
@@ -22,22 +22,16 @@ from server.telemetry import SCHEMA, Recorder, read_snapshot
 log = logging.getLogger("infercache.metrics")
 
 
-def combine(snapshots: Iterable[dict]) -> tuple[Recorder, dict[tuple, float]]:
+def add_up(snapshots: Iterable[dict]) -> tuple[Recorder, dict[tuple, float]]:
     """(summed counters and histograms, summed gauges) of published snapshots."""
     total, gauges = Recorder(), {}
     for snapshot in snapshots:
-        total = total.plus(_recorder(snapshot))
+        total.adopt(snapshot)
         for name, labels, value in snapshot.get("gauges", ()):
             if name in SCHEMA:
                 key = (name, *labels)
                 gauges[key] = gauges.get(key, 0) + value
     return total, gauges
-
-
-def _recorder(snapshot: dict) -> Recorder:
-    recorder = Recorder()
-    recorder.adopt(snapshot)
-    return recorder
 
 
 def families(total: Recorder, gauges: dict[tuple, float]) -> list:
@@ -74,7 +68,7 @@ class _Snapshots(Collector):
 
     def collect(self):
         found = [read_snapshot(path) for path in sorted(self.directory.glob("*.json"))]
-        total, gauges = combine([s for s in found if s is not None] + [self.own()])
+        total, gauges = add_up([s for s in found if s is not None] + [self.own()])
         return families(total, gauges)
 
 

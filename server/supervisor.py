@@ -64,9 +64,8 @@ class Supervisor:
         # The children's published figures (server/telemetry.py): /metrics and hot keys. Emptied here:
         # counters start at zero with each run of the server.
         self.metrics_dir = socket_dir / "metrics"
-        self.metrics_dir.mkdir(mode=DIR_MODE, exist_ok=True)
-        for stale in self.metrics_dir.iterdir():
-            stale.unlink()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        self.metrics_dir.mkdir(mode=DIR_MODE)
         figures = str(self.metrics_dir)
         self.workers = [_Child("worker", p.index, worker.main,
                                (config, p, cpu_workers, sockets[p.index], self.ready, figures))
@@ -75,7 +74,9 @@ class Supervisor:
             _Child("frontend", i, frontend.main, (config, i, sockets, self.ready, figures))
             for i in range(config.frontend_count)
         ]
-        self.restarts = {"worker": 0, "frontend": 0}  # this process's figures for /metrics
+        # This process's figures for /metrics: written by the main thread, read by the metrics thread.
+        self.restarts = {"worker": 0, "frontend": 0}
+        self.live = {"worker": 0, "frontend": 0}
         self._metrics_server = None
         self._stopping = False
         self._reload = False
@@ -166,7 +167,9 @@ class Supervisor:
         if self._reload:
             self._forward_reload()
         children = [*self.workers, *self.frontends]
-        sentinels = [c.process.sentinel for c in children if c.process is not None and c.process.is_alive()]
+        alive = [c for c in children if c.process is not None and c.process.is_alive()]
+        self.live = {role: sum(c.role == role for c in alive) for role in self.live}
+        sentinels = [c.process.sentinel for c in alive]
         wait(sentinels, timeout=0.2)
         while True:
             try:
@@ -193,14 +196,10 @@ class Supervisor:
             child.restart_at = now + delay
 
     def _own_figures(self) -> dict:
-        """The supervisor's /metrics figures, as a snapshot (called on the metrics server's thread:
-        reads only)."""
-        live = {"worker": 0, "frontend": 0}
-        for child in (*self.workers, *self.frontends):
-            if child.process is not None and child.process.is_alive():
-                live[child.role] += 1
+        """The supervisor's /metrics figures, as a snapshot (called on the metrics server's thread: it
+        reads what the main thread keeps, and touches no child: is_alive() would reap it)."""
         return {"counters": [["infercache_process_restarts_total", [role], n] for role, n in self.restarts.items()],
-                "gauges": [["infercache_processes", [role], n] for role, n in live.items()]}
+                "gauges": [["infercache_processes", [role], n] for role, n in self.live.items()]}
 
     def _stop(self, children: list[_Child]) -> None:
         live = [c.process for c in children if c.process is not None and c.process.is_alive()]

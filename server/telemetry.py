@@ -1,7 +1,7 @@
 """Prometheus figures: what each process records, and the snapshot file it publishes them in.
 
 Each frontend and worker records into its own `Recorder`, on its event loop only (one writer). A task
-(`publish_forever`) writes a JSON snapshot to `<metrics dir>/<role>-<index>.json` every PUBLISH_S,
+(`Publisher`) writes a JSON snapshot to `<metrics dir>/<role>-<index>.json` every PUBLISH_S,
 atomically (a temporary file renamed over the old one); the supervisor's /metrics endpoint
 (server/metrics_http.py) reads and adds them up on each scrape. A process that restarts starts from its
 predecessor's counters (`Recorder.adopt`), so a counter summed over the server never goes down while
@@ -17,8 +17,9 @@ import bisect
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 log = logging.getLogger("infercache.telemetry")
 
@@ -62,9 +63,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         ("model", "runtime", "device"), ()),
     "infercache_engine_build_seconds": (
         "gauge", "Seconds this server spent building the engine at start (0: loaded from the engine store).",
-        ("model", "version", "runtime", "device"), ()),
+        ("model", "version", "runtime", "device", "worker"), ()),
     "infercache_engine_warmup_seconds": (
-        "gauge", "Seconds the engine's warmup took at start.", ("model", "version", "runtime", "device"), ()),
+        "gauge", "Seconds the engine's warmup took at start.", ("model", "version", "runtime", "device", "worker"),
+        ()),
     "infercache_process_restarts_total": ("counter", "Child processes the supervisor restarted.", ("role",), ()),
     "infercache_processes": ("gauge", "Live child processes.", ("role",), ()),
 }
@@ -99,17 +101,21 @@ class Recorder:
                 for n, value in enumerate(values):
                     found[n] += value
 
+    def add(self, other: Recorder) -> None:
+        """The other's counters and histograms added to this one's."""
+        for key, value in other.counters.items():
+            self.inc(key, value)
+        for key, values in other.histograms.items():
+            found = self.histograms.setdefault(key, [0] * len(values))
+            for n, value in enumerate(values):
+                found[n] += value
+
     def plus(self, *others: Recorder) -> Recorder:
         """A new recorder holding this one's figures and the others' (a predecessor's, or figures derived
         at publish time from the counters their owners keep, such as a batcher's batch sizes)."""
         out = Recorder()
         for source in (self, *others):
-            for key, value in source.counters.items():
-                out.inc(key, value)
-            for key, values in source.histograms.items():
-                found = out.histograms.setdefault(key, [0] * len(values))
-                for n, value in enumerate(values):
-                    found[n] += value
+            out.add(source)
         return out
 
     def snapshot(self, gauges: list[tuple[tuple, float]] = (), **extra) -> dict:
@@ -147,25 +153,54 @@ def predecessor(path: Path) -> Recorder:
 
 
 def write_snapshot(path: Path, snapshot: dict) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps(snapshot, separators=(",", ":")))
-    os.replace(temporary, path)
+    """Atomically: a temporary file of its own (a write still running from a cancelled publish cannot
+    meet this one's), renamed over the old snapshot."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(snapshot, separators=(",", ":")))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
-async def publish_forever(path: Path, snapshot: Callable[[], dict], after: Callable[[], object] | None = None
-                          ) -> None:
-    """Writes `snapshot()` (taken on the event loop) to `path` every PUBLISH_S, off the loop. `after`
-    runs on the loop after each write (a frontend reads the workers' figures then). A failed write is
-    logged once and retried next time: figures are never worth a request."""
-    warned = False
-    while True:
-        await asyncio.sleep(PUBLISH_S)
+class Publisher:
+    """Writes `snapshot()` (taken on the event loop) to `path` every PUBLISH_S, off the loop, after
+    `refresh()` (awaited first, each time: a frontend reads the workers' figures then, a worker its
+    store sizes). `close()` publishes once more and stops. Any failure is logged once and retried next
+    time: figures are never worth a request, nor a crash."""
+
+    def __init__(self, path: Path, snapshot: Callable[[], dict],
+                 refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.path = path
+        self.snapshot = snapshot
+        self.refresh = refresh
+        self._warned = False
+        self._stop = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), PUBLISH_S)
+            except TimeoutError:
+                pass
+            await self._once()
+            if self._stop.is_set():
+                return
+
+    async def _once(self) -> None:
         try:
-            await asyncio.to_thread(write_snapshot, path, snapshot())
-            warned = False
-        except OSError as exc:
-            if not warned:
-                log.warning("metrics snapshot not written (retrying every %.0f s): %s", PUBLISH_S, exc)
-                warned = True
-        if after is not None:
-            await after()
+            if self.refresh is not None:
+                await self.refresh()
+            await asyncio.to_thread(write_snapshot, self.path, self.snapshot())
+            self._warned = False
+        except Exception as exc:
+            if not self._warned:
+                log.warning("metrics snapshot %s not published (retrying every %.0f s): %r", self.path, PUBLISH_S, exc)
+                self._warned = True
+
+    async def close(self) -> None:
+        self._stop.set()
+        await self._task

@@ -229,15 +229,14 @@ async def _warm(runtime: ModelRuntime) -> None:
     runtime.warmup_s = time.monotonic() - started
 
 
-def _publish(core: WorkerCore, placement: WorkerPlacement, metrics_dir: Path | None):
-    """(task publishing this worker's /metrics figures, final write) when /metrics is on; else (None, None)."""
+def _publisher(core: WorkerCore, placement: WorkerPlacement, metrics_dir: Path | None) -> telemetry.Publisher | None:
+    """What publishes this worker's /metrics figures, when /metrics is on."""
     if metrics_dir is None:
-        return None, None
+        return None
     path = telemetry.snapshot_path(metrics_dir, "worker", placement.index)
+    core.metrics = telemetry.Recorder()  # the core records into it as it serves
     figures = WorkerMetrics(core, placement, telemetry.predecessor(path))
-    task = asyncio.get_running_loop().create_task(
-        telemetry.publish_forever(path, figures.snapshot, figures.refresh_store_gauges))
-    return task, lambda: telemetry.write_snapshot(path, figures.snapshot())
+    return telemetry.Publisher(path, figures.snapshot, figures.refresh_store_gauges)
 
 
 async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: Path, ready,
@@ -258,7 +257,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features)
     core.counters.update(engine_counters)
-    publisher, publish_last = _publish(core, placement, metrics_dir if config.server.metrics_port else None)
+    publisher = _publisher(core, placement, metrics_dir if config.server.metrics_port else None)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
     items_path = items_socket(socket_path)
@@ -296,8 +295,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     if tier is not None:
         await tier.close()
     if publisher is not None:
-        publisher.cancel()
-        await asyncio.to_thread(publish_last)
+        await publisher.close()  # the last figures
     log.info("worker stopped")
 
 

@@ -16,12 +16,13 @@ from server.devices import WorkerPlacement
 from server.heads import HeadRuntime
 from server.telemetry import MEANS_SEP, Recorder
 
+
 class WorkerMetrics:
     def __init__(self, core: WorkerCore, placement: WorkerPlacement, base: Recorder) -> None:
+        """core.metrics: what the core records as it serves (set by the caller)."""
         self.core = core
         self.placement = placement
         self.base = base               # the predecessor's counters (a restarted worker continues them)
-        core.metrics = Recorder()      # what the core records as it serves
         self._store_gauges: list[tuple[tuple, float]] = []
 
     def _derived(self) -> Recorder:
@@ -48,7 +49,7 @@ class WorkerMetrics:
             info = runtime.info
             depth = ("infercache_queue_depth", info.model)
             gauges[depth] = gauges.get(depth, 0) + runtime.batcher.depth
-            labels = (info.model, info.version, info.runtime, info.device)
+            labels = (info.model, info.version, info.runtime, info.device, str(self.placement.index))
             gauges[("infercache_engine_build_seconds", *labels)] = runtime.built_s
             gauges[("infercache_engine_warmup_seconds", *labels)] = runtime.warmup_s
         if self.core.semantic is not None:

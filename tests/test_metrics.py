@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from infercache import testing_prometheus
 from infercache.testing import ServerProcess, free_port
 from infercache.testing_prometheus import PrometheusProcess, sample_value
 from server.frontend_metrics import FrontendMetrics
-from server.hot_keys import HotKeys, combine
+from server.hot_keys import HotKeys, merge_tops
 from server.telemetry import Recorder
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique, wait_cached
@@ -101,7 +102,7 @@ def test_traffic_is_counted_as_sent(observed):
     assert value(prometheus, 'infercache_request_duration_seconds_count{model="minilm",source="miss"}') == 6 + 1 + 2 + 1
     assert value(prometheus, 'infercache_request_duration_seconds_count{model="minilm",source="result_exact"}') == 12
     # Engine work: every miss computed once, in launches of at least one text.
-    assert value(prometheus, 'infercache_batch_size_sum{model="minilm"}') == 11
+    assert settled(prometheus, 'infercache_batch_size_sum{model="minilm"}', 11) == 11  # (the worker's figures)
     assert value(prometheus, 'infercache_compute_seconds_total{model="minilm"}') > 0
     saved = prometheus.wait_for('infercache_compute_seconds_saved_total{model="minilm"}',
                                 lambda r: bool(r) and sample_value(r[0]) > 0)
@@ -127,7 +128,10 @@ def test_semantic_searches_and_rejections(observed):
             time.sleep(0.05)
         # Nothing like it is cached: the nearest neighbour is found, and not trusted.
         assert client.infer("faq", unique("the migration patterns of arctic terns")).source == "MISS"
+        # BYPASS searches too (its result is indexed), but nothing was rejected: the call said bypass.
+        assert client.infer("faq", unique("the migration of swifts"), mode="BYPASS").source == "MISS"
     assert settled(prometheus, 'infercache_misses_total{model="faq",reason="semantic_rejected"}', 1) == 1
+    assert settled(prometheus, 'infercache_misses_total{model="faq",reason="bypass"}', 1) == 1
     assert value(prometheus, 'infercache_semantic_nearest_similarity_count{model="faq"}') >= 1
     assert value(prometheus, "infercache_semantic_index_entries") >= 1
 
@@ -243,32 +247,54 @@ def test_hot_keys_and_warm(observed, tmp_path):
     assert no_token.returncode == 2 and "--token-file" in no_token.stderr
 
 
-def test_metrics_off_records_nothing(start_server):
-    server = start_server()
-    run_dir = server.workdir / "run" / "metrics"
+def test_metrics_and_hot_keys_off_record_nothing(start_server):
+    server = start_server(settings=("server.hot_keys=0",))
     with server.client() as client:
         client.infer("minilm", unique("no metrics"))
-    time.sleep(1.5)
-    published = {p.name: json.loads(p.read_text()) for p in run_dir.glob("*.json")}
-    assert not any(name.startswith("worker") for name in published)  # workers publish only for /metrics
-    assert all(not snapshot["counters"] and not snapshot["histograms"] for snapshot in published.values())
+        time.sleep(1.5)
+        assert list((server.workdir / "run" / "metrics").iterdir()) == []  # nobody publishes anything
+        with pytest.raises(grpc.RpcError) as off:
+            client.hot_keys("minilm")
+        assert off.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "server.hot_keys" in off.value.details()
 
 
 # ---- units -------------------------------------------------------------------------------------------
 
+def _bounded(found: list, true: dict) -> None:
+    for key, count, error, *_ in found:
+        assert count - error <= true.get(bytes.fromhex(key), 0) <= count, (key, count, error)
+
+
 def test_hot_key_sketch_keeps_heavy_hitters_within_its_bound():
     sketch = HotKeys(capacity=8)
     stream = [f"k{n % 50}".encode() for n in range(2000)] + [b"heavy"] * 300 + [b"warm"] * 120
+    true = Counter(stream)
     for key in stream:
-        sketch.add("m", "1", key, "")
-    top = {bytes.fromhex(key): (count, error) for key, count, error, _, _ in sketch.top("m")}
-    true = {b"heavy": 300, b"warm": 120}
-    for key, count in true.items():  # above len(stream) / capacity: always held
-        held, error = top[key]
-        assert held - error <= count <= held
-    assert list(top)[0] == b"heavy"
-    merged = combine([sketch.top("m"), sketch.top("m")], 2)
-    assert merged[0][0] == b"heavy".hex() and merged[0][1] == 2 * top[b"heavy"][0]
+        sketch.add("m", "1", key, "", "")
+    top = sketch.top("m")
+    _bounded(top["keys"], true)
+    held = [bytes.fromhex(entry[0]) for entry in top["keys"]]
+    assert held[0] == b"heavy" and b"warm" in held  # above len(stream) / capacity: always held
+    merged = merge_tops([top, top], 2)
+    assert merged[0][0] == b"heavy".hex() and merged[0][1] == 2 * top["keys"][0][1]
+
+
+def test_hot_key_bounds_hold_across_frontends_and_restarts():
+    one, other = HotKeys(capacity=1), HotKeys(capacity=1)
+    for key in (b"x", b"y", b"y", b"z", b"z", b"z"):  # x, then y and z evict one another in `one`
+        one.add("m", "1", key, "", "")
+    other.add("m", "1", b"x", "", "")
+    merged = merge_tops([one.top("m"), other.top("m")], 5)
+    _bounded(merged, {b"x": 2, b"y": 2, b"z": 3})  # x is counted by `other`, and up to the floor by `one`
+    restarted = HotKeys(capacity=2)
+    before = HotKeys(capacity=2)
+    stream = [b"a", b"a", b"b", b"b", b"c", b"c", b"d", b"e", b"f"]
+    for key in stream:
+        before.add("m", "1", key, "", "")
+    restarted.adopt(before.published())
+    for key in (b"c", b"d"):
+        restarted.add("m", "1", key, "", "")
+    _bounded(restarted.top("m")["keys"], Counter(stream + [b"c", b"d"]))
 
 
 def test_time_saved_uses_the_bucket_of_the_length_class():

@@ -3,10 +3,10 @@
 `warm` replays texts (one per line, or a column of a CSV file) through a running server in InferBatch
 calls, so their answers land in the caches as any request's would; it shows progress and ends with what
 happened to the texts (already cached, computed, failed). `hot` prints a model's hottest keys
-(GetHotKeys); with `--texts` (for models whose config sets hot_keys.keep_text) it prints their texts,
-one per line, which is a warm file for the next pod or version:
+(GetHotKeys); with `--texts` (for models whose config sets hot_keys.keep_text) it prints the texts of
+one tenant's (`--tenant`, default ""), one per line, which is a warm file for the next pod or version:
 
-    infercache cache hot --model faq --texts --limit 1000 > hot.txt
+    infercache cache hot --model faq --texts --limit 256 > hot.txt
     infercache cache warm --model faq hot.txt --address new-pod:50051
 """
 
@@ -87,7 +87,7 @@ def warm(client: Client, model: str, texts: list[str], *, batch: int = 32, versi
     batch = max(1, min(batch, served[model].max_batch_texts or batch))
     outcomes: Counter = Counter()
     progress = _Progress(len(texts), out)
-    errors_shown = 0
+    errors_shown = 0  # the first few bad texts are named; all are counted
     for start in range(0, len(texts), batch):
         chunk = texts[start:start + batch]
         try:
@@ -138,7 +138,9 @@ def run_warm(address: str, model: str, path: Path, *, column: str | None, batch:
     return 1 if outcomes["failed"] else 0
 
 
-def run_hot(address: str, model: str, *, limit: int, texts: bool, token: str | None) -> int:
+def run_hot(address: str, model: str, *, limit: int, texts: bool, tenant: str, token: str | None) -> int:
+    """The hottest keys as a table; with `texts`, the texts of `tenant`'s keys, one per line (a warm
+    file for that tenant)."""
     try:
         with Client(address, token=token) as client:
             keys = client.hot_keys(model, limit)
@@ -146,14 +148,13 @@ def run_hot(address: str, model: str, *, limit: int, texts: bool, token: str | N
         print(f"infercache: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if texts:
-        shown = [key.text for key in keys if key.text]
-        if keys and not shown:
+        if keys and not any(key.text for key in keys):
             print(f"infercache: model {model!r} keeps no texts of its hot keys (set hot_keys.keep_text: true in "
                   "its config.yaml)", file=sys.stderr)
             return 1
-        print("\n".join(shown))
+        print("\n".join(key.text for key in keys if key.text and key.tenant == tenant))
         return 0
-    print(f"{'count':>9} {'±':>7} {'version':<8} {'key':<48} text")
+    print(f"{'count':>9} {'±':>7} {'version':<8} {'tenant':<12} {'key':<48} text")
     for key in keys:
-        print(f"{key.count:>9,} {key.error:>7,} {key.version:<8} {key.key:<48} {key.text}")
+        print(f"{key.count:>9,} {key.error:>7,} {key.version:<8} {key.tenant:<12} {key.key:<48} {key.text}")
     return 0
