@@ -5,7 +5,10 @@ real Prometheus scraping it every second (every request then records its source,
 hot key; every process publishes its figures each second; the supervisor serves the scrapes), one with
 metrics off (hot keys stay on in both: they are not part of /metrics). As in bench/security.py, one
 frontend each, a fresh pair per round, the order alternating, and the target's figure the median of each
-round's on / off ratio (both measured back to back). Then each one's frontend CPU per hit.
+round's on / off ratio (both measured back to back). Then each one's frontend CPU per hit. On a host of
+8 CPUs or more, the load generator runs on cores of its own (bench/cores.py). Those figures scatter by
+10-20% between rounds on shared machines, so the recording's own cost is also measured in one process on
+the last round's store: the frontend's hit path with the /metrics wrapper against without, alternating.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import statistics
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
+from bench import cores
 from bench.load import minilm_only, run_load, warm
 from bench.security import HITS, frontend_cpu_us_per_hit
 from infercache import testing_prometheus
@@ -64,34 +69,41 @@ def bench_metrics_cost(workdir: Path, texts: list[str], rounds: int, scale: floa
     runs: dict[str, dict[int, list[dict]]] = {name: {1: [], 32: []} for name in ("off", "on")}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     scrapes, kind = [], ""
+    placement = cores.split()
     for round_ in range(rounds):
         port = free_port()
         servers = {}
-        for name, settings in (("off", ()), ("on", (f"server.metrics_port={port}",))):
-            (workdir / f"{name}{round_}").mkdir()
-            servers[name] = ServerProcess(workdir / f"{name}{round_}", minilm_only(workdir / f"models-{name}{round_}"),
-                                          frontends=frontends, engines_dir=workdir / "engines",
-                                          settings=("engines.runtime=onnxruntime", *settings))
-        scraper = _Scraper(workdir / f"prometheus{round_}", port)
+        with cores.affinity(placement and placement.servers):  # (Prometheus too)
+            for name, settings in (("off", ()), ("on", (f"server.metrics_port={port}",))):
+                (workdir / f"{name}{round_}").mkdir()
+                servers[name] = ServerProcess(
+                    workdir / f"{name}{round_}", minilm_only(workdir / f"models-{name}{round_}"), frontends=frontends,
+                    engines_dir=workdir / "engines", settings=("engines.runtime=onnxruntime", *settings))
+            scraper = _Scraper(workdir / f"prometheus{round_}", port)
         kind = scraper.kind
         try:
-            for server in servers.values():
-                warm(server.address, requests)
-            order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
-            for name in order:
-                server = servers[name]
-                for concurrency, total in plan.items():
-                    asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total // 10))
-                    result = asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total))
-                    assert result.errors == 0 and result.sources == {"RESULT_EXACT": result.requests}, result.sources
-                    runs[name][concurrency].append(result.summary())
-                cpu[name].append(frontend_cpu_us_per_hit(server, requests, plan[32], None))
+            with cores.affinity(placement and placement.load):
+                for server in servers.values():
+                    warm(server.address, requests)
+                order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
+                for name in order:
+                    server = servers[name]
+                    for concurrency, total in plan.items():
+                        asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total // 10))
+                        result = asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=total))
+                        assert result.errors == 0 and result.sources == {"RESULT_EXACT": result.requests}, \
+                            result.sources
+                        runs[name][concurrency].append(result.summary())
+                    cpu[name].append(frontend_cpu_us_per_hit(server, requests, plan[32], None))
             scrapes.append(scraper.scraped())
         finally:
             scraper.stop()
             for server in servers.values():
                 assert server.stop() == 0
-    out: dict = {"frontends": frontends, "rounds": rounds, "scraper": kind, "scrapes_per_round": scrapes}
+    # The last round's stores are full of these hits: the recording's own cost, measured in process.
+    recording = in_process_cost(servers["off"].cache_dir, workdir / f"models-off{rounds - 1}", texts[:HITS])
+    out: dict = {"frontends": frontends, "rounds": rounds, "scraper": kind, "scrapes_per_round": scrapes,
+                 "placement": placement.describe() if placement else "scheduler (fewer than 8 CPUs)"}
     for concurrency in plan:
         on, off = runs["on"][concurrency], runs["off"][concurrency]
         row: dict = {name: {k: statistics.median(s[k] for s in runs[name][concurrency])
@@ -108,7 +120,60 @@ def bench_metrics_cost(workdir: Path, texts: list[str], rounds: int, scale: floa
     out["frontend_cpu_us_per_hit"]["ratio"] = round(out["frontend_cpu_us_per_hit"]["on"]
                                                     / out["frontend_cpu_us_per_hit"]["off"], 3)
     out["frontend_cpu_us_per_hit_by_round"] = cpu
+    out["recording_in_process"] = recording
     return out
+
+
+class _NoDeadline:
+    def time_remaining(self):
+        return None
+
+
+def in_process_cost(cache_dir: Path, models: Path, texts: list[str], rounds: int = 10, hits: int = 20000) -> dict:
+    """The hit path's CPU in one process, without gRPC or another process to disturb it: FrontendCore
+    on a filled store, through the servicer's /metrics wrapper (on) or the plain call (off), blocks
+    alternating. The figure the scheduler's noise cannot move: what recording costs per hit."""
+    from collections import Counter
+
+    from server import config as config_mod
+    from server.auth import Gate
+    from server.frontend import FrontendCore, FrontendServicer
+    from server.frontend_metrics import FrontendMetrics
+    from server.hot_keys import HotKeys
+    from server.models import ModelRepository
+
+    config = config_mod.load(None, {}, {"cache.dir": str(cache_dir), "server.models_dir": str(models)})
+    repository = ModelRepository(models, 0)
+
+    async def run() -> dict:
+        off = FrontendCore(config, repository, None, Counter(), None, None, HotKeys(256))
+        on = FrontendCore(config, repository, None, Counter(), None, FrontendMetrics(repository.models), HotKeys(256))
+        on._cache = off.l1()  # one LMDB environment per process
+        servicer, context = FrontendServicer(on, Gate(None)), _NoDeadline()
+        requests = [pb.InferRequest(model="minilm", text=t) for t in texts]
+
+        async def block(core: FrontendCore, n: int) -> float:
+            started = time.process_time()
+            for i in range(n):
+                if core is on:
+                    await servicer._measured(core.infer, requests[i % len(requests)], context, 1)
+                else:
+                    await core.infer(requests[i % len(requests)], None)
+            return (time.process_time() - started) / n * 1e6
+
+        await block(on, hits // 10)
+        await block(off, hits // 10)
+        runs: dict[str, list[float]] = {"on": [], "off": []}
+        for n in range(rounds):
+            for name, core in ((("on", on), ("off", off)) if n % 2 == 0 else (("off", off), ("on", on))):
+                runs[name].append(round(await block(core, hits), 2))
+        return runs
+
+    runs = asyncio.run(run())
+    on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
+    return {"us_per_hit_on": on, "us_per_hit_off": off, "added_us_per_hit": round(on - off, 2),
+            "ratio_paired": round(statistics.median(a / b for a, b in zip(runs["on"], runs["off"])), 3),
+            "runs": runs}
 
 
 def print_metrics_cost(report: dict) -> None:
@@ -124,3 +189,6 @@ def print_metrics_cost(report: dict) -> None:
               "by round (target: p50 <= 1.05x, throughput >= 0.95x)")
     cpu = report["frontend_cpu_us_per_hit"]
     print(f"  frontend CPU per hit: off {cpu['off']} us, on {cpu['on']} us = {cpu['ratio']}x")
+    rec = report["recording_in_process"]
+    print(f"  the hit path in one process (no gRPC): off {rec['us_per_hit_off']} us, on {rec['us_per_hit_on']} us: "
+          f"recording adds {rec['added_us_per_hit']} us per hit")

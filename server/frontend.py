@@ -36,7 +36,8 @@ from server.config import Config, store_settings
 from server.batcher import bucket_of
 from server.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
                            grpc_errors, lenient, parsed, quoted, status_of)
-from server.frontend_metrics import SAVING, FrontendMetrics, Source
+from server.frontend_metrics import (FEATURE, MISS, RESULT_EXACT, RESULT_FLEET, RESULT_SEMANTIC, SAVING,
+                                     FrontendMetrics)
 from server.hot_keys import HotKeys
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
@@ -246,14 +247,10 @@ class FrontendCore:
         sources.append(source)
         served = plan.served
         if source in SAVING:
-            if source == Source.RESULT_SEMANTIC:
-                spared, spent = None, served.embedder
-            elif source == Source.FEATURE:
-                spared, spent = served.feature_source, None
-            else:
-                spared = spent = None
+            spared = served.feature_source if source == FEATURE else None
+            spent = served.embedder if source == RESULT_SEMANTIC else None
             self.metrics.hit(served.spec.name, served.version, len(keyed[0]), spared, spent)
-        elif source == Source.MISS:
+        elif source == MISS:
             self.metrics.missed(served.spec.name, "semantic_rejected" if rejected else reason)
 
     async def _fleet_hit(self, plan: _Plan, key: bytes, private: bool) -> bytes | None:
@@ -317,13 +314,13 @@ class FrontendCore:
             self._seen(plan, [keyed])
         if (hit := self._hit(plan, keyed[1], keyed[2])) is not None:
             if sources is not None:
-                self._counted(sources, plan, keyed, Source.RESULT_EXACT)
+                self._counted(sources, plan, keyed, RESULT_EXACT)
             return hit
         reason = self._why_missed(plan, keyed[2]) if sources is not None else None
         looked = self.fleet is not None and self.fleet.usable
         if looked and (hit := await self._fleet_hit(plan, keyed[1], keyed[2])) is not None:
             if sources is not None:
-                self._counted(sources, plan, keyed, Source.RESULT_FLEET)
+                self._counted(sources, plan, keyed, RESULT_FLEET)
             return hit
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
@@ -398,7 +395,7 @@ class FrontendCore:
                 result = results[n]
                 self._counted(sources, plan, keyed[n], result.source, reasons[n], result.semantic_rejected)
             else:  # answered here: L1, or the fleet tier for a text L1 missed
-                self._counted(sources, plan, keyed[n], Source.RESULT_FLEET if n in reasons else Source.RESULT_EXACT)
+                self._counted(sources, plan, keyed[n], RESULT_FLEET if n in reasons else RESULT_EXACT)
 
     async def invalidate(self, request: pb.InvalidateRequest, time_remaining: float | None) -> pb.InvalidateResponse:
         if not (request.model or request.version or request.tenant or request.match_empty_tenant

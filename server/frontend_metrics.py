@@ -19,14 +19,17 @@ import bisect
 from collections import Counter, defaultdict
 
 from infercache.v1 import infercache_pb2 as pb
-from server.telemetry import Recorder
+from server.telemetry import LATENCY_BOUNDS, Recorder
 
 Source = pb.CacheInfo.Source
+# As plain ints: an attribute of a protobuf enum wrapper costs about a microsecond, on every hit.
+MISS, RESULT_EXACT, RESULT_SEMANTIC, FEATURE, COALESCED, RESULT_FLEET = (
+    int(Source.Value(name)) for name in ("MISS", "RESULT_EXACT", "RESULT_SEMANTIC", "FEATURE", "COALESCED",
+                                         "RESULT_FLEET"))
 SOURCE_NAMES = {value: name.lower() for name, value in Source.items()}
 # A batch call is labelled with its costliest text's source.
-COST_ORDER = {Source.RESULT_EXACT: 0, Source.RESULT_FLEET: 1, Source.RESULT_SEMANTIC: 2, Source.FEATURE: 3,
-              Source.COALESCED: 4, Source.MISS: 5}
-SAVING = frozenset({Source.RESULT_EXACT, Source.RESULT_FLEET, Source.RESULT_SEMANTIC, Source.COALESCED, Source.FEATURE})
+COST_ORDER = {RESULT_EXACT: 0, RESULT_FLEET: 1, RESULT_SEMANTIC: 2, FEATURE: 3, COALESCED: 4, MISS: 5}
+SAVING = frozenset({RESULT_EXACT, RESULT_FLEET, RESULT_SEMANTIC, COALESCED, FEATURE})
 UNKNOWN_MODEL = "unknown"  # a name the server does not serve: clients must not be able to mint series
 
 
@@ -40,19 +43,39 @@ class FrontendMetrics:
     def __init__(self, served_models) -> None:
         self.recorder = Recorder()
         self._served = served_models              # a container of the model names served
-        self._pending: Counter[tuple[str, str, int]] = Counter()        # (model, version, class) -> hits
+        # (model, version, length class, spared, spent) -> hits not yet converted to seconds (see hit)
+        self._pending: dict[tuple, int] = {}
         self._buckets: defaultdict[tuple[str, str, int], Counter[int]] = defaultdict(Counter)
+        self._series_of: dict[tuple[str, int], tuple[tuple, list]] = {}  # see _series
 
     def model_label(self, model: str) -> str:
         return model if model in self._served else UNKNOWN_MODEL
 
+    def _series(self, model: str, source: int) -> tuple[tuple, list]:
+        """(requests_total key, the request_duration histogram's own list) of an OK text of this model
+        and source: made once, since this runs on every hit."""
+        found = self._series_of.get((model, source))
+        if found is None:
+            name = SOURCE_NAMES[source]
+            duration = ("infercache_request_duration_seconds", model, name)
+            self.recorder.observe(duration, 0.0, count=0)  # its list exists from here on
+            found = self._series_of[(model, source)] = (("infercache_requests_total", model, name, "OK"),
+                                                        self.recorder.histograms[duration])
+        return found
+
     def answered(self, model: str, sources: list[int], seconds: float) -> None:
         """An OK call: one count per text by its source, and the call's latency."""
-        inc = self.recorder.inc
-        for source in sources:
-            inc(("infercache_requests_total", model, SOURCE_NAMES[source], "OK"))
-        costliest = max(sources, key=COST_ORDER.__getitem__)
-        self.recorder.observe(("infercache_request_duration_seconds", model, SOURCE_NAMES[costliest]), seconds)
+        counters = self.recorder.counters
+        if len(sources) == 1:
+            key, histogram = self._series(model, sources[0])
+            counters[key] = counters.get(key, 0) + 1
+        else:
+            for source in sources:
+                key = self._series(model, source)[0]
+                counters[key] = counters.get(key, 0) + 1
+            histogram = self._series(model, max(sources, key=COST_ORDER.__getitem__))[1]
+        histogram[bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        histogram[-1] += seconds
 
     def failed(self, model: str, texts: int, code: str, seconds: float) -> None:
         self.recorder.inc(("infercache_requests_total", model, "none", code), texts)
@@ -65,7 +88,8 @@ class FrontendMetrics:
             spent: tuple[str, str] | None = None) -> None:
         """An answer the model did not compute: it spared the engine time of `spared` (default the
         model version itself), less that of `spent` (a model that ran for it anyway), if given."""
-        self._pending[(model, version, length_class(chars), spared or (model, version), spent)] += 1
+        key = (model, version, chars.bit_length(), spared, spent)  # (bit_length: the length class)
+        self._pending[key] = self._pending.get(key, 0) + 1
 
     def tokenized(self, model: str, version: str, chars: int, bucket: int) -> None:
         self._buckets[(model, version, length_class(chars))][bucket] += 1
@@ -74,7 +98,7 @@ class FrontendMetrics:
         """Pending hits into seconds saved, where the workers have published the times they need."""
         for key, hits in list(self._pending.items()):
             model, version, cls, spared, spent = key
-            gained, lost = means.get(spared), means.get(spent) if spent is not None else {}
+            gained, lost = means.get(spared or (model, version)), means.get(spent) if spent is not None else {}
             if not gained or (spent is not None and not lost):
                 continue
             seconds = self._expected(model, version, cls, gained)

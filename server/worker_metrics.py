@@ -32,8 +32,9 @@ class WorkerMetrics:
             for size, launches in batcher.sizes.items():
                 out.observe(("infercache_batch_size", model), size, launches)
             out.inc(("infercache_compute_seconds_total", model), batcher.seconds)
-            if runtime.built_s:
-                out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device))
+            # 0 for an engine loaded from the store: the series exists, so increase() sees a build
+            out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device),
+                    1 if runtime.built_s else 0)
         for name, writer in (("results", self.core.writer), ("features", self._feature_writer())):
             if writer is not None:
                 out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
