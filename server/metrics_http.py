@@ -2,9 +2,9 @@
 
 Counters and histograms are summed over the processes' files. Gauges are summed too: each series has one
 publisher (the store's figures come from worker 0 only, an engine's from its worker, named by the
-`worker` label), or adds up by nature (a model's queue depth over its workers). The supervisor adds its own figures (restarts, live processes). The endpoint is
-prometheus_client's HTTP server on a thread of its own, with a collector that reads the files on each
-scrape; nothing here runs on a request path.
+`worker` label), or adds up by nature (a model's queue depth over its workers). The supervisor adds its
+own figures (restarts, live processes). The endpoint is prometheus_client's HTTP server on a thread of
+its own, with a collector that reads the files on each scrape; nothing here runs on a request path.
 """
 
 from __future__ import annotations

@@ -97,18 +97,19 @@ class Recorder:
         for name, labels, values in snapshot.get("histograms", ()):
             spec = SCHEMA.get(name)
             if spec is not None and len(values) == len(spec[3]) + 2:
-                found = self.histograms.setdefault((name, *labels), [0] * len(values))
-                for n, value in enumerate(values):
-                    found[n] += value
+                self._add_histogram((name, *labels), values)
 
     def add(self, other: Recorder) -> None:
         """The other's counters and histograms added to this one's."""
         for key, value in other.counters.items():
             self.inc(key, value)
         for key, values in other.histograms.items():
-            found = self.histograms.setdefault(key, [0] * len(values))
-            for n, value in enumerate(values):
-                found[n] += value
+            self._add_histogram(key, values)
+
+    def _add_histogram(self, key: tuple, values: list[float]) -> None:
+        found = self.histograms.setdefault(key, [0] * len(values))
+        for n, value in enumerate(values):
+            found[n] += value
 
     def plus(self, *others: Recorder) -> Recorder:
         """A new recorder holding this one's figures and the others' (a predecessor's, or figures derived

@@ -35,14 +35,16 @@ class WorkerMetrics:
             # 0 for an engine loaded from the store: the series exists, so increase() sees a build
             out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device),
                     1 if runtime.built_s else 0)
-        for name, writer in (("results", self.core.writer), ("features", self._feature_writer())):
-            if writer is not None:
-                out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
-                out.inc(("infercache_store_swept_total", name), writer.counters["swept"])
+        for name, writer in self._writers():
+            out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
+            out.inc(("infercache_store_swept_total", name), writer.counters["swept"])
         return out
 
-    def _feature_writer(self):
-        return self.core.features.writer if self.core.features is not None else None
+    def _writers(self):
+        """(store label, its write-behind) of each store this worker writes."""
+        features = self.core.features.writer if self.core.features is not None else None
+        return [(name, writer) for name, writer in (("results", self.core.writer), ("features", features))
+                if writer is not None]
 
     def _gauges(self) -> list[tuple[tuple, float]]:
         gauges: dict[tuple, float] = {}
@@ -81,9 +83,7 @@ class WorkerMetrics:
 
     def _read_store_gauges(self) -> list[tuple[tuple, float]]:
         out = []
-        for name, writer in (("results", self.core.writer), ("features", self._feature_writer())):
-            if writer is None:
-                continue
+        for name, writer in self._writers():
             try:
                 stats = writer.store.stats()
             except Exception:  # a damaged or vanished store: its figures are left out, never the rest
