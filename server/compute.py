@@ -90,6 +90,18 @@ class _Flight:
         self.leased = False  # this pod holds the key's fleet lease (dropped when the flight ends)
 
 
+def _answers_like_entry(flight: _Flight, item: worker_pb2.ComputeItem) -> bool:
+    """A finished flight whose entry is not committed yet stands for that entry: it answers an item
+    that may use a stored answer (not BYPASS) no older than the item's max_age."""
+    if not item.cached_ok:
+        return False
+    if not item.HasField("max_age_us"):
+        return True
+    matched = flight.outcome.matched  # a near-duplicate's or the fleet's record: its own age
+    created_us = matched.created_us if matched is not None else flight.created_us
+    return now_us() - created_us <= item.max_age_us
+
+
 def token_ids(packed: bytes) -> np.ndarray:
     """An item's token ids (int32 little-endian bytes, see worker.proto)."""
     return np.frombuffer(packed, dtype="<i4")
@@ -163,6 +175,8 @@ class WorkerCore:
             return
         try:
             flight = self._inflight.get(item.key)
+            if flight is not None and flight.outcome is not None and not _answers_like_entry(flight, item):
+                flight = None  # finished before this item came, and it wants a fresher answer: compute anew
             joined = flight is not None
             if flight is None:
                 runtime = self.runtime(item.model, item.version)

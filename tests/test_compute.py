@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
@@ -87,3 +88,51 @@ def test_identical_items_in_one_frame_are_computed_once(tmp_path):
     assert sources == [pb.CacheInfo.MISS] + [pb.CacheInfo.COALESCED] * 4
     assert core.counters["computed"] == 1 and core.counters["coalesced"] == 4
     assert len({payload for _, payload in answers.answers.values()}) == 1
+
+
+
+def _follow_up(kind: str, key: bytes) -> worker_pb2.ComputeItem:
+    item = _item(2, key)
+    item.cached_ok = kind != "bypass"
+    if kind == "too_old":
+        item.max_age_us = 0
+    return item
+
+
+@pytest.mark.parametrize("kind, expected", [("bypass", pb.CacheInfo.MISS), ("too_old", pb.CacheInfo.MISS),
+                                            ("default", pb.CacheInfo.COALESCED)])
+def test_an_item_arriving_as_its_twin_is_answered_is_computed_again_unless_a_stored_answer_would_do(
+        tmp_path, kind, expected):
+    """The moment a flight is answered its entry is not committed yet, and the flight stands for it (the
+    CI caught a BYPASS call labelled COALESCED this way): a BYPASS item, or one that the answer is already
+    too old for, computes anew; a DEFAULT item takes the answer."""
+    link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    key = b"t" * 24
+
+    class FollowedAtOnce(Answers):
+        """Its caller sends the same text again as the answer arrives."""
+
+        def __init__(self, core: WorkerCore, later: Answers) -> None:
+            super().__init__()
+            self.core, self.later = core, later
+
+        def ok(self, item_id, source, payload, rejected=False):
+            super().ok(item_id, source, payload, rejected)
+            self.core.submit(self.later, _follow_up(kind, key), None)
+
+    async def scenario() -> tuple[Answers, Answers, WorkerCore]:
+        core = await _core(tmp_path)
+        later = Answers()
+        first = FollowedAtOnce(core, later)
+        core.submit(first, _item(1, key), None)
+        for _ in range(200):
+            if later.answers:
+                break
+            await asyncio.sleep(0.01)
+        await core.close()
+        return first, later, core
+
+    first, later, core = asyncio.run(scenario())
+    assert first.answers[1][0] == pb.CacheInfo.MISS
+    assert later.answers[2][0] == expected
+    assert core.counters["computed"] == (2 if expected == pb.CacheInfo.MISS else 1)
