@@ -284,6 +284,12 @@ def test_store_and_sockets_are_private_and_names_never_become_paths(start_server
     assert modes == {"loose-cache": 0o700, "stray": 0o600, "data.mdb": 0o600, "lock.mdb": 0o600}
     run = srv.workdir / "run"
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    with srv.client() as client:  # a hot key, so the frontend publishes a figures file (within a second)
+        client.infer("minilm", "a path")
+    deadline = time.monotonic() + 10
+    while not any(p.is_file() for p in figures.rglob("*")):
+        assert time.monotonic() < deadline, "no figures file was published"
+        time.sleep(0.05)
     assert {stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_file()} == {0o600}
     assert {stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_dir()} == {0o700}  # the figures
 
