@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_MODEL = "minilm"
@@ -135,12 +136,22 @@ def _train_head(args: argparse.Namespace) -> int:
 
 def _eval_semantic(args: argparse.Namespace) -> int:
     from server.tools.labelled_csv import LabelledDataError
-    from server.tools.semantic_eval import main as evaluate
 
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"eval-semantic-{args.model}-{stamp}.json")  # by default a new file, never a tracked one
     try:
-        evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,
-                 label_column=args.label_column, folds=args.folds, limit=args.limit, out=Path(args.out),
-                 png=Path(args.png) if args.png else None)
+        if args.folds:
+            from server.tools.semantic_eval import main as evaluate
+
+            evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,
+                     label_column=args.label_column, folds=args.folds, limit=args.limit, out=out,
+                     png=Path(args.png or out.with_suffix(".png")))
+        else:
+            from server.tools.semantic_heldout import main as evaluate
+
+            evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,
+                     label_column=args.label_column, limit=args.limit, holdout=args.holdout,
+                     leave_out=args.leave_out_labels, out=out, novel_modes=tuple(args.novel_replay.split(",")))
     except LabelledDataError as exc:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
@@ -213,10 +224,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     evaluate.add_argument("--address", default="127.0.0.1:50051")
     evaluate.add_argument("--text-column", default="text")
     evaluate.add_argument("--label-column", default="label")
-    evaluate.add_argument("--folds", type=int, default=5)
+    evaluate.add_argument("--holdout", type=int, default=5, help="replay every Nth row, warm with the rest")
+    evaluate.add_argument("--leave-out-labels", type=int, default=0, metavar="K",
+                          help="every Kth label never warms the cache: its rows are replayed as novel queries")
+    evaluate.add_argument("--novel-replay", default="static,streaming", choices=("static", "streaming", "static,streaming"),
+                          help="how the left-out labels' rows are replayed: NO_STORE, DEFAULT, or both in that order")
+    evaluate.add_argument("--folds", type=int, help="instead: k-fold replay of neighbours, consensus rules swept offline")
     evaluate.add_argument("--limit", type=int, help="use only the first N rows")
-    evaluate.add_argument("--out", default="bench/results/semantic.json")
-    evaluate.add_argument("--png", default="bench/results/semantic.png")
+    evaluate.add_argument("--out", help="JSON report (default: a new eval-semantic-MODEL-TIME.json here)")
+    evaluate.add_argument("--png", help="with --folds: the hits-vs-fidelity plot (default: beside --out)")
     evaluate.set_defaults(func=_eval_semantic)
 
     args = parser.parse_args(argv)

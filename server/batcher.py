@@ -104,6 +104,11 @@ class Batcher:
     def depth(self) -> int:
         return self._waiting
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waits and no batch runs (low-priority work may go in: server/shadow.py)."""
+        return self._waiting == 0 and not self._running and not self._incoming
+
     def bucket_of(self, length: int) -> int:
         return bucket_of(self.buckets, length)
 

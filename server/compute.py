@@ -38,10 +38,12 @@ from cachestore.writer import Selector, WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.errors import InferCacheError, ModelNotFound, WorkerUnavailable
-from server.match_policy import Neighbor
+from server.calibration import Calibration
+from server.match_policy import Assessment, Neighbor
 from server.features import FeatureTier, feature_selector, feature_tenant
 from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime
+from server.shadow import Check, ShadowVerifier
 from server.models import ModelRepository
 from server.telemetry import Recorder
 
@@ -139,6 +141,9 @@ class WorkerCore:
         self._committed: deque[_Flight] = deque()
         self._drain_scheduled = False
         self._loop = asyncio.get_running_loop()
+        # The calibrated semantic rule: outcomes per model version, and the hits' background checks.
+        self.calibrations: dict[tuple[str, str], Calibration] = {}
+        self.shadow = ShadowVerifier(self._checked) if semantic is not None else None
 
     def runtime(self, model: str, version: str) -> ModelRuntime:
         runtime = self.runtimes.get((model, version))
@@ -376,6 +381,7 @@ class WorkerCore:
             elif item.store:
                 self.features.put(ns, source, key, feature, started)
         neighbors: list[Neighbor] = []
+        assessment: Assessment | None = None
         rejected = False  # neighbours found, none the policy trusts (/metrics miss reason)
         if policy is not None:
             overrides = item.semantic
@@ -387,25 +393,69 @@ class WorkerCore:
                     ids = token_ids(item.embed_ids or item.ids)
                     embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
             if embedding is not None and lookup:
-                neighbors = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, max(policy.k, 5))
+                neighbors, assessment = await self.semantic.search(
+                    item.key[:NS_ID_BYTES], embedding, max(policy.k, 5), runtime.labels if policy.calibrated else None)
                 if neighbors and self.metrics is not None:
                     self.metrics.observe(("infercache_semantic_nearest_similarity", runtime.spec.name),
                                          neighbors[0].similarity)
                 floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
-                chosen = policy.decide(neighbors, floor) if item.cached_ok else None
-                if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
-                    return matched
-                rejected = item.cached_ok and bool(neighbors) and chosen is None
+                if item.cached_ok:
+                    if policy.calibrated:
+                        calibration = self._calibration(runtime)
+                        chosen = policy.decide(neighbors, assessment, calibration.threshold, floor)
+                    else:
+                        chosen = policy.decide(neighbors, floor)
+                    if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
+                        if policy.calibrated:
+                            self._verify(runtime, policy, item, feature, embedding, chosen, assessment)
+                        return matched
+                    rejected = bool(neighbors) and chosen is None
         outputs = await runtime.batcher.submit(token_ids(item.ids) if feature is None else feature, deadline)
         if policy is None:
             return _Outcome(runtime.payload(outputs, item.key))
         response = runtime.response(outputs, item.key)
+        if assessment is not None and policy.covers(neighbors, assessment):  # what the rule would have said
+            self._calibration(runtime).record(assessment.margin, assessment.answer == response.classification.label)
         stored = response.SerializeToString()
         payload = stored
         if self._explain(response, item, neighbors):
             payload = response.SerializeToString()
         return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
                         rejected=rejected)
+
+    def _calibration(self, runtime: ModelRuntime) -> Calibration:
+        key = (runtime.spec.name, runtime.version)
+        if (calibration := self.calibrations.get(key)) is None:
+            calibration = self.calibrations[key] = Calibration(runtime.spec.semantic.max_error)
+        return calibration
+
+    def _verify(self, runtime: ModelRuntime, policy, item: worker_pb2.ComputeItem, feature, embedding,
+                chosen: Neighbor, assessment: Assessment) -> None:
+        """Offers a semantic hit for shadow verification: always while its entry is unproven, else at
+        the model's verify_fraction."""
+        if policy.verify_fraction == 0:  # verification off: no checks, no live fidelity
+            return
+        chance = self.shadow.chance(chosen.key, policy.verify_fraction)
+        if chance < 1.0 and np.random.random() >= chance:
+            return
+        model_input = token_ids(item.ids) if feature is None else feature
+        self.shadow.offer(Check(runtime, self._calibration(runtime), item, model_input, embedding, chosen.answer,
+                                assessment.margin, chosen.key, chance))
+
+    def _checked(self, check: Check, outputs: dict, agreed: bool) -> None:
+        """A verified hit: the model's answer replaces the alias the hit wrote (when its request stored
+        one) and joins the index, so the same text gets the model's own answer, and its neighbours one
+        more verified entry (a wrong hit's correction among them)."""
+        item = check.item
+        if not item.store or self.writer is None:
+            return
+        runtime = check.runtime
+        response = runtime.response(outputs, item.key)
+        created = now_us()
+        record = records.Record(created, created + runtime.spec.ttl_s * 1_000_000, response.SerializeToString())
+        self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record,
+                        semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label, check.embedding))
+        self.counters["semantic_verified_stored" if agreed else "semantic_corrected"] += 1
 
     def _embedder(self, policy) -> ModelRuntime:
         return self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
@@ -473,7 +523,11 @@ class WorkerCore:
         if self.writer is not None:
             groups.append(("writer", self.writer.counters))
         if self.semantic is not None:
-            groups.append(("semantic", self.semantic.counters))
+            counters = self.semantic.counters
+            counters.update(self.shadow.counters)
+            groups.append(("semantic", counters))
+            for (model, version), calibration in self.calibrations.items():
+                groups.append((f"semantic.{model}.{version}", calibration.stats()))
         if self.features is not None:
             groups.append(("features", self.features.stats()))
             if self.features.writer is not None:
@@ -485,6 +539,8 @@ class WorkerCore:
         return groups
 
     async def close(self) -> None:
+        if self.shadow is not None:
+            await self.shadow.close()
         for runtime in self.runtimes.values():
             await runtime.batcher.close()
         pending = [f.future for f in list(self._inflight.values()) if f.future is not None and f.outcome is None]

@@ -50,6 +50,7 @@ Mode = pb.CachePolicy.Mode
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 _ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per request saved on the hot path
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
+STORE_GRACE_S = 30.0  # till then an unopenable store is logged as info, after as a warning
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 HOT_KEYS_SHOWN = 20  # GetHotKeys without a limit
@@ -115,6 +116,7 @@ class FrontendCore:
         self._cache: ResultCache | None = None
         self._cache_retry_at = 0.0
         self._cache_warn_at = 0.0
+        self._created_at = time.monotonic()
         self._served: dict[tuple[str, str], _Served] = {}
         self._plans: dict[tuple[str, str, str, int], _Plan] = {}  # see _plan
 
@@ -128,7 +130,9 @@ class FrontendCore:
                 self._cache_retry_at = now + STORE_RETRY_S
                 if now >= self._cache_warn_at:  # a fresh store appears shortly; a broken one warns every 30 s
                     self._cache_warn_at = now + 30
-                    log.warning("result cache unavailable, serving misses until it opens: %s", exc)
+                    # The worker creates a fresh store moments after start: not a warning, unless it lasts.
+                    level = logging.INFO if now - self._created_at < STORE_GRACE_S else logging.WARNING
+                    log.log(level, "result cache unavailable, serving misses until it opens: %s", exc)
         return self._cache
 
     def _encoder(self, spec: ModelSpec, version: str) -> TextEncoder:

@@ -1,12 +1,28 @@
-"""The semantic match policy: when may a cached near-duplicate answer a request?
+"""The semantic match policies: when may a cached near-duplicate answer a request?
 
-A wrong cached answer is worse than a slow one, so one similarity over one threshold is not enough:
-the nearest neighbours must also agree on the answer they hold (consensus).
+A wrong cached answer is worse than a slow one. Two rules:
+
+- **calibrated** (the default): the user sets `max_error`, the probability that a semantic hit differs
+  from the model's own answer. The k nearest entries' class scores are interpolated at the query
+  (`assess`): weights that rebuild the query's embedding from theirs (an affine combination, ridge
+  regularized) applied to their log-scores. For a model whose scores vary smoothly with the embedding
+  this is a first-order estimate of the model's scores at the query; for a linear head on the embedder it
+  is exact when the query lies in the neighbours' affine hull. The predicted answer must lead its
+  runner-up by a margin that verified outcomes say keeps the error under `max_error`
+  (server/calibration.py), and the query must be covered: its distance from the neighbours' hull
+  (`residual`) at most `coverage`. A query far from everything cached is a miss whatever its nearest label.
+- **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
+  similarity floor and agreement among the nearest neighbours.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+RIDGE = 0.01  # keeps the weights bounded when neighbours nearly coincide
 
 
 @dataclass(frozen=True)
@@ -17,43 +33,102 @@ class Neighbor:
 
 
 @dataclass(frozen=True)
+class Assessment:
+    """What the nearest entries say of the model's answer at the query."""
+
+    answer: str      # the label the interpolated scores rank first
+    margin: float    # its lead over the runner-up (log-probability)
+    residual: float  # the query's distance from the neighbours' affine hull (unit vectors: 0 .. 2)
+
+
+def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: list[str]) -> Assessment:
+    """`vectors` (k x dim) and `scores` (k x classes, probabilities) of the k nearest entries."""
+    k = len(vectors)
+    gram = vectors @ vectors.T + RIDGE * np.eye(k)
+    toward_query = np.linalg.solve(gram, vectors @ query)
+    toward_ones = np.linalg.solve(gram, np.ones(k))
+    weights = toward_query + (1.0 - toward_query.sum()) / toward_ones.sum() * toward_ones  # they sum to 1
+    logits = weights @ np.log(np.maximum(scores, 1e-12))
+    first, second = np.argsort(logits)[::-1][:2] if len(logits) > 1 else (int(np.argmax(logits)), None)
+    margin = float(logits[first] - logits[second]) if second is not None else math.inf
+    residual = float(np.linalg.norm(query - weights @ vectors))
+    return Assessment(labels[int(first)] if int(first) < len(labels) else "", margin, residual)
+
+
+@dataclass(frozen=True)
+class CalibratedPolicy:
+    embedder: str = "minilm"
+    max_error: float = 0.01      # P(semantic hit != the model's answer) to stay under
+    coverage: float = 0.5        # the most residual a covered query has (Banking77: held-out median 0.31)
+    k: int = 10                  # neighbours interpolated
+    verify_fraction: float = 0.1  # share of hits recomputed in the background (all while an entry is unproven)
+    calibrated = True
+    rule = "calibrated"
+
+    def decide(self, neighbors: list[Neighbor], assessment: Assessment | None, threshold: float,
+               min_similarity: float | None = None) -> Neighbor | None:
+        """The entry that answers (the nearest holding the predicted answer), or None."""
+        if assessment is None or not neighbors:
+            return None
+        if min_similarity is not None and neighbors[0].similarity < min_similarity:
+            return None
+        if assessment.margin < threshold or not self.covers(neighbors, assessment):
+            return None
+        return next(n for n in neighbors if n.answer == assessment.answer)
+
+    def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
+        """The query is near enough to what is cached, and an entry holds the predicted answer: the
+        rule would answer at a low enough threshold (such a miss is an outcome to calibrate on)."""
+        return assessment.residual <= self.coverage and any(n.answer == assessment.answer for n in neighbors)
+
+
+@dataclass(frozen=True)
 class MatchPolicy:
-    """When a cached neighbour may answer. All of:
+    """The fixed consensus rule. All of:
     - the nearest neighbour's similarity >= min_similarity;
-    - every neighbour among the k nearest with similarity >= neighborhood holds the same answer;
-    - at least min_agree of them (the nearest included) do.
+    - the nearest and every neighbour among the k nearest with similarity >= neighborhood hold the
+      same answer, and at least min_agree of them do (the nearest included).
     """
 
-    # Defaults from `infercache eval-semantic` on Banking77 train (5-fold CV, 10,003 rows): 80.1% of
-    # exact misses answered at 99.32% fidelity, where the best fixed threshold reaching 99% (0.96)
-    # answers 20.5% (bench/results/semantic.json). Two agreeing neighbours are required: with one, a
-    # lone entry in a sparse cache answers for anything near it.
     embedder: str = "minilm"
     min_similarity: float = 0.62
     neighborhood: float = 0.65
     k: int = 5
     min_agree: int = 2
+    calibrated = False
+    rule = "consensus"
 
     def decide(self, neighbors: list[Neighbor], min_similarity: float | None = None) -> Neighbor | None:
         floor = self.min_similarity if min_similarity is None else min_similarity
         if not neighbors or neighbors[0].similarity < floor:
             return None
         nearest = neighbors[0]
-        close = [n for n in neighbors[: self.k] if n.similarity >= min(self.neighborhood, floor)]
+        close = [nearest] + [n for n in neighbors[1:self.k] if n.similarity >= self.neighborhood]
         if len(close) < self.min_agree or any(n.answer != nearest.answer for n in close):
             return None
         return nearest
 
 
-def policy_from_config(section: dict | None) -> MatchPolicy | None:
-    """The model's policy from its config.yaml `semantic:` section (None when off)."""
+
+def policy_from_config(section: dict | None) -> CalibratedPolicy | MatchPolicy | None:
+    """The model's policy from its config.yaml `semantic:` section (None when off). Setting
+    `min_similarity` chooses the fixed consensus rule; otherwise the calibrated rule applies."""
     if not section or not section.get("enabled", False):
         return None
-    fields = {k: section[k] for k in ("embedder", "min_similarity", "neighborhood", "k", "min_agree") if k in section}
+    cls = MatchPolicy if "min_similarity" in section else CalibratedPolicy
+    names = {f.name for f in fields(cls)}
+    unknown = set(section) - names - {"enabled"}
+    if unknown:
+        raise ValueError(f"semantic: {', '.join(sorted(unknown))} not settings of the {cls.rule} rule "
+                         f"({', '.join(sorted(names))}; min_similarity chooses the consensus rule)")
     try:
-        policy = MatchPolicy(**{k: type(getattr(MatchPolicy, k))(v) for k, v in fields.items()})
+        policy = cls(**{k: type(getattr(cls, k))(v) for k, v in section.items() if k in names})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"semantic: {exc}") from None
-    if not (0 < policy.min_similarity <= 1 and 0 < policy.neighborhood <= 1 and policy.k >= policy.min_agree >= 1):
-        raise ValueError("semantic: need 0 < min_similarity, neighborhood <= 1 and k >= min_agree >= 1")
+    if isinstance(policy, MatchPolicy):
+        if not (0 < policy.min_similarity <= 1 and 0 < policy.neighborhood <= 1 and policy.k >= policy.min_agree >= 1):
+            raise ValueError("semantic: need 0 < min_similarity, neighborhood <= 1 and k >= min_agree >= 1")
+    elif not (0 < policy.max_error < 1 and 0 < policy.coverage <= 2 and policy.k >= 2
+              and 0 <= policy.verify_fraction <= 1):
+        raise ValueError("semantic: need 0 < max_error < 1, 0 < coverage <= 2, k >= 2 and 0 <= verify_fraction <= 1")
     return policy

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import hnswlib
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from cachestore import records
 from cachestore import semantic as log_rows
@@ -29,7 +30,8 @@ from cachestore.env import DB_RESULTS, DIR_MODE, FILE_MODE, Store
 from cachestore.errors import CorruptRecord
 from cachestore.results import now_us
 from cachestore.semantic import Row
-from server.match_policy import Neighbor
+from infercache.v1 import infercache_pb2 as pb
+from server.match_policy import Assessment, Neighbor, assess
 
 log = logging.getLogger("infercache.semantic")
 
@@ -66,9 +68,10 @@ class _Index:
         self.graph.mark_deleted(label)
         return True
 
-    def search(self, vector: np.ndarray, k: int, alive) -> list[Neighbor]:
-        """The k nearest live entries; entries whose record is gone or expired (another worker swept,
-        evicted or invalidated them: only the worker that deletes hears of it) leave the index here."""
+    def search(self, vector: np.ndarray, k: int, alive) -> list[tuple[int, Neighbor]]:
+        """The k nearest live entries with their labels; entries whose record is gone or expired
+        (another worker swept, evicted or invalidated them: only the worker that deletes hears of it)
+        leave the index here. `alive(key)` is the entry's record when it is live, else None."""
         k = min(k, len(self.rows))
         while k > 0:
             try:
@@ -85,7 +88,7 @@ class _Index:
                 if not alive(key):
                     self.remove(int(label))
                     continue
-                out.append(Neighbor(float(1.0 - distance), key, answer))
+                out.append((int(label), Neighbor(float(1.0 - distance), key, answer)))
         return out
 
 
@@ -119,13 +122,17 @@ class SemanticTier:
         """Rebuilds every index in the background (exact hits and misses are served meanwhile)."""
         return asyncio.get_running_loop().run_in_executor(self._owner, self._load_all)
 
-    async def search(self, ns_id: bytes, vector: np.ndarray, k: int) -> list[Neighbor]:
+    async def search(self, ns_id: bytes, vector: np.ndarray, k: int, labels: list[str] | None = None
+                     ) -> tuple[list[Neighbor], Assessment | None]:
+        """The k nearest live entries; with the model's `labels` (the calibrated rule), also what their
+        class scores say of the query (match_policy.assess), None when fewer than two could tell."""
         if not self.ready:
             self._lookups["lookups_before_ready"] += 1
-            return []
-        neighbors = await asyncio.get_running_loop().run_in_executor(self._owner, self._search, ns_id, vector, k)
+            return [], None
+        neighbors, assessment = await asyncio.get_running_loop().run_in_executor(
+            self._owner, self._search, ns_id, vector, k, labels)
         self._observe(neighbors)
-        return neighbors
+        return neighbors, assessment
 
     def _observe(self, neighbors: list[Neighbor]) -> None:
         """Histogram of the nearest similarity of every lookup, hit or miss (GetStats)."""
@@ -157,10 +164,11 @@ class SemanticTier:
             index = self._indexes[ns_id] = _Index(self.dim)
         return index
 
-    def _search(self, ns_id: bytes, vector: np.ndarray, k: int) -> list[Neighbor]:
+    def _search(self, ns_id: bytes, vector: np.ndarray, k: int, labels: list[str] | None
+                ) -> tuple[list[Neighbor], Assessment | None]:
         index = self._indexes.get(ns_id)
         if index is None:
-            return []
+            return [], None
         now = now_us()
         results_db = self.store.dbs[DB_RESULTS]
         with self.store.begin(buffers=True) as txn:
@@ -177,7 +185,28 @@ class SemanticTier:
             before = len(index.rows)
             found = index.search(vector, k, alive)
             self._index_counters["stale_dropped"] += before - len(index.rows)
-        return found
+            assessment = self._assess(index, txn, vector, found, labels) if labels else None
+        return [n for _, n in found], assessment
+
+    def _assess(self, index: _Index, txn, vector: np.ndarray, found: list[tuple[int, Neighbor]],
+                labels: list[str]) -> Assessment | None:
+        """Interpolates the found entries' stored class scores at the query (entries whose record
+        does not read back, or carries no scores of the model's shape, are left out)."""
+        rows, scores = [], []
+        for label, neighbor in found:
+            try:
+                raw = txn.get(neighbor.key, db=self.store.dbs[DB_RESULTS])
+                response = pb.InferResponse.FromString(records.decode(raw, neighbor.key, self.store.ring).payload)
+                tensor = next(t for t in response.outputs if t.name == "scores")
+                values = np.frombuffer(tensor.data, dtype="<f4")
+            except (CorruptRecord, DecodeError, StopIteration, TypeError, ValueError):
+                continue
+            if values.shape == (len(labels),):
+                rows.append(label)
+                scores.append(values)
+        if len(rows) < 2:
+            return None
+        return assess(vector, index.graph.get_items(rows), np.stack(scores), labels)
 
     def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         try:

@@ -58,6 +58,15 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
     "infercache_semantic_nearest_similarity": (
         "histogram", "Cosine similarity of the nearest neighbour found by each semantic search.", ("model",),
         SIMILARITY_BOUNDS),
+    "infercache_semantic_verifications_total": (
+        "counter", "Semantic hits recomputed by shadow verification, by whether the model agreed.",
+        ("model", "outcome"), ()),
+    "infercache_semantic_fidelity": (
+        "gauge", "Live fidelity of the semantic hits served (shadow verification, weighted by each check's "
+        "chance); absent before the first check.", ("model", "version", "worker"), ()),
+    "infercache_semantic_threshold": (
+        "gauge", "The calibrated rule's margin threshold in force (absent while outcomes support none).",
+        ("model", "version", "worker"), ()),
     "infercache_engines_built_total": (
         "counter", "Engines built when the server started (not found in the engine store): a cold start.",
         ("model", "runtime", "device"), ()),

@@ -35,6 +35,10 @@ class WorkerMetrics:
             # 0 for an engine loaded from the store: the series exists, so increase() sees a build
             out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device),
                     1 if runtime.built_s else 0)
+        for (model, _), calibration in self.core.calibrations.items():
+            out.inc(("infercache_semantic_verifications_total", model, "agreed"),
+                    calibration.verified - calibration.disagreed)
+            out.inc(("infercache_semantic_verifications_total", model, "disagreed"), calibration.disagreed)
         for name, writer in self._writers():
             out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
             out.inc(("infercache_store_swept_total", name), writer.counters["swept"])
@@ -57,6 +61,12 @@ class WorkerMetrics:
             gauges[("infercache_engine_warmup_seconds", *labels)] = runtime.warmup_s
         if self.core.semantic is not None:
             gauges[("infercache_semantic_index_entries",)] = self.core.semantic.entries()
+        for (model, version), calibration in self.core.calibrations.items():
+            labels = (model, version, str(self.placement.index))
+            if calibration.fidelity is not None:
+                gauges[("infercache_semantic_fidelity", *labels)] = calibration.fidelity
+            if calibration.threshold != float("inf"):
+                gauges[("infercache_semantic_threshold", *labels)] = calibration.threshold
         return [*gauges.items(), *self._store_gauges]
 
     def _means(self) -> dict[str, dict[int, float]]:

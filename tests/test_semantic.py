@@ -224,6 +224,15 @@ def test_match_policy_rules():
     assert policy.decide([]) is None
 
 
+def test_neighborhood_decides_which_neighbours_must_agree():
+    """It had no effect under the defaults (the rule took min(neighborhood, min_similarity))."""
+    n = lambda s, a: Neighbor(s, b"", a)  # noqa: E731
+    neighbors = [n(0.92, "x"), n(0.8, "x"), n(0.68, "y"), n(0.63, "y")]
+    decisions = {hood: MatchPolicy(min_similarity=0.62, neighborhood=hood).decide(neighbors) is not None
+                 for hood in (0.62, 0.65, 0.70, 0.90)}
+    assert decisions == {0.62: False, 0.65: False, 0.70: True, 0.90: False}  # 0.90: the nearest alone, min_agree 2
+
+
 def test_index_grows_past_its_capacity_and_forgets_removed_entries():
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((INITIAL_CAPACITY + 500, 16)).astype(np.float32)
@@ -231,10 +240,10 @@ def test_index_grows_past_its_capacity_and_forgets_removed_entries():
     index = _Index(dim=16)
     index.add([Row(b"n" * 8, i, bytes([i % 256]) * 24, f"a{i % 3}", v) for i, v in enumerate(vectors)])
     assert index.graph.get_max_elements() >= len(vectors) and len(index.rows) == len(vectors)
-    nearest = index.search(vectors[1234], 3, lambda key: True)
-    assert nearest[0].similarity > 0.999 and nearest[0].answer == "a1"
+    (label, nearest), *_ = index.search(vectors[1234], 3, lambda key: True)
+    assert label == 1234 and nearest.similarity > 0.999 and nearest.answer == "a1"
     index.remove(1234)
-    assert all(n.similarity < 0.999 for n in index.search(vectors[1234], 3, lambda key: True))
+    assert all(n.similarity < 0.999 for _, n in index.search(vectors[1234], 3, lambda key: True))
 
 
 BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"

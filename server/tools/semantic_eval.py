@@ -47,7 +47,7 @@ class Query:
     neighbors: tuple[tuple[float, str], ...] = ()
 
 
-async def _send_all(stub, requests: list[pb.InferRequest], concurrency: int) -> list[pb.InferResponse]:
+async def send_all(stub, requests: list[pb.InferRequest], concurrency: int) -> list[pb.InferResponse]:
     out: list[pb.InferResponse | None] = [None] * len(requests)
     position = iter(range(len(requests)))
 
@@ -166,13 +166,13 @@ async def run(address: str, model: str, rows: list[tuple[str, str]], folds: int,
             replay = [(t, l) for i, (t, l) in enumerate(rows) if i % folds == fold]
             started = time.monotonic()
             off = pb.SemanticPolicy(enabled=False)
-            responses = await _send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=t, semantic=off)
+            responses = await send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=t, semantic=off)
                                                for t in warm], concurrency)
             indexed += sum(r.cache.source == pb.CacheInfo.MISS for r in responses)
             await _wait_indexed(stub, indexed)
             explain = pb.SemanticPolicy(enabled=True, min_similarity=1.0, explain=True)
             policy = pb.CachePolicy(mode=pb.CachePolicy.NO_STORE)
-            responses = await _send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=t, cache=policy,
+            responses = await send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=t, cache=policy,
                                                                semantic=explain) for t, _ in replay], concurrency)
             fold_queries = [Query(fold, t, l) for t, l in replay]
             recheck = []
@@ -183,7 +183,7 @@ async def run(address: str, model: str, rows: list[tuple[str, str]], folds: int,
                 if r.cache.source == pb.CacheInfo.RESULT_SEMANTIC:
                     recheck.append(q)  # a neighbour at similarity 1.0 answered: ask the model itself
             if recheck:
-                again = await _send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=q.text, cache=policy,
+                again = await send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=q.text, cache=policy,
                                                                semantic=off) for q in recheck], concurrency)
                 for q, r in zip(recheck, again):
                     q.answer = r.classification.label

@@ -21,6 +21,7 @@ import numpy as np
 from server.engines.onnxruntime import OrtEngine
 from server.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
                            TORCH_WEIGHTS_FILE, load_model)
+from server.match_policy import CalibratedPolicy
 from server.tools.labelled_csv import read_labelled_csv
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder, pad_batch
@@ -112,10 +113,17 @@ def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
         lines.append(line.split("#", 1)[0].rstrip())  # the encoder's comments describe the encoder
     lines.append("outputs: [scores]       # class probabilities; the label and its probability come in `classification`")
     if semantic:
+        policy = CalibratedPolicy()
         lines += [
             "semantic:               # near-duplicate requests answered from the cache (see README, Semantic matching)",
             "  enabled: true",
             f"  embedder: {encoder_name}       # the model whose embedding output finds neighbours",
+            f"  max_error: {policy.max_error}        # P(a semantic hit differs from the model's answer) to stay under",
+            f"  coverage: {policy.coverage}          # queries farther than this from the cached neighbours' hull miss",
+            f"  k: {policy.k}                 # neighbours whose class scores are interpolated",
+            f"  verify_fraction: {policy.verify_fraction}   # hits recomputed in the background (all while an entry is unproven)",
+            "  # Expert override, a fixed consensus rule instead (setting min_similarity chooses it):",
+            "  # min_similarity: 0.62, neighborhood: 0.65, k: 5, min_agree: 2",
         ]
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,96 @@
+"""Shadow verification of semantic hits (calibrated rule, server/match_policy.py).
+
+A share of the semantic hits served (`semantic.verify_fraction`), and every hit answered by an entry no
+verification has proven yet, is recomputed by the model in the background and compared with the answer
+served. Checks run at low priority: one at a time, and only while the model's batcher is idle (nothing
+queued, no batch running), so a foreground miss never queues behind one; when they come faster than
+idle time allows, the oldest are dropped (counted). Each outcome feeds the model version's calibration
+(threshold, live fidelity, guard: server/calibration.py); an agreement proves the entry. Either way the
+model's answer goes to `on_checked` (the worker stores it under the query's key, replacing the alias the
+hit wrote, and indexes it: a verified answer is an entry of its own). One owner: the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from server.calibration import Calibration
+
+log = logging.getLogger("infercache.shadow")
+
+IDLE_POLL_S = 0.002
+CAPACITY = 1024              # checks waiting; beyond it the oldest are dropped
+PROVEN_CAPACITY = 1_000_000  # entries remembered as proven (forgotten together: they re-prove, the safe way)
+
+
+@dataclass
+class Check:
+    runtime: Any               # the model's ModelRuntime (its batcher and labels)
+    calibration: Calibration
+    item: Any                  # the request's worker_pb2.ComputeItem
+    model_input: Any           # what the model's batcher takes: the head's feature, or token ids
+    embedding: np.ndarray
+    served: str                # the answer the hit gave
+    margin: float
+    entry: bytes               # the key of the entry that answered
+    chance: float              # the probability this hit was verified
+
+
+class ShadowVerifier:
+    def __init__(self, on_checked: Callable[[Check, dict, bool], None]) -> None:
+        self.on_checked = on_checked
+        self.counters: Counter[str] = Counter()
+        self._pending: deque[Check] = deque()
+        self._proven: set[bytes] = set()
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="shadow-verifier")
+
+    def chance(self, entry: bytes, fraction: float) -> float:
+        """How likely a hit answered by `entry` is verified: always while the entry is unproven."""
+        return fraction if entry in self._proven else 1.0
+
+    def offer(self, check: Check) -> None:
+        if len(self._pending) >= CAPACITY:
+            self._pending.popleft()
+            self.counters["shadow_dropped"] += 1
+        self._pending.append(check)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                check = self._pending.popleft()
+                batcher = check.runtime.batcher
+                while not batcher.idle:  # foreground work first
+                    await asyncio.sleep(IDLE_POLL_S)
+                try:
+                    outputs = await batcher.submit(check.model_input, None)
+                    self._settle(check, outputs)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a check lost is a sample lost, never an answer
+                    self.counters["shadow_failed"] += 1
+                    log.exception("shadow verification failed")
+
+    def _settle(self, check: Check, outputs: dict) -> None:
+        answer = check.runtime.labels[int(np.argmax(outputs["scores"]))]
+        agreed = answer == check.served
+        check.calibration.verified_hit(check.margin, agreed, check.chance)
+        self.counters["shadow_agreed" if agreed else "shadow_disagreed"] += 1
+        if agreed:
+            if len(self._proven) >= PROVEN_CAPACITY:
+                self._proven.clear()
+            self._proven.add(check.entry)
+        self.on_checked(check, outputs, agreed)

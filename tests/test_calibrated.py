@@ -1,0 +1,169 @@
+"""The calibrated semantic rule: interpolation of the neighbours' class scores, the error bound learnt from
+outcomes, and shadow verification of hits, through a real server (tests/test_semantic.py has the
+consensus rule)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import math
+import time
+
+import numpy as np
+import pytest
+
+from infercache.testing import ServerProcess
+from server.calibration import EDGES, Calibration, wilson_upper
+from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
+from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.helpers import link_model, unique
+
+
+def test_interpolation_is_exact_for_a_linear_head_inside_the_neighbours_hull():
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((16, 4))
+    vectors = rng.standard_normal((6, 16))
+    scores = np.exp(vectors @ weight)
+    scores /= scores.sum(axis=1, keepdims=True)
+    blend = np.array([0.5, 0.3, 0.2, 0, 0, 0])
+    query = blend @ vectors  # an affine combination of the neighbours
+    found = assess(query, vectors, scores, ["a", "b", "c", "d"])
+    logits = query @ weight
+    expected = np.sort(logits)[::-1]
+    assert found.answer == "abcd"[int(np.argmax(logits))]
+    assert found.margin == pytest.approx(expected[0] - expected[1], abs=0.05)
+    assert found.residual < 0.05
+    far = assess(rng.standard_normal(16) * 3, vectors, scores, ["a", "b", "c", "d"])
+    assert far.residual > 1
+
+
+def test_calibrated_decision_needs_coverage_margin_and_an_entry_holding_the_answer():
+    policy = CalibratedPolicy(coverage=0.5)
+    neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "y")]
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=1.0).key == b"k2"  # nearest holding it
+    assert policy.decide(neighbors, Assessment("y", 0.5, 0.3), threshold=1.0) is None       # margin short
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.7), threshold=1.0) is None       # not covered
+    assert policy.decide(neighbors, Assessment("z", 9.0, 0.1), threshold=1.0) is None       # nobody holds z
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=math.inf) is None  # no outcomes yet
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), 1.0, min_similarity=0.95) is None
+
+
+def test_threshold_is_the_lowest_margin_whose_error_bound_holds_and_the_guard_tightens():
+    calibration = Calibration(max_error=0.05)
+    assert calibration.threshold == math.inf
+    for _ in range(100):
+        calibration.record(0.1, agreed=False)  # low margins: wrong as often as right
+        calibration.record(0.1, agreed=True)
+    for _ in range(200):
+        calibration.record(3.0, agreed=True)
+    assert calibration.threshold == pytest.approx(EDGES[1]) and EDGES[1] > 0.1  # the first edge above the bad ones
+    assert wilson_upper(0, 200) < 0.05 < wilson_upper(100, 400)
+    for _ in range(40):
+        calibration.verified_hit(3.0, agreed=True, chance=1.0)
+    base = calibration.threshold
+    for _ in range(5):
+        calibration.verified_hit(3.0, agreed=False, chance=1.0)
+    assert calibration.tightened >= 1 and calibration.threshold > base  # live fidelity fell below 95%
+    assert calibration.fidelity == pytest.approx(40 / 45)
+    for _ in range(400):
+        calibration.verified_hit(3.0, agreed=True, chance=0.5)
+    assert calibration.tightened == 0  # recovered
+    assert calibration.stats()["verified"] == 445 and calibration.stats()["verified_disagreed"] == 5
+
+
+def test_config_chooses_the_rule():
+    assert isinstance(policy_from_config({"enabled": True}), CalibratedPolicy)
+    with pytest.raises(ValueError, match="consensus"):
+        policy_from_config({"enabled": True, "min_similarity": 0.7, "max_error": 0.01})
+    with pytest.raises(ValueError, match="max_error"):
+        policy_from_config({"enabled": True, "max_error": 1.5})
+
+
+@pytest.fixture(scope="module")
+def calibrated_server(tmp_path_factory, faq_models, engines_dir):
+    """faq with the calibrated rule at max_error 0.2 and coverage 0.9 (what a 52-row file can support: few
+    neighbours are far apart), every hit verified."""
+    root = tmp_path_factory.mktemp("calibrated-models")
+    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    config = (faq_models / "faq-calibrated" / "config.yaml").read_text()
+    config = (config.replace("max_error: 0.01", "max_error: 0.2").replace("verify_fraction: 0.1", "verify_fraction: 1.0")
+              .replace("coverage: 0.5", "coverage: 0.9"))
+    link_model(root, "faq", config, {"1": faq_models / "faq" / "1"})
+    srv = ServerProcess(tmp_path_factory.mktemp("calibrated-server"), root, engines_dir=engines_dir)
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+
+
+def _counters(server: ServerProcess) -> dict:
+    return dict(server.stats().worker.counters)
+
+
+def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(calibrated_server):
+    server, tenant = calibrated_server, unique("t")
+    with server.client() as client:
+        assert client.infer("faq", "Where is my order?", tenant=tenant).source == "MISS"
+        assert client.infer("faq", "Has my order been shipped?", tenant=tenant).source == "MISS"
+        # Two near neighbours agree, but nothing has been verified: the calibrated rule does not answer.
+        assert client.infer("faq", "where is my order, has it shipped", tenant=tenant).source == "MISS"
+        with open(FAQ, newline="") as f:
+            texts = [row["text"] for row in csv.DictReader(f)]
+        for text in texts:  # misses whose neighbours were searched: outcomes
+            client.infer("faq", text, tenant=tenant)
+        counters = _counters(server)
+        assert counters["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in counters
+        paraphrases = ["my parcel has still not arrived", "I want to send these shoes back",
+                       "how can I cancel the order I just placed", "when will my order be delivered",
+                       "what payment methods can I use", "how do I reset my account password"]
+        sources = [client.infer("faq", text, tenant=tenant).source for text in paraphrases]
+    hits = sources.count("RESULT_SEMANTIC")
+    assert hits >= 1, sources
+    deadline = time.monotonic() + 20
+    while _counters(server).get("semantic.faq.1.verified", 0) < hits:  # verify_fraction 1.0: every hit
+        assert time.monotonic() < deadline, _counters(server)
+        time.sleep(0.05)
+    counters = _counters(server)
+    assert counters["semantic.shadow_agreed"] + counters.get("semantic.shadow_disagreed", 0) >= hits
+    assert 0 < counters["semantic.faq.1.fidelity_ppm"] <= 1_000_000
+
+
+def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
+    """A real batcher whose engine echoes its input as the model's scores: a foreground batch runs first,
+    the check after it; a check whose model answer differs is a disagreement handed to the worker."""
+    from server.batcher import Batcher
+    from server.shadow import Check, ShadowVerifier
+
+    class Model:  # what a check needs of a runtime: its batcher and labels
+        labels = ["a", "b"]
+
+    order: list[str] = []
+
+    def engine(batch):
+        order.append("foreground" if len(batch[0]) == 3 else "check")
+        time.sleep(0.2 if len(batch[0]) == 3 else 0)
+        return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
+
+    async def scenario():
+        model = Model()
+        model.batcher = Batcher(engine, buckets=(8,), max_batch=4, max_delay_s=0.0, max_queue=16)
+        checked = []
+        verifier = ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed))
+        calibration = Calibration(max_error=0.05)
+        foreground = model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
+        await asyncio.sleep(0.05)  # the foreground batch is running
+        for served, scores in (("a", [0.9, 0.1]), ("a", [0.2, 0.8])):
+            verifier.offer(Check(model, calibration, None, np.array(scores), np.zeros(2), served, 2.0, served.encode(), 1.0))
+        await foreground
+        for _ in range(100):
+            if len(checked) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await verifier.close()
+        await model.batcher.close()
+        return checked, calibration, verifier
+
+    checked, calibration, verifier = asyncio.run(scenario())
+    assert order == ["foreground", "check", "check"]
+    assert checked == [True, False]
+    assert calibration.verified == 2 and calibration.disagreed == 1 and calibration.fidelity == 0.5
+    assert verifier.chance(b"a", 0.1) == 0.1  # proven by the agreement
+    assert verifier.chance(b"never", 0.1) == 1.0
