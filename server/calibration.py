@@ -11,16 +11,27 @@ one (0 errors in n bound the error by about 2.7/n, so 0.01 needs some 270 outcom
 
 The guard: the live fidelity of the recent verified hits (weighted by the inverse of each one's chance of
 being verified) below 1 - max_error raises the threshold by a step per disagreement, until the recent
-hits agree again. Live fidelity (since start) is reported in GetStats and /metrics.
+hits agree again. Live fidelity is reported in GetStats and /metrics.
+
+The outcomes describe the cached entries, which outlive a restart: a worker that stops cleanly writes
+them beside its semantic index snapshots (counts only, no text), and the next start reads them back.
 One owner: the worker's event loop.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 from collections import deque
+from pathlib import Path
 
 import numpy as np
+
+from cachestore.env import DIR_MODE, FILE_MODE
+
+log = logging.getLogger("infercache.calibration")
 
 BIN = 0.125
 EDGES = np.arange(0.0, 8.0 + BIN / 2, BIN)    # the last bin holds every margin >= 8
@@ -28,6 +39,7 @@ GUARD_STEP = 0.25                             # the threshold's rise per disagre
 Z = 1.645                                     # one-sided 95%
 RECENT = 200                                  # verified hits the guard looks at
 GUARD_MIN = 30                                # ... once it has this many
+FILE_NAME = "calibration.json"                # beside the worker's index snapshots
 
 
 def wilson_upper(errors: float, n: float, z: float = Z) -> float:
@@ -68,6 +80,26 @@ class Calibration:
         b = min(len(EDGES) - 1, max(0, int(np.searchsorted(EDGES, margin, side="right")) - 1))
         self.n[b] += 1
         self.errors[b] += not agreed
+        self._rebase()
+
+    def state(self) -> dict:
+        """What a restart keeps (server/calibration.py save/load)."""
+        return {"n": self.n.tolist(), "errors": self.errors.tolist(), "verified": self.verified,
+                "disagreed": self.disagreed, "weight": self._weight, "agreed_weight": self._agreed_weight}
+
+    @classmethod
+    def restored(cls, state: dict, max_error: float) -> "Calibration":
+        calibration = cls(max_error)
+        n, errors = np.asarray(state["n"], dtype=float), np.asarray(state["errors"], dtype=float)
+        if n.shape != calibration.n.shape or errors.shape != calibration.errors.shape:
+            raise ValueError("outcome bins of another shape")
+        calibration.n, calibration.errors = n, errors
+        calibration.verified, calibration.disagreed = int(state["verified"]), int(state["disagreed"])
+        calibration._weight, calibration._agreed_weight = float(state["weight"]), float(state["agreed_weight"])
+        calibration._rebase()
+        return calibration
+
+    def _rebase(self) -> None:
         n = np.cumsum(self.n[::-1])[::-1]  # outcomes at or above each edge
         errors = np.cumsum(self.errors[::-1])[::-1]
         self.base = next((float(EDGES[i]) for i in range(len(EDGES)) if wilson_upper(errors[i], n[i]) <= self.max_error),
@@ -101,3 +133,36 @@ class Calibration:
         if self.fidelity is not None:
             out["fidelity_ppm"] = int(round(self.fidelity * 1_000_000))
         return out
+
+
+def save(calibrations: dict[tuple[str, str], Calibration], path: Path) -> None:
+    """Writes every model version's outcomes and live figures (atomically, the owner's user only)."""
+    state = [{"model": model, "version": version, **c.state()} for (model, version), c in calibrations.items()]
+    try:
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"edges": EDGES.tolist(), "calibrations": state}))
+        os.chmod(tmp, FILE_MODE)
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("semantic calibration not saved (the next start learns it again): %s", exc)
+
+
+def load(path: Path, max_errors: dict[tuple[str, str], float]) -> dict[tuple[str, str], Calibration]:
+    """The saved outcomes of the model versions in `max_errors` (their configured bound); none when the
+    file is missing, unreadable or binned otherwise."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved["edges"] != EDGES.tolist():
+            return {}
+        out = {}
+        for entry in saved["calibrations"]:
+            key = (entry["model"], entry["version"])
+            if key in max_errors:
+                out[key] = Calibration.restored(entry, max_errors[key])
+        return out
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("semantic calibration at %s unreadable, learning it again: %s", path, exc)
+        return {}

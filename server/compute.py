@@ -423,6 +423,11 @@ class WorkerCore:
         return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
                         rejected=rejected)
 
+    def calibrated_versions(self) -> dict[tuple[str, str], float]:
+        """(model, version) -> max_error of each served version under the calibrated rule."""
+        return {key: runtime.spec.semantic.max_error for key, runtime in self.runtimes.items()
+                if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
+
     def _calibration(self, runtime: ModelRuntime) -> Calibration:
         key = (runtime.spec.name, runtime.version)
         if (calibration := self.calibrations.get(key)) is None:

@@ -24,7 +24,7 @@ from cachestore.errors import StoreError
 from cachestore.writer import WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server import metrics, process, telemetry
+from server import calibration, metrics, process, telemetry
 from server.compute import WorkerCore
 from server.config import Config, feature_store_settings, store_settings
 from server.devices import WorkerPlacement
@@ -257,6 +257,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features)
     core.counters.update(engine_counters)
+    if tier is not None:  # what the calibrated rule learnt before a restart
+        core.calibrations.update(await asyncio.to_thread(
+            calibration.load, tier.snapshot_dir / calibration.FILE_NAME, core.calibrated_versions()))
     publisher = _publisher(core, placement, metrics_dir if config.server.metrics_port else None)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
@@ -285,6 +288,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     items.close()
     await server.stop(config.server.drain_s)
     await core.close()
+    if tier is not None:
+        await asyncio.to_thread(calibration.save, core.calibrations, tier.snapshot_dir / calibration.FILE_NAME)
     await asyncio.sleep(0)  # the last answers' writes
     for conn in list(connections):
         conn.protocol.close()

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import json
 import math
+import os
+import stat
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from infercache.testing import ServerProcess
-from server.calibration import EDGES, Calibration, wilson_upper
+from server.calibration import EDGES, FILE_NAME, Calibration, wilson_upper
 from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
-from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique
 
 
@@ -80,7 +86,7 @@ def test_config_chooses_the_rule():
 
 
 @pytest.fixture(scope="module")
-def calibrated_server(tmp_path_factory, faq_models, engines_dir):
+def calibrated_models(tmp_path_factory, faq_models) -> Path:
     """faq with the calibrated rule at max_error 0.2 and coverage 0.9 (what a 52-row file can support: few
     neighbours are far apart), every hit verified."""
     root = tmp_path_factory.mktemp("calibrated-models")
@@ -89,9 +95,19 @@ def calibrated_server(tmp_path_factory, faq_models, engines_dir):
     config = (config.replace("max_error: 0.01", "max_error: 0.2").replace("verify_fraction: 0.1", "verify_fraction: 1.0")
               .replace("coverage: 0.5", "coverage: 0.9"))
     link_model(root, "faq", config, {"1": faq_models / "faq" / "1"})
-    srv = ServerProcess(tmp_path_factory.mktemp("calibrated-server"), root, engines_dir=engines_dir)
+    return root
+
+
+@pytest.fixture(scope="module")
+def calibrated_server(tmp_path_factory, calibrated_models, engines_dir):
+    srv = ServerProcess(tmp_path_factory.mktemp("calibrated-server"), calibrated_models, engines_dir=engines_dir)
     yield srv
     assert srv.stop() == 0, srv.log_text()
+
+
+def _faq_texts() -> list[str]:
+    with open(FAQ, newline="") as f:
+        return [row["text"] for row in csv.DictReader(f)]
 
 
 def _counters(server: ServerProcess) -> dict:
@@ -105,9 +121,7 @@ def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(
         assert client.infer("faq", "Has my order been shipped?", tenant=tenant).source == "MISS"
         # Two near neighbours agree, but nothing has been verified: the calibrated rule does not answer.
         assert client.infer("faq", "where is my order, has it shipped", tenant=tenant).source == "MISS"
-        with open(FAQ, newline="") as f:
-            texts = [row["text"] for row in csv.DictReader(f)]
-        for text in texts:  # misses whose neighbours were searched: outcomes
+        for text in _faq_texts():  # misses whose neighbours were searched: outcomes
             client.infer("faq", text, tenant=tenant)
         counters = _counters(server)
         assert counters["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in counters
@@ -167,3 +181,45 @@ def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
     assert calibration.verified == 2 and calibration.disagreed == 1 and calibration.fidelity == 0.5
     assert verifier.chance(b"a", 0.1) == 0.1  # proven by the agreement
     assert verifier.chance(b"never", 0.1) == 1.0
+
+
+def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_models, engines_dir):
+    cache = tmp_path / "cache"
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = ServerProcess(tmp_path / "first", calibrated_models, engines_dir=engines_dir, cache_dir=cache)
+    try:
+        with first.client() as client:
+            for text in _faq_texts():
+                client.infer("faq", text)
+        learnt = {k: v for k, v in _counters(first).items() if k.startswith("semantic.faq.1.")}
+        assert learnt["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in learnt
+    finally:
+        assert first.stop() == 0
+    assert stat.S_IMODE((cache / "semantic" / "worker-0" / FILE_NAME).stat().st_mode) == 0o600
+    second = ServerProcess(tmp_path / "second", calibrated_models, engines_dir=engines_dir, cache_dir=cache)
+    try:
+        again = {k: v for k, v in _counters(second).items() if k.startswith("semantic.faq.1.")}
+        assert again["semantic.faq.1.outcomes"] == learnt["semantic.faq.1.outcomes"]
+        assert again["semantic.faq.1.threshold_milli"] == learnt["semantic.faq.1.threshold_milli"]
+    finally:
+        assert second.stop() == 0
+
+
+def test_eval_semantic_replays_held_out_and_novel_rows_and_writes_a_new_file(calibrated_server, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "eval-semantic", str(FAQ), "--model", "faq", "--label-column", "intent",
+         "--address", calibrated_server.address, "--holdout", "3", "--leave-out-labels", "4"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = list(tmp_path.glob("eval-semantic-faq-*.json"))  # where it runs, under a new name
+    assert len(written) == 1, result.stdout
+    report = json.loads(written[0].read_text())
+    assert report["warm"] + report["replay"] + report["novel"] == report["rows"] == 52 and report["novel"] > 0
+    for name in ("heldout", "novel_static", "novel_streaming"):
+        part = report[name]
+        assert part["exact_misses"] + part["exact_hits"] == part["queries"]
+        assert 0 <= part["semantic_hits"] <= part["exact_misses"]
+        if part["semantic_hits"]:
+            assert part["fidelity_95_low"] <= part["fidelity"] <= part["fidelity_95_high"]
+    assert "heldout" in result.stdout and "novel_streaming" in result.stdout
