@@ -445,7 +445,7 @@ class WorkerCore:
             return
         model_input = token_ids(item.ids) if feature is None else feature
         self.shadow.offer(Check(runtime, self._calibration(runtime), item, model_input, embedding, chosen.answer,
-                                assessment.margin, chosen.key, chance))
+                                assessment.margin, chosen.key, chance, now_us()))
 
     def _checked(self, check: Check, outputs: dict, agreed: bool) -> None:
         """A verified hit: the model's answer replaces the alias the hit wrote (when its request stored
@@ -456,7 +456,8 @@ class WorkerCore:
             return
         runtime = check.runtime
         response = runtime.response(outputs, item.key)
-        created = now_us()
+        # Dated at the hit, not now: an invalidation since then covers it (the writer's fences drop it).
+        created = check.created_us
         record = records.Record(created, created + runtime.spec.ttl_s * 1_000_000, response.SerializeToString())
         self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record,
                         semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label, check.embedding))

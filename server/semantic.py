@@ -171,6 +171,7 @@ class SemanticTier:
             return [], None
         now = now_us()
         results_db = self.store.dbs[DB_RESULTS]
+        raws: dict[bytes, memoryview] = {}
         with self.store.begin(buffers=True) as txn:
             def alive(key: bytes) -> bool:
                 raw = txn.get(key, db=results_db)
@@ -180,26 +181,28 @@ class SemanticTier:
                     _, expires = records.decode_times(raw)
                 except CorruptRecord:
                     return False
+                raws[key] = raw
                 return not expires or expires > now
 
             before = len(index.rows)
             found = index.search(vector, k, alive)
             self._index_counters["stale_dropped"] += before - len(index.rows)
-            assessment = self._assess(index, txn, vector, found, labels) if labels else None
+            assessment = self._assess(index, raws, vector, found, labels) if labels else None
         return [n for _, n in found], assessment
 
-    def _assess(self, index: _Index, txn, vector: np.ndarray, found: list[tuple[int, Neighbor]],
-                labels: list[str]) -> Assessment | None:
+    def _assess(self, index: _Index, raws: dict[bytes, memoryview], vector: np.ndarray,
+                found: list[tuple[int, Neighbor]], labels: list[str]) -> Assessment | None:
         """Interpolates the found entries' stored class scores at the query (entries whose record
-        does not read back, or carries no scores of the model's shape, are left out)."""
+        does not open, or carries no scores of the model's shape, are left out). Inside the read
+        transaction: `raws` are its buffers."""
         rows, scores = [], []
         for label, neighbor in found:
             try:
-                raw = txn.get(neighbor.key, db=self.store.dbs[DB_RESULTS])
-                response = pb.InferResponse.FromString(records.decode(raw, neighbor.key, self.store.ring).payload)
+                record = records.decode(raws[neighbor.key], neighbor.key, self.store.ring)
+                response = pb.InferResponse.FromString(record.payload)
                 tensor = next(t for t in response.outputs if t.name == "scores")
                 values = np.frombuffer(tensor.data, dtype="<f4")
-            except (CorruptRecord, DecodeError, StopIteration, TypeError, ValueError):
+            except (CorruptRecord, DecodeError, StopIteration, ValueError):
                 continue
             if values.shape == (len(labels),):
                 rows.append(label)

@@ -3,11 +3,12 @@
 A share of the semantic hits served (`semantic.verify_fraction`), and every hit answered by an entry no
 verification has proven yet, is recomputed by the model in the background and compared with the answer
 served. Checks run at low priority: one at a time, and only while the model's batcher is idle (nothing
-queued, no batch running), so a foreground miss never queues behind one; when they come faster than
-idle time allows, the oldest are dropped (counted). Each outcome feeds the model version's calibration
-(threshold, live fidelity, guard: server/calibration.py); an agreement proves the entry. Either way the
-model's answer goes to `on_checked` (the worker stores it under the query's key, replacing the alias the
-hit wrote, and indexes it: a verified answer is an entry of its own). One owner: the worker's event loop.
+queued, no batch running), so a foreground miss waits at most for one check's batch. When checks come
+faster than idle time allows, the oldest are dropped, and so is one that waited over a minute (both
+counted). Each outcome feeds the model version's calibration (threshold, live fidelity, guard:
+server/calibration.py); an agreement proves the entry. Either way the model's answer goes to
+`on_checked` (the worker stores it under the query's key, replacing the alias the hit wrote, and indexes
+it: a verified answer is an entry of its own). One owner: the worker's event loop.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cachestore.results import now_us
 from server.calibration import Calibration
 
 log = logging.getLogger("infercache.shadow")
 
 IDLE_POLL_S = 0.002
 CAPACITY = 1024              # checks waiting; beyond it the oldest are dropped
+MAX_AGE_S = 60.0             # checks waiting longer are dropped (well inside the writer's 120 s fences)
 PROVEN_CAPACITY = 1_000_000  # entries remembered as proven (forgotten together: they re-prove, the safe way)
 
 
@@ -40,6 +43,7 @@ class Check:
     margin: float
     entry: bytes               # the key of the entry that answered
     chance: float              # the probability this hit was verified
+    created_us: int            # when the hit was served
 
 
 class ShadowVerifier:
@@ -75,6 +79,9 @@ class ShadowVerifier:
                 batcher = check.runtime.batcher
                 while not batcher.idle:  # foreground work first
                     await asyncio.sleep(IDLE_POLL_S)
+                if now_us() - check.created_us > MAX_AGE_S * 1_000_000:
+                    self.counters["shadow_stale"] += 1  # its answer may be invalidated past the writer's fences
+                    continue
                 try:
                     outputs = await batcher.submit(check.model_input, None)
                     self._settle(check, outputs)

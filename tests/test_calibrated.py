@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from infercache.testing import ServerProcess
+from cachestore.results import now_us
 from server.calibration import EDGES, FILE_NAME, Calibration, wilson_upper
 from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
@@ -165,7 +166,8 @@ def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
         foreground = model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
         await asyncio.sleep(0.05)  # the foreground batch is running
         for served, scores in (("a", [0.9, 0.1]), ("a", [0.2, 0.8])):
-            verifier.offer(Check(model, calibration, None, np.array(scores), np.zeros(2), served, 2.0, served.encode(), 1.0))
+            verifier.offer(Check(model, calibration, None, np.array(scores), np.zeros(2), served, 2.0, served.encode(), 1.0,
+                                 now_us()))
         await foreground
         for _ in range(100):
             if len(checked) == 2:
