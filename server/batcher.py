@@ -94,6 +94,7 @@ class Batcher:
         self._waiting = 0                   # admitted, not yet cut into a batch
         self._running: set[asyncio.Task] = set()
         self._wakeup = asyncio.Event()
+        self._became_idle = asyncio.Event()  # set when the last batch ends with nothing waiting
         self._slots = asyncio.Semaphore(concurrency)
         self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
         self._closed = False
@@ -108,6 +109,12 @@ class Batcher:
     def idle(self) -> bool:
         """Nothing waits and no batch runs (low-priority work may go in: server/shadow.py)."""
         return self._waiting == 0 and not self._running and not self._incoming
+
+    async def wait_idle(self) -> None:
+        """Returns once the batcher is idle (woken when it becomes so, not by polling)."""
+        while not self.idle:
+            self._became_idle.clear()
+            await self._became_idle.wait()
 
     def bucket_of(self, length: int) -> int:
         return bucket_of(self.buckets, length)
@@ -206,6 +213,8 @@ class Batcher:
             now = loop.time()
             bucket, next_at = self._next_cut(now)
             if bucket is None:
+                if self.idle:  # (shedding may have emptied the queue with no batch left to end)
+                    self._became_idle.set()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), None if next_at is None else next_at - now)
                 except TimeoutError:
@@ -224,7 +233,12 @@ class Batcher:
                 continue
             task = loop.create_task(self._run(batch))
             self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        if self.idle:
+            self._became_idle.set()
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The owner task ends only at close; anything else is a bug that would leave every request

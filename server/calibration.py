@@ -14,7 +14,8 @@ being verified) below 1 - max_error raises the threshold by a step per disagreem
 hits agree again. Live fidelity is reported in GetStats and /metrics.
 
 The outcomes describe the cached entries, which outlive a restart: a worker that stops cleanly writes
-them beside its semantic index snapshots (counts only, no text), and the next start reads them back.
+them beside its semantic index snapshots (counts only, no text), with the rule's settings, and the
+next start reads them back unless the settings changed.
 One owner: the worker's event loop.
 """
 
@@ -23,13 +24,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections import deque
 from pathlib import Path
 
 import numpy as np
 
-from cachestore.env import DIR_MODE, FILE_MODE
+from cachestore.env import DIR_MODE
+from server.telemetry import write_snapshot
 
 log = logging.getLogger("infercache.calibration")
 
@@ -39,14 +40,16 @@ GUARD_STEP = 0.25                             # the threshold's rise per disagre
 Z = 1.645                                     # one-sided 95%
 RECENT = 200                                  # verified hits the guard looks at
 GUARD_MIN = 30                                # ... once it has this many
-FILE_NAME = "calibration.json"                # beside the worker's index snapshots
 
 
-def wilson_upper(errors: float, n: float, z: float = Z) -> float:
-    if n <= 0:
-        return 1.0
-    p = errors / n
-    return min(1.0, (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n))
+def wilson_upper(errors, n, z: float = Z):
+    """One-sided upper bound of the error rate (Wilson); 1 where n is 0. Scalars or arrays."""
+    n = np.asarray(n, dtype=float)
+    safe = np.maximum(n, 1e-12)
+    p = np.asarray(errors, dtype=float) / safe
+    bound = (p + z * z / (2 * safe) + z * np.sqrt(p * (1 - p) / safe + z * z / (4 * safe * safe))) / (1 + z * z / safe)
+    bound = np.where(n > 0, np.minimum(1.0, bound), 1.0)
+    return float(bound) if bound.ndim == 0 else bound
 
 
 def wilson_lower(agreed: float, n: float, z: float = 1.96) -> float:
@@ -54,14 +57,19 @@ def wilson_lower(agreed: float, n: float, z: float = 1.96) -> float:
 
 
 class Calibration:
-    def __init__(self, max_error: float) -> None:
+    """One model version under one rule (`rule`: its settings, so outcomes of another rule never count)."""
+
+    def __init__(self, max_error: float, rule: str = "") -> None:
         self.max_error = max_error
+        self.rule = rule
         self.n = np.zeros(len(EDGES))
         self.errors = np.zeros(len(EDGES))
         self.base = math.inf     # from the outcomes
         self.tightened = 0       # guard steps in force
-        self.verified = 0        # shadow-verified hits, and their weighted agreement
+        self.verified = 0        # shadow-verified hits (since the first start), and their weighted agreement
         self.disagreed = 0
+        self.verified_at_start = 0  # ... of which restored from before this process (for /metrics counters)
+        self.disagreed_at_start = 0
         self._weight = 0.0
         self._agreed_weight = 0.0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=RECENT)
@@ -72,41 +80,27 @@ class Calibration:
 
     @property
     def fidelity(self) -> float | None:
-        """Live fidelity of the semantic hits served (None before one was verified)."""
+        """Fidelity of every semantic hit served since the first start (None before one was verified)."""
         return self._agreed_weight / self._weight if self._weight else None
 
     def record(self, margin: float, agreed: bool) -> None:
         """An outcome at an assessment's margin: did the rule's answer equal the model's?"""
+        if not math.isfinite(margin):
+            return
         b = min(len(EDGES) - 1, max(0, int(np.searchsorted(EDGES, margin, side="right")) - 1))
         self.n[b] += 1
         self.errors[b] += not agreed
         self._rebase()
 
-    def state(self) -> dict:
-        """What a restart keeps (server/calibration.py save/load)."""
-        return {"n": self.n.tolist(), "errors": self.errors.tolist(), "verified": self.verified,
-                "disagreed": self.disagreed, "weight": self._weight, "agreed_weight": self._agreed_weight}
-
-    @classmethod
-    def restored(cls, state: dict, max_error: float) -> "Calibration":
-        calibration = cls(max_error)
-        n, errors = np.asarray(state["n"], dtype=float), np.asarray(state["errors"], dtype=float)
-        if n.shape != calibration.n.shape or errors.shape != calibration.errors.shape:
-            raise ValueError("outcome bins of another shape")
-        calibration.n, calibration.errors = n, errors
-        calibration.verified, calibration.disagreed = int(state["verified"]), int(state["disagreed"])
-        calibration._weight, calibration._agreed_weight = float(state["weight"]), float(state["agreed_weight"])
-        calibration._rebase()
-        return calibration
-
     def _rebase(self) -> None:
-        n = np.cumsum(self.n[::-1])[::-1]  # outcomes at or above each edge
-        errors = np.cumsum(self.errors[::-1])[::-1]
-        self.base = next((float(EDGES[i]) for i in range(len(EDGES)) if wilson_upper(errors[i], n[i]) <= self.max_error),
-                         math.inf)
+        bounds = wilson_upper(np.cumsum(self.errors[::-1])[::-1], np.cumsum(self.n[::-1])[::-1])  # at or above each edge
+        passing = np.flatnonzero(bounds <= self.max_error)
+        self.base = float(EDGES[passing[0]]) if len(passing) else math.inf
 
     def verified_hit(self, margin: float, agreed: bool, chance: float) -> None:
-        """A shadow-verified hit, which was verified with probability `chance`."""
+        """A shadow-verified hit, which was verified with probability `chance`. It counts once among the
+        outcomes (the checked hits over-represent those answered by unproven entries), and 1/chance
+        times in the live fidelity, which estimates the fidelity of all hits served."""
         self.record(margin, agreed)
         self.verified += 1
         self.disagreed += not agreed
@@ -134,23 +128,46 @@ class Calibration:
             out["fidelity_ppm"] = int(round(self.fidelity * 1_000_000))
         return out
 
+    def state(self) -> dict:
+        """What a restart keeps (save/load)."""
+        return {"rule": self.rule, "n": self.n.tolist(), "errors": self.errors.tolist(), "verified": self.verified,
+                "disagreed": self.disagreed, "weight": self._weight, "agreed_weight": self._agreed_weight,
+                "tightened": self.tightened, "recent": [[w, ok] for w, ok in self._recent]}
+
+    @classmethod
+    def restored(cls, state: dict, max_error: float, rule: str) -> "Calibration":
+        calibration = cls(max_error, rule)
+        n, errors = np.asarray(state["n"], dtype=float), np.asarray(state["errors"], dtype=float)
+        if n.shape != calibration.n.shape or errors.shape != calibration.errors.shape:
+            raise ValueError("outcome bins of another shape")
+        calibration.n, calibration.errors = n, errors
+        calibration.verified = calibration.verified_at_start = int(state["verified"])
+        calibration.disagreed = calibration.disagreed_at_start = int(state["disagreed"])
+        calibration._weight, calibration._agreed_weight = float(state["weight"]), float(state["agreed_weight"])
+        calibration.tightened = int(state["tightened"])
+        calibration._recent.extend((float(w), bool(ok)) for w, ok in state["recent"])
+        calibration._rebase()
+        return calibration
+
+
+def path_for(snapshot_dir: Path) -> Path:
+    """Beside the worker's snapshot folder, not in it (that folder is deleted when encryption is on)."""
+    return snapshot_dir.parent / f"calibration-{snapshot_dir.name}.json"
+
 
 def save(calibrations: dict[tuple[str, str], Calibration], path: Path) -> None:
     """Writes every model version's outcomes and live figures (atomically, the owner's user only)."""
     state = [{"model": model, "version": version, **c.state()} for (model, version), c in calibrations.items()]
     try:
         path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"edges": EDGES.tolist(), "calibrations": state}))
-        os.chmod(tmp, FILE_MODE)
-        tmp.replace(path)
+        write_snapshot(path, {"edges": EDGES.tolist(), "calibrations": state})
     except OSError as exc:
         log.warning("semantic calibration not saved (the next start learns it again): %s", exc)
 
 
-def load(path: Path, max_errors: dict[tuple[str, str], float]) -> dict[tuple[str, str], Calibration]:
-    """The saved outcomes of the model versions in `max_errors` (their configured bound); none when the
-    file is missing, unreadable or binned otherwise."""
+def load(path: Path, served: dict[tuple[str, str], tuple[float, str]]) -> dict[tuple[str, str], Calibration]:
+    """The saved outcomes of the served (model, version) -> (max_error, rule) whose rule is unchanged;
+    none when the file is missing, unreadable or binned otherwise."""
     try:
         saved = json.loads(path.read_text())
         if saved["edges"] != EDGES.tolist():
@@ -158,8 +175,13 @@ def load(path: Path, max_errors: dict[tuple[str, str], float]) -> dict[tuple[str
         out = {}
         for entry in saved["calibrations"]:
             key = (entry["model"], entry["version"])
-            if key in max_errors:
-                out[key] = Calibration.restored(entry, max_errors[key])
+            if key not in served:
+                continue
+            max_error, rule = served[key]
+            if entry["rule"] != rule:
+                log.info("semantic calibration of %s/%s was learnt under other settings; learning it again", *key)
+                continue
+            out[key] = Calibration.restored(entry, max_error, rule)
         return out
     except FileNotFoundError:
         return {}

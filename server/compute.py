@@ -92,16 +92,27 @@ class _Flight:
         self.leased = False  # this pod holds the key's fleet lease (dropped when the flight ends)
 
 
-def _answers_like_entry(flight: _Flight, item: worker_pb2.ComputeItem) -> bool:
-    """A finished flight whose entry is not committed yet stands for that entry: it answers an item
-    that may use a stored answer (not BYPASS) no older than the item's max_age."""
-    if not item.cached_ok:
-        return False
-    if not item.HasField("max_age_us"):
+def _may_join(flight: _Flight, item: worker_pb2.ComputeItem) -> bool:
+    """Whether an item may take a flight's answer. A finished flight whose entry is not committed yet
+    stands for that entry: it answers an item that may use a stored answer (not BYPASS) no older than
+    the item's max_age. A running one may end in a stored answer too (a near-duplicate's, the fleet's)
+    as old as the item that started it allowed: a stricter item joins only a flight at least as strict."""
+    max_age = item.max_age_us if item.HasField("max_age_us") else None
+    if flight.outcome is not None:
+        if not item.cached_ok:
+            return False
+        matched = flight.outcome.matched  # a near-duplicate's or the fleet's record: its own age
+        created_us = matched.created_us if matched is not None else flight.created_us
+        return max_age is None or now_us() - created_us <= max_age
+    first = flight.item
+    if not first.cached_ok or (item.cached_ok and max_age is None):
         return True
-    matched = flight.outcome.matched  # a near-duplicate's or the fleet's record: its own age
-    created_us = matched.created_us if matched is not None else flight.created_us
-    return now_us() - created_us <= item.max_age_us
+    return item.cached_ok and first.HasField("max_age_us") and first.max_age_us <= max_age
+
+
+def _record(runtime: ModelRuntime, created_us: int, payload: bytes) -> records.Record:
+    """A computed answer as stored: it expires after the model's TTL."""
+    return records.Record(created_us, created_us + runtime.spec.ttl_s * 1_000_000, payload)
 
 
 def token_ids(packed: bytes) -> np.ndarray:
@@ -180,8 +191,8 @@ class WorkerCore:
             return
         try:
             flight = self._inflight.get(item.key)
-            if flight is not None and flight.outcome is not None and not _answers_like_entry(flight, item):
-                flight = None  # finished before this item came, and it wants a fresher answer: compute anew
+            if flight is not None and not _may_join(flight, item):
+                flight = None  # it wants a fresher answer than this flight may give: compute anew
             joined = flight is not None
             if flight is None:
                 runtime = self.runtime(item.model, item.version)
@@ -321,8 +332,7 @@ class WorkerCore:
             self.writer.put(flight.key, ns, outcome.matched, on_done=done)
             self._release(flight)
             return
-        ttl_us = flight.runtime.spec.ttl_s * 1_000_000
-        record = records.Record(flight.created_us, flight.created_us + ttl_us, outcome.stored or outcome.payload)
+        record = _record(flight.runtime, flight.created_us, outcome.stored or outcome.payload)
         entry = None
         if outcome.embedding is not None:
             entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
@@ -393,8 +403,8 @@ class WorkerCore:
                     ids = token_ids(item.embed_ids or item.ids)
                     embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
             if embedding is not None and lookup:
-                neighbors, assessment = await self.semantic.search(
-                    item.key[:NS_ID_BYTES], embedding, max(policy.k, 5), runtime.labels if policy.calibrated else None)
+                k, labels = (policy.k, runtime.labels) if policy.calibrated else (max(policy.k, 5), None)
+                neighbors, assessment = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, k, labels)
                 if neighbors and self.metrics is not None:
                     self.metrics.observe(("infercache_semantic_nearest_similarity", runtime.spec.name),
                                          neighbors[0].similarity)
@@ -403,6 +413,8 @@ class WorkerCore:
                     if policy.calibrated:
                         calibration = self._calibration(runtime)
                         chosen = policy.decide(neighbors, assessment, calibration.threshold, floor)
+                        if chosen is not None and self.shadow.contested(chosen.key):
+                            chosen = None  # a check found this entry answering wrongly: it answers no more
                     else:
                         chosen = policy.decide(neighbors, floor)
                     if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
@@ -423,15 +435,19 @@ class WorkerCore:
         return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
                         rejected=rejected)
 
-    def calibrated_versions(self) -> dict[tuple[str, str], float]:
-        """(model, version) -> max_error of each served version under the calibrated rule."""
-        return {key: runtime.spec.semantic.max_error for key, runtime in self.runtimes.items()
+    def calibrated_versions(self) -> dict[tuple[str, str], tuple[float, str]]:
+        """(model, version) -> (max_error, the rule's settings) of each version under the calibrated rule."""
+        return {key: (runtime.spec.semantic.max_error, self._rule(runtime)) for key, runtime in self.runtimes.items()
                 if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
+
+    def _rule(self, runtime: ModelRuntime) -> str:
+        policy = runtime.spec.semantic
+        return policy.settings(self.repository.get(policy.embedder).serving_version)
 
     def _calibration(self, runtime: ModelRuntime) -> Calibration:
         key = (runtime.spec.name, runtime.version)
         if (calibration := self.calibrations.get(key)) is None:
-            calibration = self.calibrations[key] = Calibration(runtime.spec.semantic.max_error)
+            calibration = self.calibrations[key] = Calibration(runtime.spec.semantic.max_error, self._rule(runtime))
         return calibration
 
     def _verify(self, runtime: ModelRuntime, policy, item: worker_pb2.ComputeItem, feature, embedding,
@@ -457,8 +473,7 @@ class WorkerCore:
         runtime = check.runtime
         response = runtime.response(outputs, item.key)
         # Dated at the hit, not now: an invalidation since then covers it (the writer's fences drop it).
-        created = check.created_us
-        record = records.Record(created, created + runtime.spec.ttl_s * 1_000_000, response.SerializeToString())
+        record = _record(runtime, check.created_us, response.SerializeToString())
         self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record,
                         semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label, check.embedding))
         self.counters["semantic_verified_stored" if agreed else "semantic_corrected"] += 1

@@ -72,9 +72,13 @@ class CalibratedPolicy:
             return None
         if min_similarity is not None and neighbors[0].similarity < min_similarity:
             return None
-        if assessment.margin < threshold or not self.covers(neighbors, assessment):
+        if not assessment.margin >= threshold or not self.covers(neighbors, assessment):  # (NaN: no)
             return None
         return next(n for n in neighbors if n.answer == assessment.answer)
+
+    def settings(self, embedder_version: str) -> str:
+        """What outcomes learnt under this rule depend on (server/calibration.py keeps them with it)."""
+        return f"{self.embedder}/{embedder_version} k={self.k} coverage={self.coverage} ridge={RIDGE}"
 
     def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
         """The query is near enough to what is cached, and an entry holds the predicted answer: the

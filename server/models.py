@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from server.errors import ModelNotFound
-from server.match_policy import MatchPolicy, policy_from_config
+from server.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
 TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch_bert.py): its architecture
@@ -51,7 +51,7 @@ class ModelSpec:
     max_queue_delay_ms: float
     ttl_s: int                        # 0 = results are never cached
     precision: str = ""               # engine precision override ("int8-qdq" for Q/DQ models); "" = server default
-    semantic: MatchPolicy | None = None  # near-duplicate matching (classification models); None = exact only
+    semantic: CalibratedPolicy | MatchPolicy | None = None  # near-duplicate matching (classification); None = exact only
     pii: str = "off"                  # privacy.pii: redact (placeholders before keying), no_store, off
     share_features: bool = False      # l2.share_across_tenants: a head model's encoder outputs (L2)
                                       # are keyed without the tenant (the text alone decides them)

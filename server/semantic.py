@@ -129,8 +129,13 @@ class SemanticTier:
         if not self.ready:
             self._lookups["lookups_before_ready"] += 1
             return [], None
-        neighbors, assessment = await asyncio.get_running_loop().run_in_executor(
-            self._owner, self._search, ns_id, vector, k, labels)
+        try:
+            neighbors, assessment = await asyncio.get_running_loop().run_in_executor(
+                self._owner, self._search, ns_id, vector, k, labels)
+        except Exception:  # a failed search is a miss, never a failed request
+            self._lookups["search_errors"] += 1
+            log.exception("semantic search failed; answering as a miss")
+            return [], None
         self._observe(neighbors)
         return neighbors, assessment
 
@@ -201,12 +206,14 @@ class SemanticTier:
                 record = records.decode(raws[neighbor.key], neighbor.key, self.store.ring)
                 response = pb.InferResponse.FromString(record.payload)
                 tensor = next(t for t in response.outputs if t.name == "scores")
-                values = np.frombuffer(tensor.data, dtype="<f4")
-            except (CorruptRecord, DecodeError, StopIteration, ValueError):
+                values = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).astype(np.float32)
+            except (CorruptRecord, DecodeError, StopIteration, TypeError, ValueError):
+                values = None
+            if values is None or values.shape != (len(labels),) or not np.all(np.isfinite(values)):
+                self._index_counters["assess_unusable"] += 1  # a lost match, never a wrong one
                 continue
-            if values.shape == (len(labels),):
-                rows.append(label)
-                scores.append(values)
+            rows.append(label)
+            scores.append(values)
         if len(rows) < 2:
             return None
         return assess(vector, index.graph.get_items(rows), np.stack(scores), labels)

@@ -6,9 +6,10 @@ served. Checks run at low priority: one at a time, and only while the model's ba
 queued, no batch running), so a foreground miss waits at most for one check's batch. When checks come
 faster than idle time allows, the oldest are dropped, and so is one that waited over a minute (both
 counted). Each outcome feeds the model version's calibration (threshold, live fidelity, guard:
-server/calibration.py); an agreement proves the entry. Either way the model's answer goes to
-`on_checked` (the worker stores it under the query's key, replacing the alias the hit wrote, and indexes
-it: a verified answer is an entry of its own). One owner: the worker's event loop.
+server/calibration.py). An agreement proves the entry; a disagreement contests it: it answers no
+near-duplicate again. Either way the model's answer goes to `on_checked` (the worker stores it under the
+query's key, replacing the alias the hit wrote, and indexes it: a verified answer is an entry of its
+own). One owner: the worker's event loop.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from server.calibration import Calibration
 
 log = logging.getLogger("infercache.shadow")
 
-IDLE_POLL_S = 0.002
 CAPACITY = 1024              # checks waiting; beyond it the oldest are dropped
 MAX_AGE_S = 60.0             # checks waiting longer are dropped (well inside the writer's 120 s fences)
-PROVEN_CAPACITY = 1_000_000  # entries remembered as proven (forgotten together: they re-prove, the safe way)
+PROVEN_CAPACITY = 1_000_000  # entries remembered as proven or contested (forgotten together when full)
 
 
 @dataclass
@@ -52,8 +52,13 @@ class ShadowVerifier:
         self.counters: Counter[str] = Counter()
         self._pending: deque[Check] = deque()
         self._proven: set[bytes] = set()
+        self._contested: set[bytes] = set()
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="shadow-verifier")
+
+    def contested(self, entry: bytes) -> bool:
+        """A check found a hit of this entry wrong: near-duplicates no longer take its answer."""
+        return entry in self._contested
 
     def chance(self, entry: bytes, fraction: float) -> float:
         """How likely a hit answered by `entry` is verified: always while the entry is unproven."""
@@ -77,8 +82,7 @@ class ShadowVerifier:
             while self._pending:
                 check = self._pending.popleft()
                 batcher = check.runtime.batcher
-                while not batcher.idle:  # foreground work first
-                    await asyncio.sleep(IDLE_POLL_S)
+                await batcher.wait_idle()  # foreground work first
                 if now_us() - check.created_us > MAX_AGE_S * 1_000_000:
                     self.counters["shadow_stale"] += 1  # its answer may be invalidated past the writer's fences
                     continue
@@ -100,4 +104,9 @@ class ShadowVerifier:
             if len(self._proven) >= PROVEN_CAPACITY:
                 self._proven.clear()
             self._proven.add(check.entry)
+        else:
+            if len(self._contested) >= PROVEN_CAPACITY:
+                self._contested.clear()
+            self._contested.add(check.entry)
+            self._proven.discard(check.entry)
         self.on_checked(check, outputs, agreed)

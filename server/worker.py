@@ -259,7 +259,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
         core.calibrations.update(await asyncio.to_thread(
-            calibration.load, tier.snapshot_dir / calibration.FILE_NAME, core.calibrated_versions()))
+            calibration.load, calibration.path_for(tier.snapshot_dir), core.calibrated_versions()))
     publisher = _publisher(core, placement, metrics_dir if config.server.metrics_port else None)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
@@ -289,7 +289,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     await server.stop(config.server.drain_s)
     await core.close()
     if tier is not None:
-        await asyncio.to_thread(calibration.save, core.calibrations, tier.snapshot_dir / calibration.FILE_NAME)
+        await asyncio.to_thread(calibration.save, core.calibrations, calibration.path_for(tier.snapshot_dir))
     await asyncio.sleep(0)  # the last answers' writes
     for conn in list(connections):
         conn.protocol.close()

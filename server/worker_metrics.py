@@ -35,10 +35,11 @@ class WorkerMetrics:
             # 0 for an engine loaded from the store: the series exists, so increase() sees a build
             out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device),
                     1 if runtime.built_s else 0)
-        for (model, _), calibration in self.core.calibrations.items():
+        for (model, _), calibration in self.core.calibrations.items():  # this process's checks (the base has
+            disagreed = calibration.disagreed - calibration.disagreed_at_start  # its predecessor's)
             out.inc(("infercache_semantic_verifications_total", model, "agreed"),
-                    calibration.verified - calibration.disagreed)
-            out.inc(("infercache_semantic_verifications_total", model, "disagreed"), calibration.disagreed)
+                    calibration.verified - calibration.verified_at_start - disagreed)
+            out.inc(("infercache_semantic_verifications_total", model, "disagreed"), disagreed)
         for name, writer in self._writers():
             out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
             out.inc(("infercache_store_swept_total", name), writer.counters["swept"])

@@ -5,6 +5,7 @@ consensus rule)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import csv
 import json
 import math
@@ -20,7 +21,7 @@ import pytest
 
 from infercache.testing import ServerProcess
 from cachestore.results import now_us
-from server.calibration import EDGES, FILE_NAME, Calibration, wilson_upper
+from server.calibration import EDGES, Calibration, load, save, wilson_upper
 from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique
@@ -86,6 +87,29 @@ def test_config_chooses_the_rule():
         policy_from_config({"enabled": True, "max_error": 1.5})
 
 
+def test_a_nan_margin_never_answers_and_is_not_an_outcome():
+    neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "x")]
+    assert CalibratedPolicy().decide(neighbors, Assessment("x", math.nan, 0.1), threshold=0.5) is None
+    calibration = Calibration(max_error=0.05)
+    calibration.record(math.nan, agreed=False)
+    assert calibration.n.sum() == 0
+
+
+def test_saved_outcomes_count_only_under_the_same_rule(tmp_path):
+    calibration = Calibration(max_error=0.05, rule="minilm/1 k=10 coverage=0.5")
+    for _ in range(100):
+        calibration.record(2.0, agreed=True)
+    calibration.verified_hit(2.0, agreed=True, chance=0.1)
+    path = tmp_path / "calibration.json"
+    save({("faq", "1"): calibration}, path)
+    same = load(path, {("faq", "1"): (0.05, "minilm/1 k=10 coverage=0.5")})[("faq", "1")]
+    assert same.threshold == calibration.threshold < math.inf
+    assert same.fidelity == 1.0 and same.verified_at_start == 1
+    assert load(path, {("faq", "1"): (0.05, "minilm/1 k=10 coverage=0.9")}) == {}  # another coverage
+    path.write_text("{not json")
+    assert load(path, {("faq", "1"): (0.05, "x")}) == {}
+
+
 @pytest.fixture(scope="module")
 def calibrated_models(tmp_path_factory, faq_models) -> Path:
     """faq with the calibrated rule at max_error 0.2 and coverage 0.9 (what a 52-row file can support: few
@@ -142,8 +166,9 @@ def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(
 
 
 def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
-    """A real batcher whose engine echoes its input as the model's scores: a foreground batch runs first,
-    the check after it; a check whose model answer differs is a disagreement handed to the worker."""
+    """A real batcher whose engine echoes its input as the model's scores. Checks offered while a
+    foreground batch runs wait for the batcher to be idle: a foreground text queued after them runs first.
+    A check whose model answer differs from the hit's contests the entry that answered."""
     from server.batcher import Batcher
     from server.shadow import Check, ShadowVerifier
 
@@ -153,7 +178,7 @@ def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
     order: list[str] = []
 
     def engine(batch):
-        order.append("foreground" if len(batch[0]) == 3 else "check")
+        order.extend("foreground" if len(x) == 3 else "check" for x in batch)
         time.sleep(0.2 if len(batch[0]) == 3 else 0)
         return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
 
@@ -163,12 +188,14 @@ def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
         checked = []
         verifier = ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed))
         calibration = Calibration(max_error=0.05)
-        foreground = model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
-        await asyncio.sleep(0.05)  # the foreground batch is running
-        for served, scores in (("a", [0.9, 0.1]), ("a", [0.2, 0.8])):
-            verifier.offer(Check(model, calibration, None, np.array(scores), np.zeros(2), served, 2.0, served.encode(), 1.0,
+        first = model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
+        await asyncio.sleep(0.05)  # the first foreground batch is running
+        for entry, scores in ((b"a1", [0.9, 0.1]), (b"a2", [0.2, 0.8])):  # the hits answered "a"
+            verifier.offer(Check(model, calibration, None, np.array(scores), np.zeros(2), "a", 2.0, entry, 1.0,
                                  now_us()))
-        await foreground
+        await asyncio.sleep(0.01)
+        second = model.batcher.enqueue(np.array([0.3, 0.2, 0.1]), None)  # queued after the checks
+        await asyncio.gather(first, second)
         for _ in range(100):
             if len(checked) == 2:
                 break
@@ -178,18 +205,26 @@ def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
         return checked, calibration, verifier
 
     checked, calibration, verifier = asyncio.run(scenario())
-    assert order == ["foreground", "check", "check"]
+    assert order == ["foreground", "foreground", "check", "check"]
     assert checked == [True, False]
     assert calibration.verified == 2 and calibration.disagreed == 1 and calibration.fidelity == 0.5
-    assert verifier.chance(b"a", 0.1) == 0.1  # proven by the agreement
+    assert verifier.chance(b"a1", 0.1) == 0.1 and not verifier.contested(b"a1")  # proven by the agreement
+    assert verifier.contested(b"a2") and verifier.chance(b"a2", 0.1) == 1.0
     assert verifier.chance(b"never", 0.1) == 1.0
 
 
-def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_models, engines_dir):
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "encrypted"])
+def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_models, engines_dir, sealed):
+    """Also with encryption at rest, whose start deletes the index snapshots in clear."""
     cache = tmp_path / "cache"
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    first = ServerProcess(tmp_path / "first", calibrated_models, engines_dir=engines_dir, cache_dir=cache)
+    settings: tuple[str, ...] = ()
+    if sealed:
+        (tmp_path / "key").write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+        settings = (f"cache.encryption_key_file={tmp_path / 'key'}",)
+    first = ServerProcess(tmp_path / "first", calibrated_models, engines_dir=engines_dir, cache_dir=cache,
+                          settings=settings)
     try:
         with first.client() as client:
             for text in _faq_texts():
@@ -198,9 +233,11 @@ def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_mode
         assert learnt["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in learnt
     finally:
         assert first.stop() == 0
-    assert stat.S_IMODE((cache / "semantic" / "worker-0" / FILE_NAME).stat().st_mode) == 0o600
-    second = ServerProcess(tmp_path / "second", calibrated_models, engines_dir=engines_dir, cache_dir=cache)
+    assert stat.S_IMODE((cache / "semantic" / "calibration-worker-0.json").stat().st_mode) == 0o600
+    second = ServerProcess(tmp_path / "second", calibrated_models, engines_dir=engines_dir, cache_dir=cache,
+                           settings=settings)
     try:
+        time.sleep(1)  # (the index rebuild, which deletes the snapshots in clear, runs after start)
         again = {k: v for k, v in _counters(second).items() if k.startswith("semantic.faq.1.")}
         assert again["semantic.faq.1.outcomes"] == learnt["semantic.faq.1.outcomes"]
         assert again["semantic.faq.1.threshold_milli"] == learnt["semantic.faq.1.threshold_milli"]
@@ -223,5 +260,5 @@ def test_eval_semantic_replays_held_out_and_novel_rows_and_writes_a_new_file(cal
         assert part["exact_misses"] + part["exact_hits"] == part["queries"]
         assert 0 <= part["semantic_hits"] <= part["exact_misses"]
         if part["semantic_hits"]:
-            assert part["fidelity_95_low"] <= part["fidelity"] <= part["fidelity_95_high"]
+            assert part["disagreed"] == round(part["semantic_hits"] * (1 - part["fidelity"]))
     assert "heldout" in result.stdout and "novel_streaming" in result.stdout

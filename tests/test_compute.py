@@ -136,3 +136,30 @@ def test_an_item_arriving_as_its_twin_is_answered_is_computed_again_unless_a_sto
     assert first.answers[1][0] == pb.CacheInfo.MISS
     assert later.answers[2][0] == expected
     assert core.counters["computed"] == (2 if expected == pb.CacheInfo.MISS else 1)
+
+
+@pytest.mark.parametrize("kind, expected", [("bypass", pb.CacheInfo.MISS), ("too_old", pb.CacheInfo.MISS),
+                                            ("default", pb.CacheInfo.COALESCED)])
+def test_a_stricter_item_does_not_join_a_running_flight_that_may_end_in_an_older_answer(tmp_path, kind, expected):
+    """A running flight started by a DEFAULT item may end in a stored answer (a near-duplicate's, the
+    fleet's): a BYPASS item, or one with a max_age the first did not ask for, computes on its own."""
+    link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    key = b"r" * 24
+    first = _item(1, key)
+    first.cached_ok = True
+
+    async def scenario() -> tuple[Answers, WorkerCore]:
+        core = await _core(tmp_path)
+        answers = Answers()
+        core.submit(answers, first, None)
+        core.submit(answers, _follow_up(kind, key), None)  # while the first is still running
+        for _ in range(200):
+            if len(answers.answers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await core.close()
+        return answers, core
+
+    answers, core = asyncio.run(scenario())
+    assert answers.answers[1][0] == pb.CacheInfo.MISS and answers.answers[2][0] == expected
+    assert core.counters["computed"] == (2 if expected == pb.CacheInfo.MISS else 1)

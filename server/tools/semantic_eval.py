@@ -1,4 +1,6 @@
-"""`infercache eval-semantic`: how often the semantic tier answers, and how often it is right.
+"""`infercache eval-semantic --folds K`: consensus settings swept offline over k folds.
+
+(Without --folds, server/tools/semantic_heldout.py measures the server's own decisions.)
 
 Against a running server, through gRPC, with k-fold cross-validation over a labelled CSV:
   1. warm: one tenant per fold; every row outside the fold is sent once (semantic matching off), so its
@@ -227,7 +229,8 @@ async def _validate(stub, model: str, tenants: list[str], chosen: dict, queries:
         "checked": len(sample), "decisions_agreeing_with_offline": agree / max(1, len(sample)),
         "server_hits": server_hits,
         "semantic_hit_p50_ms": round(latencies[len(latencies) // 2], 2) if latencies else None,
-        "note": "the server uses the model's configured neighborhood/min_agree; only min_similarity is per request",
+        "note": ("meaningful for a model under the consensus rule: the server uses its configured neighborhood and "
+                 "min_agree (only min_similarity is per request); under the calibrated rule it decides otherwise"),
     }
 
 
