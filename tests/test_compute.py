@@ -39,6 +39,14 @@ def _item(item_id: int, key: bytes) -> worker_pb2.ComputeItem:
                                   cached_ok=False)
 
 
+async def _answered(answers: Answers, count: int) -> None:
+    """Waits (up to 2 s) until `count` items are answered."""
+    for _ in range(200):
+        if len(answers.answers) >= count:
+            return
+        await asyncio.sleep(0.01)
+
+
 async def _core(models) -> WorkerCore:
     repository = ModelRepository(models)
     spec = repository.get("minilm")
@@ -56,10 +64,7 @@ def test_an_item_arriving_just_after_its_twin_was_cancelled_is_still_answered(tm
         core.submit(first, _item(1, key), None)
         core.cancel(first, 1)                      # its caller went away ...
         core.submit(second, _item(2, key), None)   # ... and the same text arrives in the same iteration
-        for _ in range(100):
-            if second.answers:
-                break
-            await asyncio.sleep(0.01)
+        await _answered(second, 1)
         await core.close()
         return second
 
@@ -76,10 +81,7 @@ def test_identical_items_in_one_frame_are_computed_once(tmp_path):
         core = await _core(tmp_path)
         answers = Answers()
         core.submit_all(answers, [_item(i, b"k" * 24) for i in range(5)], asyncio.get_running_loop().time())
-        for _ in range(100):
-            if len(answers.answers) == 5:
-                break
-            await asyncio.sleep(0.01)
+        await _answered(answers, 5)
         await core.close()
         return answers, core
 
@@ -125,10 +127,7 @@ def test_an_item_arriving_as_its_twin_is_answered_is_computed_again_unless_a_sto
         later = Answers()
         first = FollowedAtOnce(core, later)
         core.submit(first, _item(1, key), None)
-        for _ in range(200):
-            if later.answers:
-                break
-            await asyncio.sleep(0.01)
+        await _answered(later, 1)
         await core.close()
         return first, later, core
 
@@ -153,10 +152,7 @@ def test_a_stricter_item_does_not_join_a_running_flight_that_may_end_in_an_older
         answers = Answers()
         core.submit(answers, first, None)
         core.submit(answers, _follow_up(kind, key), None)  # while the first is still running
-        for _ in range(200):
-            if len(answers.answers) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await _answered(answers, 2)
         await core.close()
         return answers, core
 
