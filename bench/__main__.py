@@ -46,7 +46,7 @@ from bench.overload import bench_overload, print_overload
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
 from bench.security import bench_hit_path, bench_redaction, print_security
-from bench.semantic import bench_eval, bench_rebuild, print_semantic
+from bench.semantic import bench_eval, bench_hit_latency, bench_rebuild, print_semantic
 from bench.shadow import bench_shadow, print_shadow
 from bench.load import run_load, warm
 from infercache.testing import REPO, ServerProcess
@@ -307,6 +307,7 @@ def main() -> None:
             report["semantic"] = {
                 "eval": bench_eval(models, workdir, limit=None if not args.quick else 2000),
                 "rebuild": bench_rebuild(models, workdir, 100_000 if not args.quick else 10_000),
+                "hit_latency": bench_hit_latency(models, workdir, max(2, rounds), limit=5000 if not args.quick else 2000),
                 "shadow": bench_shadow(models, workdir, max(2, rounds), limit=5000 if not args.quick else 2000),
             }
         if "security" in sections:

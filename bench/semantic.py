@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -28,6 +29,72 @@ def train_banking77(models: Path) -> None:
     if not (models / "banking77").exists():
         train(BANKING77, text_column="text", label_column="category", models_dir=models, encoder="minilm",
               name="banking77", progress=lambda m: None)
+
+
+def banking77_with(models: Path, root: Path, edit) -> Path:
+    """minilm and banking77 under `root`, banking77's config.yaml passed through `edit`, versions linked."""
+    config = (models / "banking77" / "config.yaml").read_text()
+    assert "verify_fraction: 0.1" in config, "banking77 was not trained with the calibrated rule's settings"
+    for name, text in (("minilm", (models / "minilm" / "config.yaml").read_text()), ("banking77", edit(config))):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.yaml").write_text(text)
+        (root / name / "1").symlink_to((models / name / "1").resolve())
+    return root
+
+
+CONSENSUS = """semantic:
+  enabled: true
+  embedder: minilm
+  min_similarity: 0.62
+  neighborhood: 0.65
+  k: 5
+  min_agree: 2
+"""
+
+
+def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | None = 5000) -> dict:
+    """Semantic hit p50, one call at a time, under the calibrated rule and the fixed consensus rule
+    (what served semantic hits before), each beside the same texts computed in the same server;
+    rounds alternate the order. Each server is warmed with 80% of the rows first."""
+    from server.tools.labelled_csv import read_labelled_csv
+    from server.tools.semantic_heldout import LATENCY_SAMPLE, one_at_a_time
+    from server.tools.semantic_eval import send_all
+
+    train_banking77(models)
+    rows = read_labelled_csv(BANKING77, "text", "category", limit)
+    warm = [pb.InferRequest(model="banking77", text=t) for i, (t, _) in enumerate(rows) if i % 5]
+    replay = [r for i, r in enumerate(rows) if i % 5 == 0][:LATENCY_SAMPLE]
+    rules = {"calibrated": lambda config: config, "consensus": lambda config: config.split("semantic:")[0] + CONSENSUS}
+    out: dict = {"rounds": []}
+
+    async def measure(address: str) -> dict:
+        import grpc
+
+        from infercache.v1 import infercache_pb2_grpc
+
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = infercache_pb2_grpc.InferenceCacheStub(channel)
+            await send_all(stub, warm, 16)
+            await asyncio.sleep(2)  # the last entries indexed, the background checks done
+            return await one_at_a_time(stub, "banking77", "", "computed", replay)
+
+    for n in range(rounds):
+        figures = {}
+        for rule in (("calibrated", "consensus") if n % 2 == 0 else ("consensus", "calibrated")):
+            run_dir = workdir / f"latency-{n}-{rule}"
+            root = banking77_with(models, run_dir / "models", rules[rule])
+            with ServerProcess(run_dir, root, engines_dir=workdir / "engines") as server:
+                figures[rule] = asyncio.run(measure(server.address))
+                assert server.stop() == 0
+        out["rounds"].append(figures)
+        print(f"  round {n + 1}/{rounds}: " + "; ".join(
+            f"{rule} hit p50 {f.get('semantic_hit_p50_ms')} ms vs computed {f.get('computed_p50_ms')} ms"
+            for rule, f in figures.items()), flush=True)
+    for rule in rules:
+        out[f"{rule}_hit_vs_computed_median"] = statistics.median(
+            r[rule]["semantic_hit_vs_computed"] for r in out["rounds"])
+        out[f"{rule}_hit_p50_ms_median"] = statistics.median(r[rule]["semantic_hit_p50_ms"] for r in out["rounds"])
+    return out
 
 
 def bench_eval(models: Path, workdir: Path, limit: int | None) -> dict:
@@ -123,6 +190,12 @@ def print_semantic(result: dict) -> None:
     for name, ev in (result.get("eval") or {}).items():
         print(f"\nsemantic tier, Banking77 train, {name}")
         print(report(ev))
+    lat = result.get("hit_latency")
+    if lat:
+        print(f"\nsemantic hit p50 one call at a time (medians of {len(lat['rounds'])} rounds): calibrated "
+              f"{lat['calibrated_hit_p50_ms_median']} ms ({lat['calibrated_hit_vs_computed_median']}x the same texts "
+              f"computed), consensus {lat['consensus_hit_p50_ms_median']} ms "
+              f"({lat['consensus_hit_vs_computed_median']}x); target <= 10 ms")
     rb = result.get("rebuild")
     if rb:
         print(f"\nindex rebuild after restart, {rb['entries']} entries")

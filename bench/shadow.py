@@ -20,7 +20,7 @@ import grpc
 
 from bench import BANKING77
 from bench.load import run_load
-from bench.semantic import train_banking77
+from bench.semantic import banking77_with, train_banking77
 from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
@@ -30,19 +30,6 @@ from server.tools.semantic_eval import send_all
 HIT_CALLERS, MISS_CALLERS = 16, 2
 SETTINGS = ("off", "default", "every_hit")
 SETTINGS_FRACTION = {"off": 0.0, "default": 0.1, "every_hit": 1.0}
-
-
-def _models(models: Path, root: Path, fraction: float) -> Path:
-    """minilm and banking77 (its verify_fraction set to `fraction`), version dirs linked."""
-    config = (models / "banking77" / "config.yaml").read_text()
-    assert "verify_fraction: 0.1" in config, "banking77 was not trained with the calibrated rule's settings"
-    configs = {"minilm": (models / "minilm" / "config.yaml").read_text(),
-               "banking77": config.replace("verify_fraction: 0.1", f"verify_fraction: {fraction}")}
-    for name, text in configs.items():
-        (root / name).mkdir(parents=True)
-        (root / name / "config.yaml").write_text(text)
-        (root / name / "1").symlink_to((models / name / "1").resolve())
-    return root
 
 
 async def _measure(address: str, warm: list[str], replay: list[str], misses: int) -> dict:
@@ -73,7 +60,9 @@ def bench_shadow(models: Path, workdir: Path, rounds: int, limit: int | None = 5
         figures = {}
         for setting in SETTINGS[n % 3:] + SETTINGS[:n % 3]:  # the order rotates between rounds
             run_dir = workdir / f"shadow-{n}-{setting}"
-            root = _models(models, run_dir / "models", SETTINGS_FRACTION[setting])
+            fraction = SETTINGS_FRACTION[setting]
+            root = banking77_with(models, run_dir / "models",
+                                  lambda config: config.replace("verify_fraction: 0.1", f"verify_fraction: {fraction}"))
             with ServerProcess(run_dir, root, engines_dir=workdir / "engines") as server:
                 figures[setting] = asyncio.run(_measure(server.address, warm, replay, misses))
                 counters = dict(server.stats().worker.counters)

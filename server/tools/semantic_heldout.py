@@ -92,7 +92,7 @@ async def _replay(stub, model: str, tenant: str, oracle: str, rows: list[tuple[s
             **_interval(agreed, len(hits)), "accuracy": correct / misses if misses else None}
 
 
-async def _one_at_a_time(stub, model: str, tenant: str, oracle: str, rows: list[tuple[str, str]]) -> dict:
+async def one_at_a_time(stub, model: str, tenant: str, oracle: str, rows: list[tuple[str, str]]) -> dict:
     """p50 of the semantic hits among `rows` sent one at a time (the hit path's own latency), beside the
     same texts computed (matching off, in the tenant with an empty cache) in the same run: both run the
     embedder once, so on a head whose encoder is the embedder they cost about the same."""
@@ -138,7 +138,7 @@ async def run(address: str, model: str, rows: list[tuple[str, str]], *, holdout:
         result["heldout"]["live_fidelity"] = agreed / weight if weight else None
         result["heldout"]["live_verified"] = after.get("verified", 0) - before.get("verified", 0)
         result["server"] = after
-        result["heldout"].update(await _one_at_a_time(stub, model, tenant, oracle, replay[:LATENCY_SAMPLE]))
+        result["heldout"].update(await one_at_a_time(stub, model, tenant, oracle, replay[:LATENCY_SAMPLE]))
         progress(f"  replayed {len(replay)} held-out queries")
         for mode in novel_modes if novel else ():
             result[f"novel_{mode}"] = await _replay(stub, model, tenant, oracle, novel, NOVEL_MODES[mode], concurrency)
