@@ -42,16 +42,6 @@ def banking77_with(models: Path, root: Path, edit) -> Path:
     return root
 
 
-CONSENSUS = """semantic:
-  enabled: true
-  embedder: minilm
-  min_similarity: 0.62
-  neighborhood: 0.65
-  k: 5
-  min_agree: 2
-"""
-
-
 def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | None = 5000) -> dict:
     """Semantic hit p50, one call at a time, under the calibrated rule and the fixed consensus rule
     (what served semantic hits before), each beside the same texts computed in the same server;
@@ -59,12 +49,13 @@ def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | Non
     from server.tools.labelled_csv import read_labelled_csv
     from server.tools.semantic_heldout import LATENCY_SAMPLE, one_at_a_time
     from server.tools.semantic_eval import send_all
+    from server.tools.train_head import consensus_section
 
     train_banking77(models)
     rows = read_labelled_csv(BANKING77, "text", "category", limit)
     warm = [pb.InferRequest(model="banking77", text=t) for i, (t, _) in enumerate(rows) if i % 5]
     replay = [r for i, r in enumerate(rows) if i % 5 == 0][:LATENCY_SAMPLE]
-    rules = {"calibrated": lambda config: config, "consensus": lambda config: config.split("semantic:")[0] + CONSENSUS}
+    rules = {"calibrated": lambda config: config, "consensus": lambda config: config.split("semantic:")[0] + consensus_section("minilm")}
     out: dict = {"rounds": []}
 
     async def measure(address: str) -> dict:

@@ -419,7 +419,7 @@ class WorkerCore:
                         chosen = policy.decide(neighbors, floor)
                     if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
                         if policy.calibrated:
-                            self._verify(runtime, policy, item, feature, embedding, chosen, assessment)
+                            self._verify(runtime, calibration, item, feature, embedding, chosen, assessment)
                         return matched
                     rejected = bool(neighbors) and chosen is None
         outputs = await runtime.batcher.submit(token_ids(item.ids) if feature is None else feature, deadline)
@@ -450,17 +450,18 @@ class WorkerCore:
             calibration = self.calibrations[key] = Calibration(runtime.spec.semantic.max_error, self._rule(runtime))
         return calibration
 
-    def _verify(self, runtime: ModelRuntime, policy, item: worker_pb2.ComputeItem, feature, embedding,
-                chosen: Neighbor, assessment: Assessment) -> None:
+    def _verify(self, runtime: ModelRuntime, calibration: Calibration, item: worker_pb2.ComputeItem, feature,
+                embedding, chosen: Neighbor, assessment: Assessment) -> None:
         """Offers a semantic hit for shadow verification: always while its entry is unproven, else at
         the model's verify_fraction."""
-        if policy.verify_fraction == 0:  # verification off: no checks, no live fidelity
+        fraction = runtime.spec.semantic.verify_fraction
+        if fraction == 0:  # verification off: no checks, no live fidelity
             return
-        chance = self.shadow.chance(chosen.key, policy.verify_fraction)
+        chance = self.shadow.chance(chosen.key, fraction)
         if chance < 1.0 and np.random.random() >= chance:
             return
         model_input = token_ids(item.ids) if feature is None else feature
-        self.shadow.offer(Check(runtime, self._calibration(runtime), item, model_input, embedding, chosen.answer,
+        self.shadow.offer(Check(runtime, calibration, item, model_input, embedding, chosen.answer,
                                 assessment.margin, chosen.key, chance, now_us()))
 
     def _checked(self, check: Check, outputs: dict, agreed: bool) -> None:

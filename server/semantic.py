@@ -71,7 +71,7 @@ class _Index:
     def search(self, vector: np.ndarray, k: int, alive) -> list[tuple[int, Neighbor]]:
         """The k nearest live entries with their labels; entries whose record is gone or expired
         (another worker swept, evicted or invalidated them: only the worker that deletes hears of it)
-        leave the index here. `alive(key)` is the entry's record when it is live, else None."""
+        leave the index here. `alive(key)`: whether the entry's record is there and unexpired."""
         k = min(k, len(self.rows))
         while k > 0:
             try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from server.engines.onnxruntime import OrtEngine
 from server.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
                            TORCH_WEIGHTS_FILE, load_model)
-from server.match_policy import CalibratedPolicy
+from server.match_policy import CalibratedPolicy, MatchPolicy
 from server.tools.labelled_csv import read_labelled_csv
 from server.normalize import Normalizer
 from server.tokenization import TextEncoder, pad_batch
@@ -105,6 +106,12 @@ def torch_source_with_head(encoder_dir: Path, out: Path, w: np.ndarray, b: np.nd
     torch_bert.write_torch_source(out, arch, tensors)
 
 
+def consensus_section(embedder: str) -> str:
+    """A `semantic:` section that chooses the fixed consensus rule at its defaults (the expert override)."""
+    policy = MatchPolicy(embedder=embedder)
+    return "semantic:\n  enabled: true\n" + "".join(f"  {f.name}: {getattr(policy, f.name)}\n" for f in fields(policy))
+
+
 def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
     lines = [f"# Classification head on {encoder_name}, written by `infercache train-head`.", "task: classification"]
     for line in encoder_config.splitlines():
@@ -123,7 +130,7 @@ def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
             f"  k: {policy.k}                 # neighbours whose class scores are interpolated",
             f"  verify_fraction: {policy.verify_fraction}   # hits recomputed in the background (all while an entry is unproven)",
             "  # Expert override, a fixed consensus rule instead (setting min_similarity chooses it):",
-            "  # min_similarity: 0.62, neighborhood: 0.65, k: 5, min_agree: 2",
+            "  # " + ", ".join(f"{f.name}: {getattr(MatchPolicy(), f.name)}" for f in fields(MatchPolicy) if f.name != "embedder"),
         ]
     return "\n".join(lines) + "\n"
 
