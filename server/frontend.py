@@ -499,10 +499,12 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     def __init__(self, core: FrontendCore, gate: Gate) -> None:
         self.core = core
         self.gate = gate
+        self.calls = 0  # calls begun: a drain waits until it stops moving (see _quiesce)
 
     def _admit(self, request, context, role: str) -> Grant:
         """The caller's grant for a call that needs `role`; then the request must have parsed, and a
         tenant-bound token's tenant is filled in (or another tenant refused)."""
+        self.calls += 1
         grant = self.gate.admit(context, role)
         parsed(request)
         if grant.tenant is not None and hasattr(request, "tenant"):
@@ -653,6 +655,20 @@ class _Published:
             await asyncio.to_thread(telemetry.write_snapshot, self.hot_path, hot.published())
 
 
+QUIET_S = 0.25  # a drain's quiet spell: no call begun for this long
+
+
+async def _quiesce(servicer: FrontendServicer, limit_s: float) -> None:
+    """A drain's first step: serve on until no call has begun for QUIET_S (or limit_s passed). gRPC's
+    stop cancels the calls its transport already holds but the server has not taken up yet (CANCELLED,
+    grpc/grpc#41785), and a loaded frontend can hold a burst of them; each one taken up here is answered."""
+    loop = asyncio.get_running_loop()
+    until, seen = loop.time() + limit_s, -1
+    while servicer.calls != seen and loop.time() < until:
+        seen = servicer.calls
+        await asyncio.sleep(QUIET_S)
+
+
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,
                  metrics_dir: Path | None = None) -> None:
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
@@ -676,7 +692,8 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         publisher = telemetry.Publisher(published.path, published.snapshot, published.refresh)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
     gate = Gate(config.secrets.tokens)
-    add_servicer(FrontendServicer(core, gate), server)
+    servicer = FrontendServicer(core, gate)
+    add_servicer(servicer, server)
     if config.security.tokens_file:
         loop, reloads = asyncio.get_running_loop(), set()  # tasks referenced until done
 
@@ -711,7 +728,9 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     log.info("draining")
     health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.server.drain_s)
+    started = time.monotonic()
+    await _quiesce(servicer, config.server.drain_s / 2)
+    await server.stop(max(0.0, config.server.drain_s - (time.monotonic() - started)))
     await workers.close()
     if fleet is not None:
         await fleet.close()

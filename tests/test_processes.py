@@ -121,6 +121,31 @@ def test_sigterm_drains_in_flight_requests_and_loses_no_write(start_server, tmp_
         assert all(is_cached(client, MODEL, t) for t in texts)
 
 
+def test_calls_a_frontend_holds_but_has_not_taken_up_when_it_drains_are_answered(start_server):
+    """gRPC's stop cancels the calls its transport holds that no handler has taken up yet (grpc/grpc#41785);
+    a loaded frontend meets SIGTERM with such a burst. Stopped, the frontend cannot take any up: the calls
+    and the SIGTERM wait for it together, and each call must still be answered, none CANCELLED."""
+    server = start_server()
+    channel, stub = server.stub()
+    texts = [unique(f"waiting in the transport at shutdown {i}") for i in range(24)]
+    with channel:
+        frontend = stub.GetStats(pb.GetStatsRequest(), timeout=10).frontend.pid  # this channel's frontend
+        os.kill(frontend, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(len(texts)) as pool:
+                futures = [pool.submit(stub.Infer, pb.InferRequest(model=MODEL, text=t), timeout=30)
+                           for t in texts]
+                time.sleep(0.5)  # sent: they wait in the stopped frontend's socket
+                server.proc.send_signal(signal.SIGTERM)  # the supervisor passes it on to the frontend
+                time.sleep(0.5)
+                os.kill(frontend, signal.SIGCONT)
+                responses = [f.result() for f in futures]
+        finally:
+            os.kill(frontend, signal.SIGCONT)
+    assert all(r.cache.source in (pb.CacheInfo.MISS, pb.CacheInfo.COALESCED) for r in responses)
+    assert server.proc.wait(30) == 0
+
+
 def test_killed_supervisor_lets_in_flight_calls_finish_and_children_exit(start_server):
     server = start_server()
     children = {server.stats().frontend.pid} | {w.pid for w in server.stats().workers}
