@@ -282,3 +282,53 @@ def test_train_head_names_a_missing_column(tmp_path):
                                 "--label-column", "category", "--out", str(tmp_path / "e.json")],
                                cwd=REPO, capture_output=True, text=True, timeout=120)
     assert evaluated.returncode == 2 and "no column 'category'" in evaluated.stderr
+
+
+def test_a_search_reads_scores_again_once_another_writer_rewrote_the_entry(tmp_path):
+    """Searches keep each entry's embedding and class scores decoded. Another worker of the host may
+    rewrite an entry (a correction) without this worker's index hearing of it: the scores must then be
+    read anew from the record, not taken from what was decoded before."""
+    import asyncio
+
+    from cachestore import records
+    from cachestore.env import Store, StoreSettings
+    from cachestore.keys import Namespace
+    from cachestore.results import now_us
+    from cachestore.semantic import SemanticEntry
+    from cachestore.writer import WriteBehind
+    from server.model_runtime import to_tensors
+    from server.semantic import SemanticTier
+
+    labels = ["refund", "card_lost"]
+    ns = Namespace("t", "m", "1")
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((12, 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    keys = [ns.ns_id + bytes([i]) * 24 for i in range(len(vectors))]
+    query = 0.7 * vectors[0] + 0.3 * vectors[1]
+    query /= np.linalg.norm(query)
+
+    def record(scores: list[float]) -> records.Record:
+        payload = pb.InferResponse(outputs=to_tensors({"scores": np.array(scores, np.float32)})).SerializeToString()
+        return records.Record(now_us(), now_us() + 3_600_000_000, payload)
+
+    async def run() -> tuple[str, str]:
+        store = Store(StoreSettings(tmp_path / "cache", 64 << 20, 48 << 20, sync=False), readonly=False)
+        tier = SemanticTier(store, tmp_path / "snapshots", 8)
+        ours, other = WriteBehind(store, on_semantic=tier.apply), WriteBehind(store)
+        await tier.start()
+        for i, key in enumerate(keys):
+            ours.put(key, ns, record([0.9, 0.1]), semantic=SemanticEntry(ns.ns_id, labels[0], vectors[i]))
+        ours.flush().result(10)
+        _, before = await tier.search(ns.ns_id, query, 10, labels)
+        for key in keys:  # the other worker's correction: same keys, this tier not told
+            other.put(key, ns, record([0.05, 0.95]))
+        other.flush().result(10)
+        _, after = await tier.search(ns.ns_id, query, 10, labels)
+        ours.close()
+        other.close()
+        await tier.close()
+        store.close()
+        return before.answer, after.answer
+
+    assert asyncio.run(run()) == ("refund", "card_lost")
