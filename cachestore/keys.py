@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 NS_ID_BYTES = 8
 KEY_BYTES = NS_ID_BYTES + 16
@@ -44,6 +44,7 @@ class Namespace:
         return cls(tenant, model, version)
 
 
+@lru_cache(maxsize=4096)  # every request derives one; few are distinct (identifiers are bounded in length)
 def namespace_id(tenant: str, model: str, version: str) -> bytes:
     # JSON encoding keeps the parts unambiguous ("a|b","c" vs "a","b|c").
     material = json.dumps([tenant, model, version]).encode()

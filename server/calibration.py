@@ -73,9 +73,14 @@ class Calibration:
         self._weight = 0.0
         self._agreed_weight = 0.0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=RECENT)
+        self._recent_weight = 0.0  # the weights in _recent, and those of its agreements
+        self._recent_agreed = 0.0
+        self._stale = False        # outcomes recorded since `base` was last worked out
 
     @property
     def threshold(self) -> float:
+        if self._stale:
+            self._rebase()
         return self.base + GUARD_STEP * self.tightened
 
     @property
@@ -90,9 +95,10 @@ class Calibration:
         b = min(len(EDGES) - 1, max(0, int(np.searchsorted(EDGES, margin, side="right")) - 1))
         self.n[b] += 1
         self.errors[b] += not agreed
-        self._rebase()
+        self._stale = True  # worked out when next read: under load many outcomes come between decisions
 
     def _rebase(self) -> None:
+        self._stale = False
         bounds = wilson_upper(np.cumsum(self.errors[::-1])[::-1], np.cumsum(self.n[::-1])[::-1])  # at or above each edge
         passing = np.flatnonzero(bounds <= self.max_error)
         self.base = float(EDGES[passing[0]]) if len(passing) else math.inf
@@ -107,13 +113,21 @@ class Calibration:
         weight = 1.0 / chance
         self._weight += weight
         self._agreed_weight += weight * agreed
-        self._recent.append((weight, agreed))
-        total = sum(w for w, _ in self._recent)
-        recent = sum(w for w, ok in self._recent if ok) / total
+        self._remember(weight, agreed)
+        recent = self._recent_agreed / self._recent_weight
         if len(self._recent) >= GUARD_MIN and recent < 1.0 - self.max_error:
             self.tightened += not agreed  # below the target: each disagreement raises the bar a step
         elif agreed and self.tightened:
             self.tightened -= 1           # recovered: each agreement lowers it a step
+
+    def _remember(self, weight: float, agreed: bool) -> None:
+        if len(self._recent) == RECENT:
+            old_weight, old_agreed = self._recent[0]
+            self._recent_weight -= old_weight
+            self._recent_agreed -= old_weight * old_agreed
+        self._recent.append((weight, agreed))
+        self._recent_weight += weight
+        self._recent_agreed += weight * agreed
 
     def stats(self) -> dict[str, int]:
         """GetStats figures (integers: thousandths and parts per million)."""
@@ -145,7 +159,8 @@ class Calibration:
         calibration.disagreed = calibration.disagreed_at_start = int(state["disagreed"])
         calibration._weight, calibration._agreed_weight = float(state["weight"]), float(state["agreed_weight"])
         calibration.tightened = int(state["tightened"])
-        calibration._recent.extend((float(w), bool(ok)) for w, ok in state["recent"])
+        for w, ok in state["recent"][-RECENT:]:
+            calibration._remember(float(w), bool(ok))
         calibration._rebase()
         return calibration
 

@@ -45,12 +45,16 @@ def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: l
     """`vectors` (k x dim) and `scores` (k x classes, probabilities) of the k nearest entries."""
     k = len(vectors)
     gram = vectors @ vectors.T + RIDGE * np.eye(k)
-    toward_query = np.linalg.solve(gram, vectors @ query)
-    toward_ones = np.linalg.solve(gram, np.ones(k))
+    toward_query, toward_ones = np.linalg.solve(gram, np.stack([vectors @ query, np.ones(k)], axis=1)).T
     weights = toward_query + (1.0 - toward_query.sum()) / toward_ones.sum() * toward_ones  # they sum to 1
     logits = weights @ np.log(np.maximum(scores, 1e-12))
-    first, second = np.argsort(logits)[::-1][:2] if len(logits) > 1 else (int(np.argmax(logits)), None)
-    margin = float(logits[first] - logits[second]) if second is not None else math.inf
+    first = int(np.argmax(logits))
+    if len(logits) > 1:
+        lead = logits[first]
+        logits[first] = -np.inf
+        margin = float(lead - logits.max())
+    else:
+        margin = math.inf
     residual = float(np.linalg.norm(query - weights @ vectors))
     return Assessment(labels[int(first)] if int(first) < len(labels) else "", margin, residual)
 
