@@ -48,7 +48,6 @@ log = logging.getLogger("infercache.frontend")
 
 Mode = pb.CachePolicy.Mode
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
-_ns_id = functools.lru_cache(maxsize=4096)(namespace_id)  # a blake2b per request saved on the hot path
 STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
 STORE_GRACE_S = 30.0  # till then an unopenable store is logged as info, after as a warning
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
@@ -212,7 +211,7 @@ class FrontendCore:
         private = served.no_store and holds_pii(text)
         if private:
             self.counters["pii_not_stored"] += 1
-        return normalized, entry_key(_ns_id(tenant, spec.name, served.version), normalized), private
+        return normalized, entry_key(namespace_id(tenant, spec.name, served.version), normalized), private
 
     def _hit(self, plan: _Plan, key: bytes, private: bool = False) -> bytes | None:
         """The serialized answer of a fresh entry (stored bytes, never parsed), or None."""
@@ -666,7 +665,7 @@ async def _quiesce(servicer: FrontendServicer, limit_s: float) -> None:
     until, seen = loop.time() + limit_s, -1
     while servicer.calls != seen and loop.time() < until:
         seen = servicer.calls
-        await asyncio.sleep(QUIET_S)
+        await asyncio.sleep(min(QUIET_S, max(0.0, until - loop.time())))
 
 
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -141,7 +142,8 @@ def test_calls_a_frontend_holds_but_has_not_taken_up_when_it_drains_are_answered
                 os.kill(frontend, signal.SIGCONT)
                 responses = [f.result() for f in futures]
         finally:
-            os.kill(frontend, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frontend, signal.SIGCONT)
     assert all(r.cache.source in (pb.CacheInfo.MISS, pb.CacheInfo.COALESCED) for r in responses)
     assert server.proc.wait(30) == 0
 

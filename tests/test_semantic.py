@@ -304,7 +304,7 @@ def test_a_search_reads_scores_again_once_another_writer_rewrote_the_entry(tmp_p
     rng = np.random.default_rng(1)
     vectors = rng.standard_normal((12, 8)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    keys = [ns.ns_id + bytes([i]) * 24 for i in range(len(vectors))]
+    keys = [ns.ns_id + bytes([i]) * 16 for i in range(len(vectors))]
     query = 0.7 * vectors[0] + 0.3 * vectors[1]
     query /= np.linalg.norm(query)
 
