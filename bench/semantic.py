@@ -49,13 +49,13 @@ def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | Non
     from server.tools.labelled_csv import read_labelled_csv
     from server.tools.semantic_heldout import LATENCY_SAMPLE, one_at_a_time
     from server.tools.semantic_eval import send_all
-    from server.tools.train_head import consensus_section
+    from server.tools.train_head import with_consensus
 
     train_banking77(models)
     rows = read_labelled_csv(BANKING77, "text", "category", limit)
     warm = [pb.InferRequest(model="banking77", text=t) for i, (t, _) in enumerate(rows) if i % 5]
     replay = [r for i, r in enumerate(rows) if i % 5 == 0][:LATENCY_SAMPLE]
-    rules = {"calibrated": lambda config: config, "consensus": lambda config: config.split("semantic:")[0] + consensus_section("minilm")}
+    rules = {"calibrated": lambda config: config, "consensus": lambda config: with_consensus(config, "minilm")}
     out: dict = {"rounds": []}
 
     async def measure(address: str) -> dict:

@@ -28,8 +28,8 @@ from server.tools.labelled_csv import read_labelled_csv
 from server.tools.semantic_eval import send_all
 
 HIT_CALLERS, MISS_CALLERS = 16, 2
-SETTINGS = ("off", "default", "every_hit")
-SETTINGS_FRACTION = {"off": 0.0, "default": 0.1, "every_hit": 1.0}
+FRACTIONS = {"off": 0.0, "default": 0.1, "every_hit": 1.0}  # verify_fraction of each setting
+SETTINGS = tuple(FRACTIONS)
 
 
 async def _measure(address: str, warm: list[str], replay: list[str], misses: int) -> dict:
@@ -60,7 +60,7 @@ def bench_shadow(models: Path, workdir: Path, rounds: int, limit: int | None = 5
         figures = {}
         for setting in SETTINGS[n % 3:] + SETTINGS[:n % 3]:  # the order rotates between rounds
             run_dir = workdir / f"shadow-{n}-{setting}"
-            fraction = SETTINGS_FRACTION[setting]
+            fraction = FRACTIONS[setting]
             root = banking77_with(models, run_dir / "models",
                                   lambda config: config.replace("verify_fraction: 0.1", f"verify_fraction: {fraction}"))
             with ServerProcess(run_dir, root, engines_dir=workdir / "engines") as server:

@@ -64,7 +64,7 @@ class Calibration:
         self.rule = rule
         self.n = np.zeros(len(EDGES))
         self.errors = np.zeros(len(EDGES))
-        self.base = math.inf     # from the outcomes
+        self._base = math.inf    # from the outcomes (read through `threshold`)
         self.tightened = 0       # guard steps in force
         self.verified = 0        # shadow-verified hits (since the first start), and their weighted agreement
         self.disagreed = 0
@@ -75,13 +75,13 @@ class Calibration:
         self._recent: deque[tuple[float, bool]] = deque(maxlen=RECENT)
         self._recent_weight = 0.0  # the weights in _recent, and those of its agreements
         self._recent_agreed = 0.0
-        self._stale = False        # outcomes recorded since `base` was last worked out
+        self._stale = False        # outcomes recorded since `_base` was last worked out
 
     @property
     def threshold(self) -> float:
         if self._stale:
             self._rebase()
-        return self.base + GUARD_STEP * self.tightened
+        return self._base + GUARD_STEP * self.tightened
 
     @property
     def fidelity(self) -> float | None:
@@ -101,7 +101,7 @@ class Calibration:
         self._stale = False
         bounds = wilson_upper(np.cumsum(self.errors[::-1])[::-1], np.cumsum(self.n[::-1])[::-1])  # at or above each edge
         passing = np.flatnonzero(bounds <= self.max_error)
-        self.base = float(EDGES[passing[0]]) if len(passing) else math.inf
+        self._base = float(EDGES[passing[0]]) if len(passing) else math.inf
 
     def verified_hit(self, margin: float, agreed: bool, chance: float) -> None:
         """A shadow-verified hit, which was verified with probability `chance`. It counts once among the

@@ -56,7 +56,7 @@ def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: l
     else:
         margin = math.inf
     residual = float(np.linalg.norm(query - weights @ vectors))
-    return Assessment(labels[int(first)] if int(first) < len(labels) else "", margin, residual)
+    return Assessment(labels[first] if first < len(labels) else "", margin, residual)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,6 @@ class MatchPolicy:
         if len(close) < self.min_agree or any(n.answer != nearest.answer for n in close):
             return None
         return nearest
-
 
 
 def policy_from_config(section: dict | None) -> CalibratedPolicy | MatchPolicy | None:

@@ -226,7 +226,7 @@ class SemanticTier:
         header = bytes(raw[:records.HEADER.size])
         memo_key = (ns_id, label)
         known = self._memo.get(memo_key)
-        if known is not None and known[0] == header and len(known[2]) == classes:
+        if known is not None and known[0] == header:  # (a namespace is one model version: one label set)
             self._memo.move_to_end(memo_key)
             return known[1], known[2]
         try:

@@ -48,13 +48,13 @@ def faq_models(tmp_path_factory) -> Path:
          "--models-dir", str(root)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "accuracy" in trained.stdout and (root / "faq" / "1" / "labels.json").is_file()
-    from server.tools.train_head import consensus_section
+    from server.tools.train_head import with_consensus
 
     calibrated = (root / "faq" / "config.yaml").read_text()
     assert "max_error: 0.01" in calibrated  # train-head writes the calibrated rule's settings
     # The tests of a few cached texts use the fixed consensus rule (the calibrated one answers only
     # once hundreds of outcomes bound its error: tests/test_calibrated.py).
-    config = calibrated.split("semantic:")[0] + consensus_section("minilm")
+    config = with_consensus(calibrated, "minilm")
     (root / "faq" / "config.yaml").write_text(config)
     link_model(root, "faq-short", config.replace("ttl_s: 604800", "ttl_s: 2"), {"1": root / "faq" / "1"})
     link_model(root, "faq-calibrated", calibrated, {"1": root / "faq" / "1"})

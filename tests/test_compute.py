@@ -92,7 +92,6 @@ def test_identical_items_in_one_frame_are_computed_once(tmp_path):
     assert len({payload for _, payload in answers.answers.values()}) == 1
 
 
-
 def _follow_up(kind: str, key: bytes) -> worker_pb2.ComputeItem:
     item = _item(2, key)
     item.cached_ok = kind != "bypass"

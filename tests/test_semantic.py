@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -9,11 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from cachestore.semantic import Row
+from cachestore import records
+from cachestore.env import Store, StoreSettings
+from cachestore.keys import Namespace
+from cachestore.results import now_us
+from cachestore.semantic import Row, SemanticEntry
+from cachestore.writer import WriteBehind
 from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.match_policy import MatchPolicy, Neighbor
-from server.semantic import INITIAL_CAPACITY, _Index
+from server.model_runtime import to_tensors
+from server.semantic import INITIAL_CAPACITY, SemanticTier, _Index
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique
 
@@ -288,17 +295,6 @@ def test_a_search_reads_scores_again_once_another_writer_rewrote_the_entry(tmp_p
     """Searches keep each entry's embedding and class scores decoded. Another worker of the host may
     rewrite an entry (a correction) without this worker's index hearing of it: the scores must then be
     read anew from the record, not taken from what was decoded before."""
-    import asyncio
-
-    from cachestore import records
-    from cachestore.env import Store, StoreSettings
-    from cachestore.keys import Namespace
-    from cachestore.results import now_us
-    from cachestore.semantic import SemanticEntry
-    from cachestore.writer import WriteBehind
-    from server.model_runtime import to_tensors
-    from server.semantic import SemanticTier
-
     labels = ["refund", "card_lost"]
     ns = Namespace("t", "m", "1")
     rng = np.random.default_rng(1)

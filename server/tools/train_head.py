@@ -106,10 +106,12 @@ def torch_source_with_head(encoder_dir: Path, out: Path, w: np.ndarray, b: np.nd
     torch_bert.write_torch_source(out, arch, tensors)
 
 
-def consensus_section(embedder: str) -> str:
-    """A `semantic:` section that chooses the fixed consensus rule at its defaults (the expert override)."""
+def with_consensus(config: str, embedder: str) -> str:
+    """A config.yaml that train-head wrote (its `semantic:` section last) with that section choosing the
+    fixed consensus rule at its defaults instead (the expert override)."""
     policy = MatchPolicy(embedder=embedder)
-    return "semantic:\n  enabled: true\n" + "".join(f"  {f.name}: {getattr(policy, f.name)}\n" for f in fields(policy))
+    return (config.split("semantic:")[0] + "semantic:\n  enabled: true\n"
+            + "".join(f"  {f.name}: {getattr(policy, f.name)}\n" for f in fields(policy)))
 
 
 def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
