@@ -35,6 +35,9 @@ ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META, DB_SEMLOG, 
 READER_DBS = (DB_RESULTS, DB_META)  # what read-only (frontend) handles open
 DIR_MODE, FILE_MODE = 0o700, 0o600  # the store holds users' answers: the server's own user only
 
+_forks = [0]  # forks this process descends from: a Store remembers the count it was opened under
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
 
 @dataclass(frozen=True)
 class StoreSettings:
@@ -61,7 +64,7 @@ class Store:
     def __init__(self, settings: StoreSettings, *, readonly: bool) -> None:
         self.settings = settings
         self.readonly = readonly
-        self._pid = os.getpid()
+        self._forks = _forks[0]
         self.ring = KeyRing(settings.keys) if settings.keys else None  # seals and opens payloads
         self.env = self._open()
         self.dbs = {name: db for name in ALL_DBS if (db := self._open_db(name)) is not None}
@@ -115,7 +118,7 @@ class Store:
         self.store_id = str(settings.get("store_id", ""))
 
     def begin(self, *, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
-        if os.getpid() != self._pid:
+        if self._forks != _forks[0]:  # (not os.getpid(): a system call on every hit)
             raise StoreError("a Store handle must not cross a fork; open one per process")
         try:
             return self.env.begin(write=write, buffers=buffers)

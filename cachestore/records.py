@@ -40,14 +40,17 @@ class Record:
     key_id: int = 0
 
     def is_fresh(self, now_us: int, max_age_us: int | None = None) -> bool:
-        if self.expires_us and now_us >= self.expires_us:
-            return False
-        if max_age_us is not None and now_us - self.created_us > max_age_us:
-            return False
-        return True
+        return fresh(self.created_us, self.expires_us, now_us, max_age_us)
 
     def age_s(self, now_us: int) -> float:
         return max(0, now_us - self.created_us) / 1e6
+
+
+def fresh(created_us: int, expires_us: int, now_us: int, max_age_us: int | None = None) -> bool:
+    """Not expired (expires_us 0 = never), and no older than max_age_us where given."""
+    if expires_us and now_us >= expires_us:
+        return False
+    return max_age_us is None or now_us - created_us <= max_age_us
 
 
 def _aad(key: bytes, flags: int, kid: int, created: int, expires: int) -> bytes:
@@ -72,16 +75,25 @@ def decode_times(raw: bytes | memoryview) -> tuple[int, int]:
     return created, expires
 
 
-def decode(raw: bytes | memoryview, key: bytes = b"", ring: KeyRing | None = None) -> Record:
-    """The record with its payload in clear; CorruptRecord (Unsealable for sealing) when it is unusable."""
+def checked(raw: bytes | memoryview) -> tuple[int, int, int, int, memoryview]:
+    """(flags, key id, created_us, expires_us, payload as stored) of a record whose format and
+    checksum hold, else CorruptRecord. The payload is a view of `raw`, not a copy: what the hit path
+    sends on (still sealed when flags say so; `decode` opens it)."""
     if len(raw) < HEADER.size:
         raise CorruptRecord("record shorter than its header")
     version, flags, kid, crc, created, expires = HEADER.unpack_from(raw)
     if version != FORMAT_VERSION:
         raise CorruptRecord(f"record format {version}, expected {FORMAT_VERSION}")
-    payload = bytes(raw[HEADER.size:])
+    payload = memoryview(raw)[HEADER.size:]
     if zlib.crc32(payload) != crc:
         raise CorruptRecord("record checksum mismatch")
+    return flags, kid, created, expires, payload
+
+
+def decode(raw: bytes | memoryview, key: bytes = b"", ring: KeyRing | None = None) -> Record:
+    """The record with its payload in clear; CorruptRecord (Unsealable for sealing) when it is unusable."""
+    flags, kid, created, expires, stored = checked(raw)
+    payload = bytes(stored)
     if flags & FLAG_ENCRYPTED:
         if ring is None:
             raise Unsealable("record is encrypted and no encryption key is configured")

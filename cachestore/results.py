@@ -59,29 +59,35 @@ class ResultCache:
     def get(self, key: bytes, now: int, max_age_us: int | None = None, txn: lmdb.Transaction | None = None
             ) -> records.Record | None:
         """With `txn`, reads in that read transaction (one for many lookups) instead of its own."""
+        return self._read(self._record, key, now, max_age_us, txn)
+
+    def _read(self, make, key: bytes, now: int, max_age_us: int | None, txn: lmdb.Transaction | None):
+        """make(raw record or None, key, now, max_age_us) inside a read transaction (`txn`, or one of its
+        own); a record that does not read is counted, logged and a miss (None)."""
         try:
             if txn is not None:
-                raw = txn.get(key, db=self._results)
-                record = None if raw is None else records.decode(raw, key, self._ring)
-            else:
-                with self.store.begin(buffers=True) as own:
-                    raw = own.get(key, db=self._results)
-                    record = None if raw is None else records.decode(raw, key, self._ring)
+                return make(txn.get(key, db=self._results), key, now, max_age_us)
+            with self.store.begin(buffers=True) as own:
+                return make(own.get(key, db=self._results), key, now, max_age_us)
         except CorruptRecord as exc:
             self._unreadable(key, exc)
-            self.missed_because = "store_error"
-            return None
         except lmdb.Error as exc:
             log.warning("result cache read failed, serving a miss: %s", exc)
-            self.missed_because = "store_error"
-            return None
-        if record is None:
+        self.missed_because = "store_error"
+        return None
+
+    def _fresh(self, created: int, expires: int, now: int, max_age_us: int | None) -> bool:
+        if records.fresh(created, expires, now, max_age_us):
+            return True
+        self.missed_because = "expired" if expires and now >= expires else "too_old"
+        return False
+
+    def _record(self, raw, key: bytes, now: int, max_age_us: int | None) -> records.Record | None:
+        if raw is None:
             self.missed_because = "not_cached"
             return None
-        if not record.is_fresh(now, max_age_us):
-            self.missed_because = "expired" if record.expires_us and now >= record.expires_us else "too_old"
-            return None
-        return record
+        record = records.decode(raw, key, self._ring)
+        return record if self._fresh(record.created_us, record.expires_us, now, max_age_us) else None
 
     def answer(self, key: bytes, max_age_us: int | None, source: int, txn: lmdb.Transaction | None = None
                ) -> tuple[records.Record, pb.InferResponse] | None:
@@ -103,12 +109,20 @@ class ResultCache:
                ) -> bytes | None:
         """A fresh entry's answer, serialized and marked RESULT_EXACT with its age, or None: the stored
         bytes plus a CacheInfo suffix (cachestore/wire.py), never parsed. The record's checksum has
-        vouched for the stored bytes."""
-        now = now_us()
-        record = self.get(key, now, max_age_us, txn)
-        if record is None:
+        vouched for the stored bytes. This is the exact-hit path: for a record in clear, one copy of the
+        payload straight from the memory map and no Record built."""
+        return self._read(self._answer_bytes, key, now_us(), max_age_us, txn)
+
+    def _answer_bytes(self, raw, key: bytes, now: int, max_age_us: int | None) -> bytes | None:
+        if raw is None:
+            self.missed_because = "not_cached"
             return None
-        return record.payload + wire.cache_info(_RESULT_EXACT, record.age_s(now))
+        flags, _, created, expires, payload = records.checked(raw)
+        if flags or self._ring is not None:  # sealed, or encryption is on: decode opens or refuses it
+            payload = records.decode(raw, key, self._ring).payload
+        if not self._fresh(created, expires, now, max_age_us):
+            return None
+        return b"".join((payload, wire.cache_info(_RESULT_EXACT, max(0, now - created) / 1e6)))
 
 
 # ---- write side: called by the writer thread inside its write transaction -------------------------

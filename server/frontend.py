@@ -54,6 +54,8 @@ STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose c
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 HOT_KEYS_SHOWN = 20  # GetHotKeys without a limit
 PLANS_KEPT = 1024  # plans of distinct (model, version, tenant, mode) kept; past it they start over
+PREPARED_KEPT = 8192      # serialized requests whose plan and key are kept (see prepared); past it, start over
+PREPARED_MAX_BYTES = 512  # longer requests are prepared anew each time
 # Identifiers a client sends; longer ones are INVALID_ARGUMENT (they become store rows and cached strings).
 LIMITS = {"tenant": 256, "model": 128, "version": 64, "key": 2 * KEY_BYTES}
 
@@ -64,6 +66,14 @@ def check_identifiers(request) -> None:
         value = getattr(request, field, "")
         if len(value) > limit:
             raise InvalidArgument(f"{field} has {len(value)} characters; at most {limit}: {quoted(value)}")
+
+
+def _common(request) -> bool:
+    """No semantic overrides and no max_age_s: the plan depends on model, version, tenant and mode."""
+    return not request.HasField("semantic") and not request.cache.HasField("max_age_s")
+
+
+_INFER_REQUEST = lenient(pb.InferRequest)  # Infer's requests arrive serialized (see add_servicer)
 
 
 @dataclass(slots=True)
@@ -118,6 +128,7 @@ class FrontendCore:
         self._created_at = time.monotonic()
         self._served: dict[tuple[str, str], _Served] = {}
         self._plans: dict[tuple[str, str, str, int], _Plan] = {}  # see _plan
+        self._prepared: dict[bytes, tuple[_Plan, tuple[str, bytes, bool]]] = {}  # see prepared
 
     def l1(self) -> ResultCache | None:
         """The result cache, opened on first use and re-tried while the store is unavailable."""
@@ -160,16 +171,45 @@ class FrontendCore:
                 embedded_by, (head.encoder, head.encoder_version) if head is not None else None)
         return found
 
+    def prepared(self, raw: bytes) -> tuple[_Plan, tuple[str, bytes, bool]]:
+        """prepare() of a serialized InferRequest. A request that repeats byte for byte (the traffic a
+        cache is for) reuses what its first arrival worked out: no parsing, validation, normalization or
+        hashing on the hit path. Only what depends on the bytes alone is kept: common requests (see
+        _plan) whose text holds no PII to count."""
+        found = self._prepared.get(raw)
+        if found is None:
+            request = parsed(_INFER_REQUEST(raw))
+            found = self.prepare(request)
+            if len(raw) <= PREPARED_MAX_BYTES and _common(request) and not found[1][2]:
+                if len(self._prepared) >= PREPARED_KEPT:
+                    self._prepared.clear()
+                self._prepared[raw] = found
+        return found
+
+    def prepare(self, request: pb.InferRequest) -> tuple[_Plan, tuple[str, bytes, bool]]:
+        """A call's plan and its (normalized text, key, private)."""
+        plan = self._plan(request)
+        return plan, self._keyed(request.tenant, plan.served, request.text)
+
+    def model_named(self, request: pb.InferRequest | bytes) -> str:
+        """The model a call names (a /metrics label), from the request or its serialized form."""
+        if isinstance(request, bytes):
+            found = self._prepared.get(request)
+            if found is not None:
+                return found[0].served.spec.name
+            request = _INFER_REQUEST(request)
+        return getattr(request, "model", "")
+
     def _plan(self, request) -> _Plan:
         """The call's validated plan. The common request (no max_age_s, no semantic overrides) reuses the
         plan of its (model, version, tenant, mode): a hit then skips the lookups and checks."""
-        simple = not request.HasField("semantic") and not request.cache.HasField("max_age_s")
-        if simple:
+        common = _common(request)
+        if common:
             key = (request.model, request.version, request.tenant, request.cache.mode)
             if (found := self._plans.get(key)) is not None:
                 return found
         plan = self._new_plan(request)
-        if simple:
+        if common:
             if len(self._plans) >= PLANS_KEPT:
                 self._plans.clear()
             self._plans[key] = plan
@@ -307,12 +347,11 @@ class FrontendCore:
         for (text, _, _), tokens in zip(keyed, lengths):
             self.metrics.tokenized(served.spec.name, served.version, len(text), bucket_of(served.spec.buckets, tokens))
 
-    async def infer(self, request: pb.InferRequest, time_remaining: float | None, sources: list | None = None
-                    ) -> bytes:
-        """The serialized InferResponse (answers leave as bytes: cachestore/wire.py). With `sources`
-        (/metrics on), the answer's source is appended to it."""
-        plan = self._plan(request)
-        keyed = self._keyed(request.tenant, plan.served, request.text)
+    async def infer(self, request: pb.InferRequest | bytes, time_remaining: float | None,
+                    sources: list | None = None) -> bytes:
+        """The serialized InferResponse (answers leave as bytes: cachestore/wire.py) of a request or its
+        serialized form. With `sources` (/metrics on), the answer's source is appended to it."""
+        plan, keyed = self.prepared(request) if isinstance(request, bytes) else self.prepare(request)
         if self.hot is not None:
             self._seen(plan, [keyed])
         if (hit := self._hit(plan, keyed[1], keyed[2])) is not None:
@@ -503,16 +542,28 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     def _admit(self, request, context, role: str) -> Grant:
         """The caller's grant for a call that needs `role`; then the request must have parsed, and a
         tenant-bound token's tenant is filled in (or another tenant refused)."""
+        grant = self._grant(context, role)
+        self._bind(grant, request)
+        return grant
+
+    def _grant(self, context, role: str) -> Grant:
         self.calls += 1
-        grant = self.gate.admit(context, role)
+        return self.gate.admit(context, role)
+
+    @staticmethod
+    def _bind(grant: Grant, request) -> None:
         parsed(request)
         if grant.tenant is not None and hasattr(request, "tenant"):
             bind_tenant(grant, request)
-        return grant
 
     @grpc_errors
-    async def Infer(self, request, context):
-        self._admit(request, context, CLIENT)
+    async def Infer(self, request: bytes, context):
+        """`request` arrives serialized (add_servicer): FrontendCore.prepared parses it, unless it repeats
+        a request already seen. A tenant-bound token's request is parsed here, to bind its tenant."""
+        grant = self._grant(context, CLIENT)
+        if grant.tenant is not None:
+            request = _INFER_REQUEST(request)
+            self._bind(grant, request)
         if self.core.metrics is None:
             return await self.core.infer(request, context.time_remaining())
         return await self._measured(self.core.infer, request, context, 1)
@@ -535,9 +586,10 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
                 code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             else:
                 code = status_of(exc)[0].name
-            metrics.failed(metrics.model_label(request.model), texts, code, time.perf_counter() - started)
+            metrics.failed(metrics.model_label(self.core.model_named(request)), texts, code,
+                           time.perf_counter() - started)
             raise
-        metrics.answered(request.model, sources, time.perf_counter() - started)
+        metrics.answered(self.core.model_named(request), sources, time.perf_counter() - started)
         return answer
 
     @grpc_errors
@@ -566,19 +618,21 @@ def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: 
 
 
 PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer already serialized
+RAW_REQUESTS = ("Infer",)  # handlers that take their request serialized (FrontendCore.prepared)
 
 
 def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     """The generated registration, except that Infer and InferBatch answers go out as the bytes their
-    handlers compose (no response serializer: the hit path never builds a message), and that request
-    bytes that do not parse reach the handler as Malformed (INVALID_ARGUMENT, see server/errors.py)."""
+    handlers compose (no response serializer: the hit path never builds a message), that Infer takes
+    its request as bytes (a repeated request is never parsed), and that request bytes that do not parse
+    reach the handler as Malformed (INVALID_ARGUMENT, see server/errors.py)."""
     service = pb.DESCRIPTOR.services_by_name["InferenceCache"]
     handlers = {}
     for method in service.methods:
         response = getattr(pb, method.output_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=lenient(getattr(pb, method.input_type.name)),
+            request_deserializer=None if method.name in RAW_REQUESTS else lenient(getattr(pb, method.input_type.name)),
             response_serializer=None if method.name in PASS_THROUGH else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

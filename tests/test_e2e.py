@@ -33,6 +33,47 @@ def test_first_call_misses_second_hits_with_identical_outputs(server):
     assert 0 <= second.age_s <= third.age_s < 10
 
 
+def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(server, models_dir, monkeypatch):
+    """FrontendCore.prepared keeps a serialized request's plan and key: the answer to its bytes equals
+    the answer to the parsed message, for a hit and a miss; only what depends on the bytes alone is kept."""
+    import asyncio
+    from collections import Counter
+
+    from server import config as settings
+    from server import frontend
+    from server.errors import InvalidArgument
+    from server.models import ModelRepository
+
+    text = unique("asked again and again")
+    with server.client() as client:
+        client.infer(MODEL, text)
+        wait_cached(client, MODEL, text)
+    config = settings.load(None, {}, {"cache.dir": str(server.cache_dir), "server.models_dir": str(models_dir)})
+    core = frontend.FrontendCore(config, ModelRepository(models_dir), None, Counter())
+    request = pb.InferRequest(model=MODEL, text=text)
+    raw = request.SerializeToString()
+
+    async def answer(call) -> pb.InferResponse:
+        return pb.InferResponse.FromString(await core.infer(call, None))
+
+    first, again, parsed = asyncio.run(answer(raw)), asyncio.run(answer(raw)), asyncio.run(answer(request))
+    assert raw in core._prepared
+    for got in (first, again):
+        assert got.cache.source == pb.CacheInfo.RESULT_EXACT and got.cache.key == parsed.cache.key
+        assert list(got.outputs) == list(parsed.outputs) and got.cache.model_version == parsed.cache.model_version
+    # What does not depend on the bytes alone is worked out each time: a request's max_age_s, semantic overrides.
+    for kept_not in (pb.InferRequest(model=MODEL, text=text, cache=pb.CachePolicy(max_age_s=3600)),
+                     pb.InferRequest(model=MODEL, text=text, semantic=pb.SemanticPolicy(min_similarity=0.99))):
+        assert asyncio.run(answer(kept_not.SerializeToString())).cache.source == pb.CacheInfo.RESULT_EXACT
+        assert kept_not.SerializeToString() not in core._prepared
+    with pytest.raises(InvalidArgument, match="not a valid InferRequest"):
+        asyncio.run(answer(b"\xff\xff\xff"))
+    monkeypatch.setattr(frontend, "PREPARED_KEPT", 2)  # bounded: past it the kept requests start over
+    for n in range(5):
+        core.prepared(pb.InferRequest(model=MODEL, text=f"{text} {n}").SerializeToString())
+        assert len(core._prepared) <= 2
+
+
 def test_normalized_variants_share_one_entry(server):
     word = unique("")
     with server.client() as client:

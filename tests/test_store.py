@@ -11,7 +11,7 @@ import pytest
 
 from cachestore import diskspace, integrity, records, results
 from cachestore.env import DB_EXPIRY, DB_META, DB_RESULTS, DB_STORED, Store, StoreSettings
-from cachestore.errors import CorruptRecord, StoreFormatError
+from cachestore.errors import CorruptRecord, StoreError, StoreFormatError
 from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
 from cachestore.writer import RUNWAY, Selector, WriteBehind
 
@@ -78,6 +78,53 @@ def test_put_get_and_freshness(store, writer):
     assert cache.get(key, now + 300_000) is None            # expired
     assert cache.get(key, now + 100_000, max_age_us=50_000) is None  # too old for this caller
     assert cache.get(entry_key(ns.ns_id, "other"), now) is None
+
+
+def test_lookup_answers_with_the_stored_bytes_exactly_where_get_finds_a_fresh_record(store, writer):
+    """The exact-hit path (lookup: the payload's bytes plus a CacheInfo suffix) and get agree on every
+    state of a record: fresh, expired, too old for the caller, absent, corrupt."""
+    from infercache.v1 import infercache_pb2 as pb
+
+    ns = Namespace("t", "m", "1")
+    stored = pb.InferResponse(outputs=[pb.Tensor(name="embedding", dtype="float32", shape=[2], data=b"\0" * 8)],
+                              cache=pb.CacheInfo(model_version="1"))
+    (key,) = put_all(writer, ns, ["q"], ttl_us=60_000_000, payload=stored.SerializeToString())
+    cache = results.ResultCache(store)
+    answer = pb.InferResponse.FromString(cache.lookup(key))
+    assert answer.cache.source == pb.CacheInfo.RESULT_EXACT and 0 < answer.cache.age_s < 2
+    assert list(answer.outputs) == list(stored.outputs) and answer.cache.model_version == "1"
+    time.sleep(0.01)
+    assert cache.lookup(key, max_age_us=5_000) is None and cache.missed_because == "too_old"
+    assert cache.get(key, results.now_us(), max_age_us=5_000) is None and cache.missed_because == "too_old"
+    assert cache.lookup(entry_key(ns.ns_id, "other")) is None and cache.missed_because == "not_cached"
+    with store.begin(write=True) as txn:  # expired a moment ago (put in place: the sweeper would delete it)
+        now = results.now_us()
+        txn.put(key, records.encode(records.Record(now - 10, now - 1, stored.SerializeToString())),
+                db=store.dbs[DB_RESULTS])
+    assert cache.lookup(key) is None and cache.missed_because == "expired"
+    assert cache.get(key, results.now_us()) is None and cache.missed_because == "expired"
+    (key,) = put_all(writer, ns, ["corrupt"], payload=stored.SerializeToString())
+    with store.begin(write=True) as txn:
+        raw = bytearray(txn.get(key, db=store.dbs[DB_RESULTS]))
+        raw[-1] ^= 0xFF
+        txn.put(key, bytes(raw), db=store.dbs[DB_RESULTS])
+    assert cache.lookup(key) is None and cache.missed_because == "store_error"
+    assert cache.counters["records_unreadable"] == 1
+
+
+def test_a_store_handle_refuses_to_cross_a_fork(store):
+    """LMDB handles must not be used in a forked child; the check costs no system call per read."""
+    store.begin().abort()
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if the handle refused
+        try:
+            store.begin()
+        except StoreError:
+            os._exit(0)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.begin().abort()  # the parent's handle still works
 
 
 def test_corrupt_record_reads_as_a_miss(store, writer):
