@@ -31,9 +31,9 @@ class Echo(infercache_pb2_grpc.InferenceCacheServicer):
         return self.response
 
 
-def _serve(port: int, ready, register) -> None:
+def serve(port: int, ready, register) -> None:
     """One server process on `port` (SO_REUSEPORT: several share it); register(server) adds its handlers."""
-    async def serve(stop: asyncio.Event) -> None:
+    async def serving(stop: asyncio.Event) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
         register(server)
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -42,11 +42,11 @@ def _serve(port: int, ready, register) -> None:
         await stop.wait()
         await server.stop(1)
 
-    process.run(serve)
+    process.run(serving)
 
 
 def main(port: int, ready) -> None:
-    _serve(port, ready, lambda server: infercache_pb2_grpc.add_InferenceCacheServicer_to_server(Echo(), server))
+    serve(port, ready, lambda server: infercache_pb2_grpc.add_InferenceCacheServicer_to_server(Echo(), server))
 
 
 def raw_main(port: int, ready, method: str, payload: bytes) -> None:
@@ -58,7 +58,7 @@ def raw_main(port: int, ready, method: str, payload: bytes) -> None:
     handler = grpc.method_handlers_generic_handler(service, {
         name: grpc.unary_unary_rpc_method_handler(answer, request_deserializer=None, response_serializer=None),
     })
-    _serve(port, ready, lambda server: server.add_generic_rpc_handlers((handler,)))
+    serve(port, ready, lambda server: server.add_generic_rpc_handlers((handler,)))
 
 
 def start(processes: int, target=main, *args) -> tuple[str, list]:
