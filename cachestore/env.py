@@ -121,11 +121,11 @@ class Store:
         if self._forks != _forks[0]:  # (not os.getpid(): a system call on every hit)
             raise StoreError("a Store handle must not cross a fork; open one per process")
         try:
-            return self.env.begin(write=write, buffers=buffers)
+            return self.env.begin(None, None, write, buffers)  # (positional: keywords cost 0.2 us a read)
         except lmdb.MapResizedError:
             # Another process grew the map: adopt its size and retry once.
             self.env.set_mapsize(0)
-            return self.env.begin(write=write, buffers=buffers)
+            return self.env.begin(None, None, write, buffers)
 
     def used_bytes(self, txn: lmdb.Transaction) -> int:
         """Bytes of live pages (what eviction keeps under the budget); shrinks when entries are deleted."""

@@ -66,9 +66,12 @@ class ResultCache:
         own); a record that does not read is counted, logged and a miss (None)."""
         try:
             if txn is not None:
-                return make(txn.get(key, db=self._results), key, now, max_age_us)
-            with self.store.begin(buffers=True) as own:
-                return make(own.get(key, db=self._results), key, now, max_age_us)
+                return make(txn.get(key, None, self._results), key, now, max_age_us)
+            own = self.store.begin(buffers=True)
+            try:
+                return make(own.get(key, None, self._results), key, now, max_age_us)
+            finally:
+                own.abort()
         except CorruptRecord as exc:
             self._unreadable(key, exc)
         except lmdb.Error as exc:
