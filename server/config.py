@@ -43,6 +43,8 @@ class ServerSection:
     max_queue: int = 1024              # requests admitted to the batcher before RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 0.0      # refuse a miss when the queue implies a longer wait; 0 = the deadline only
     max_batch_texts: int = 256         # most texts in one InferBatch call
+    max_pending_calls: int = 20000     # calls a frontend's gRPC holds before its handlers take them up; past
+                                       # it gRPC itself cancels new ones (CANCELLED), so keep it above bursts
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     log_level: str = "INFO"
     metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (calls record no figures)
@@ -254,6 +256,8 @@ def validate(config: Config) -> None:
         raise ConfigError("server.max_queue_wait_s must be >= 0 (0 = only the caller's deadline bounds the wait)")
     if config.server.max_queue < 1:
         raise ConfigError("server.max_queue must be >= 1")
+    if config.server.max_pending_calls < 1:
+        raise ConfigError("server.max_pending_calls must be >= 1")
     if config.engines.runtime not in RUNTIMES:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.cache.max_ttl_s < 0:

@@ -639,6 +639,17 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+def server_options(config: Config) -> list[tuple[str, int]]:
+    """The public server's gRPC options. gRPC core holds calls that arrive before the application asks for
+    them (grpc.aio asks one at a time) and, past 1,000 such calls, cancels a random share of new ones, up
+    to all past 3,000: a burst of a few thousand calls got CANCELLED for requests no client cancelled.
+    Raised to server.max_pending_calls (soft and hard limit alike), overload is left to admission
+    control, which answers RESOURCE_EXHAUSTED."""
+    pending = config.server.max_pending_calls
+    return [("grpc.so_reuseport", 1), ("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", pending)]
+
+
 async def reload_tokens(gate: Gate, path: str) -> None:
     """SIGHUP (forwarded by the supervisor): the token file again; a file that does not load keeps the
     tokens in force. Authentication cannot be turned on or off this way, only its tokens changed."""
@@ -743,7 +754,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         published = _Published(core, metrics_dir, index)
         core.hot_published = published.hot_keys
         publisher = telemetry.Publisher(published.path, published.snapshot, published.refresh)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+    server = grpc.aio.server(options=server_options(config))
     gate = Gate(config.secrets.tokens)
     servicer = FrontendServicer(core, gate)
     add_servicer(servicer, server)

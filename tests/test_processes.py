@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -242,6 +243,38 @@ def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
     assert by_frontend > 0 and by_frontend + by_worker == len(refused), (by_frontend, by_worker, len(refused))
     assert stats.worker.counters.get("batcher.minilm.1.rejected_full", 0) == 0
     assert stats.worker.counters["batcher.minilm.1.batch_us"] > 0
+
+
+def test_a_burst_of_thousands_of_calls_is_answered_not_cancelled_by_grpc(start_server):
+    """gRPC core cancels a random share of calls once more than 1,000 wait for the application to take
+    them up (grpc.aio takes one at a time): 4,000 cached texts asked at once of one frontend got CANCELLED
+    by the hundred before server.max_pending_calls raised that limit. Every call is answered now."""
+    server = start_server(frontends=1)
+    text = unique("asked by a crowd")
+    with server.client() as client:
+        client.infer(MODEL, text)
+        wait_cached(client, MODEL, text)
+    request = pb.InferRequest(model=MODEL, text=text)
+
+    async def burst():
+        channels = [grpc.aio.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(8)]
+        stubs = [infercache_pb2_grpc.InferenceCacheStub(c) for c in channels]
+
+        async def call(i):
+            try:
+                await stubs[i % 8].Infer(request, timeout=60)
+                return grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        try:
+            return await asyncio.gather(*(call(i) for i in range(4000)))
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    codes = Counter(asyncio.run(burst()))
+    assert codes == {grpc.StatusCode.OK: 4000}, codes
 
 
 def test_malformed_requests_are_invalid_argument_and_logged_once(start_server):
