@@ -14,7 +14,13 @@ several). The worker seeds it from a timed warmup batch (one text of the longest
 for a burst of long texts, which is what shedding is for; a full batch of them would refuse bursts of
 short texts that easily fit). When a batch is markedly slower than the estimate, queued requests that can
 no longer finish before their deadline are refused at once (Overloaded, counted as `shed`) instead of
-expiring in the queue; a batch that runs on past the estimate re-checks them while it runs. The
+expiring in the queue; a batch that runs on past the estimate re-checks them while it runs.
+
+Where an engine's time grows with the rows of a batch (a CPU), one text's time says little about a
+burst of long texts: admitted at that estimate, most of such a burst was shed seconds later. So the
+warmup also times a few rows, and the estimate is at least what a row model gives: a batch of n rows of
+bucket b takes fixed + n x row x b / (longest bucket), summed over the rows admitted, scaled by how the
+recent batches compared with the model. On a GPU a row adds next to nothing and the model changes nothing. The
 frontends read the same estimate (`expected_wait`) from every answer frame and refuse before sending,
 against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
 before they reach the engine.
@@ -82,6 +88,10 @@ class Batcher:
         self.concurrency = concurrency
         self.batch_s = 0.0                  # average duration of an engine batch (0: none timed yet)
         self._last_batch_s = 0.0            # the latest batch's duration
+        self.fixed_s = 0.0                  # the row model (module docstring): a batch's own cost,
+        self.row_s = 0.0                    # a row's of the longest bucket (0: no model),
+        self.speed = 1.0                    # and recent batches' duration over the model's
+        self._rows: Counter[int] = Counter()  # admitted rows not yet cut, by bucket
         self._started: dict[asyncio.Task, float] = {}  # running batches -> loop time they started
         self.counters: Counter[str] = Counter()
         # For /metrics (server/worker_metrics.py): launches by size, engine seconds, and each bucket's
@@ -130,9 +140,10 @@ class Batcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         bucket = self.bucket_of(len(ids))  # here, not in the owner task: a bad item fails its caller only
-        self._admit(now, deadline)
+        self._admit(now, deadline, bucket)
         request = _Request(ids, bucket, deadline, now, loop.create_future())
         self._waiting += 1
+        self._rows[bucket] += 1
         self._incoming.append(request)
         self._wakeup.set()
         return request.future
@@ -142,19 +153,27 @@ class Batcher:
         oldest = min(self._started.values(), default=now)
         return max(self.batch_s, self._last_batch_s, now - oldest)
 
-    def expected_wait(self, now: float | None = None) -> float:
-        """Seconds until a request admitted now would have its result; 0 when nothing is queued (an
-        empty queue admits anything) or there is no estimate yet."""
+    def expected_wait(self, now: float | None = None, bucket: int | None = None) -> float:
+        """Seconds until a request (of `bucket`, where known) admitted now would have its result; 0 when
+        nothing is queued (an empty queue admits anything) or there is no estimate yet."""
         if not self._waiting:
             return 0.0
         batch_s = self._batch_estimate(asyncio.get_running_loop().time() if now is None else now)
         if batch_s <= 0.0:
             return 0.0
-        return -(-(self._waiting + 1) // self.max_batch) / self.concurrency * batch_s
+        batches = -(-(self._waiting + 1) // self.max_batch)
+        if self.row_s:
+            modelled = batches * self.fixed_s + sum(n * self._row_cost(b) for b, n in self._rows.items())
+            modelled += 0.0 if bucket is None else self._row_cost(bucket)
+            batch_s = max(batch_s, modelled * self.speed / batches)
+        return batches / self.concurrency * batch_s
 
-    def _admit(self, now: float, deadline: float | None) -> None:
+    def _row_cost(self, bucket: int) -> float:
+        return self.row_s * bucket / self.buckets[-1]
+
+    def _admit(self, now: float, deadline: float | None, bucket: int) -> None:
         """Overloaded when the queue ahead cannot be served within the caller's deadline or max_wait_s."""
-        expected = self.expected_wait(now)
+        expected = self.expected_wait(now, bucket)
         if not expected:
             return
         bound = wait_bound(self.max_wait_s, None if deadline is None else deadline - now)
@@ -172,9 +191,13 @@ class Batcher:
             return
         self._take_incoming()
         queued = heapq.merge(*self._pending.values(), key=lambda r: r.enqueued)
-        late = set()
+        late, work = set(), 0.0
         for position, request in enumerate(queued):
-            done_at = now + (position // self.max_batch + 1) / self.concurrency * batch_s
+            batches = position // self.max_batch + 1
+            done_at = now + batches / self.concurrency * batch_s
+            if self.row_s:  # the row model: the rows ahead and this one, and a batch's own cost each
+                work += self._row_cost(request.bucket)
+                done_at = max(done_at, now + (batches * self.fixed_s + work) * self.speed / self.concurrency)
             if request.deadline is not None and done_at > request.deadline > now and not request.future.done():
                 late.add(request)  # (one already past its deadline is dropped as expired at the cut)
         if not late:
@@ -182,15 +205,25 @@ class Batcher:
         for bucket, queue in self._pending.items():
             self._pending[bucket] = deque(r for r in queue if r not in late)
         self._waiting -= len(late)
+        self._rows.subtract(r.bucket for r in late)
         self.counters["shed"] += len(late)
         for request in late:
             request.future.set_exception(Overloaded(
                 f"{self.name} slowed down ({batch_s * 1000:.1f} ms per batch): this request would not be answered "
                 "before its deadline; retry later"))
 
-    def seed_timing(self, seconds: float) -> None:
-        """The first batch-duration estimate, from the worker's warmup (before it serves anything)."""
+    def seed_timing(self, seconds: float, rows_seconds: float | None = None, rows: int = 1,
+                    busy_seconds: float | None = None) -> None:
+        """The first estimate, from the worker's warmup (before it serves anything): `seconds` for a
+        batch of one row of the longest bucket and, where timed, `rows_seconds` for `rows` such rows (the
+        row model's seed) and `busy_seconds` for such a batch while every engine slot runs one (slots
+        that share the same cores, as ONNX Runtime's do, each run slower)."""
         self.batch_s = seconds
+        if rows_seconds is not None and rows > 1:
+            self.row_s = max(0.0, (rows_seconds - seconds) / (rows - 1))
+            self.fixed_s = max(0.0, seconds - self.row_s)
+            if busy_seconds is not None and rows_seconds > 0.0:
+                self.speed = max(1.0, busy_seconds / rows_seconds)
 
     async def submit(self, ids, deadline: float | None) -> Any:
         return await self.enqueue(ids, deadline)
@@ -273,6 +306,7 @@ class Batcher:
         while queue and len(batch) < self.max_batch:
             request = queue.popleft()
             self._waiting -= 1
+            self._rows[bucket] -= 1
             if request.dead(now):
                 if not request.future.done():
                     self.counters["dropped_expired"] += 1
@@ -290,7 +324,8 @@ class Batcher:
         self._started[task] = started
         try:
             running = loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
-            expected = max(self.batch_s, self._last_batch_s)
+            modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].bucket)
+            expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
             if expected > 0.0:  # while it runs past the estimate, its age raises the estimate: re-check
                 while not (await asyncio.wait({running}, timeout=SLOWDOWN * expected))[0]:
                     self._shed(loop.time())
@@ -299,7 +334,11 @@ class Batcher:
             del self._started[task]
             self._last_batch_s = took
             self.batch_s = took if self.batch_s <= 0.0 else self.batch_s + DURATION_WEIGHT * (took - self.batch_s)
-            if took > SLOWDOWN * expected:  # what was admitted at the old estimate may not finish in time
+            if self.row_s and modelled > 0.0:
+                self.speed += DURATION_WEIGHT * (took / modelled - self.speed)
+            # What was admitted at an older estimate may not finish in time: re-checked when a batch
+            # ran slow, and after every batch under the row model (its speed moves a little each batch).
+            if took > SLOWDOWN * expected or self.row_s:
                 self._shed(loop.time())
             for request, result in zip(batch, results, strict=True):
                 if not request.future.done():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -14,6 +15,8 @@ from server.config import Config
 from server.engines.artifacts import LoadedEngine, model_profiles
 from server.models import LABELS_FILE, TOKENIZER_FILE, ModelSpec
 from server.tokenization import TextEncoder, pad_batch
+
+SEED_ROWS = 4  # rows of the longest profile the warmup times, beside one (server/batcher.py's row model)
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}  # str(dtype) is slow Python code; it runs once per answer
@@ -102,7 +105,8 @@ class ModelRuntime:
 
     def warmup(self) -> None:
         """One batch per profile before the worker reports ready (TensorRT initializes lazily), then one
-        more of the longest, timed: the batcher's first estimate of a batch's duration (admission)."""
+        more of the longest, timed: the batcher's first estimate of a batch's duration (admission), and
+        one of SEED_ROWS such rows: what a row adds (the batcher's row model)."""
         cls, sep = self.encoder.encode("")[:1] or [0], self.encoder.encode("")[-1:] or [0]
         longest = None
         for profile in model_profiles(self.spec):
@@ -111,4 +115,18 @@ class ModelRuntime:
         if longest is not None:
             started = time.perf_counter()
             self._run_batch(longest)
-            self.batcher.seed_timing(time.perf_counter() - started)
+            one = time.perf_counter() - started
+            rows = min(SEED_ROWS, self.spec.max_batch_size)
+            if rows < 2:
+                self.batcher.seed_timing(one)
+                return
+            started = time.perf_counter()
+            self._run_batch(longest * rows)
+            many = time.perf_counter() - started
+            busy = None
+            if self.engine.slots > 1:  # every slot at once: what each batch takes under load
+                with ThreadPoolExecutor(self.engine.slots) as pool:
+                    started = time.perf_counter()
+                    list(pool.map(lambda _: self._run_batch(longest * rows), range(self.engine.slots)))
+                    busy = time.perf_counter() - started
+            self.batcher.seed_timing(one, many, rows, busy)

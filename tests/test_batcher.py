@@ -192,6 +192,36 @@ def test_a_slowdown_refuses_queued_requests_that_can_no_longer_finish_in_time():
     assert "dropped_expired" not in batcher.counters
 
 
+def test_the_row_model_refuses_at_once_what_a_one_row_estimate_would_admit_and_then_shed():
+    """An engine whose batches take 5 ms + 10 ms a row (a CPU): one row's time (15 ms) would admit all
+    400 requests against a 1 s deadline and shed most of them once the first batch ran. Seeded with
+    what four rows take too, the batcher refuses at once what cannot finish, and sheds next to nothing."""
+    def linear(sequences):
+        time.sleep(0.005 + 0.010 * len(sequences))
+        return [len(s) for s in sequences]
+
+    async def run(seeded_rows: bool):
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(linear, buckets=(16,), max_batch=8, max_delay_s=0.0, max_queue=10_000)
+        started = time.perf_counter()  # timed as the worker's warmup does: one row, then four
+        linear([[1]])
+        one = time.perf_counter() - started
+        started = time.perf_counter()
+        linear([[1]] * 4)
+        batcher.seed_timing(one, time.perf_counter() - started if seeded_rows else None, 4)
+        admitted, refused = _flood(batcher, 400, loop.time() + 1.0)
+        outcomes = await asyncio.gather(*(_timed(f, loop) for f in admitted))
+        await batcher.close()
+        return refused, [o for o, _ in outcomes], batcher.counters
+
+    refused, outcomes, counters = asyncio.run(run(seeded_rows=True))
+    ran = [o for o in outcomes if o == 3]  # (a few at the edge may be shed: the timing is real, so noisy)
+    assert 250 <= refused <= 340 and len(ran) >= len(outcomes) - 8, (refused, outcomes[-3:])
+    assert counters["shed"] == len(outcomes) - len(ran) and "dropped_expired" not in counters
+    refused, outcomes, counters = asyncio.run(run(seeded_rows=False))  # the one-row estimate, for contrast
+    assert refused == 0 and counters["shed"] > 250
+
+
 async def _timed(future, loop):
     try:
         outcome = await future
