@@ -283,6 +283,9 @@ def main() -> None:
                              "step, the others repeat the MiniLM runs (e.g. 1,2,4)")
     parser.add_argument("--overload-deadline", type=float, default=10.0,
                         help="overload section: each call's deadline in seconds (0.5 on a GPU host: an overload there)")
+    parser.add_argument("--overload-settings", default="",
+                        help="overload section: the server's settings, comma-separated key=value (e.g. "
+                             "engines.runtime=onnxruntime,server.engine_threads=4: a CPU-bound model on a GPU host)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -321,7 +324,8 @@ def main() -> None:
             report["fleet"] = bench_fleet(workdir / "fleet", texts, scale)
         if "overload" in sections:
             print("benchmarking overload (misses at once against one worker) ...", flush=True)
-            report["overload"] = bench_overload(workdir / "overload", texts, scale, args.overload_deadline)
+            report["overload"] = bench_overload(workdir / "overload", texts, scale, args.overload_deadline,
+                                                tuple(filter(None, args.overload_settings.split(","))))
         if "l2" in sections:
             from server.devices import visible_gpus
 

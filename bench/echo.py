@@ -31,10 +31,11 @@ class Echo(infercache_pb2_grpc.InferenceCacheServicer):
         return self.response
 
 
-def serve(port: int, ready, register) -> None:
-    """One server process on `port` (SO_REUSEPORT: several share it); register(server) adds its handlers."""
+def serve(port: int, ready, register, options: list | None = None) -> None:
+    """One server process on `port` (SO_REUSEPORT: several share it); register(server) adds its handlers;
+    `options`: gRPC's, SO_REUSEPORT alone by default."""
     async def serving(stop: asyncio.Event) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        server = grpc.aio.server(options=options or [("grpc.so_reuseport", 1)])
         register(server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()

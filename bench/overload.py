@@ -7,10 +7,15 @@ took against the admitted calls, how many admitted calls ran into their deadline
 refusals were decided (the frontend, from the queue wait the worker tells it with each answer frame,
 or the worker itself). Expected: no DEADLINE_EXCEEDED, no UNAVAILABLE, refusals well before the deadline.
 
-The same client floods a bare grpc.aio server (one process, every call sleeps 1 s or half the
-deadline, no work) in the same run: with a few thousand calls in flight to one process, gRPC itself answers some of them CANCELLED
-(measured on the 2-core machine: none of 1,000, 62 of 2,000, about 550 of 3,000, whether over 8 or 32
-connections), so CANCELLED in the server's row is read against the bare server's.
+The same client also floods, in the same run, a refusal floor: as many grpc.aio processes as the server
+has frontends, refusing every call at once with RESOURCE_EXHAUSTED and doing nothing else. Its latencies
+are the fastest refusals this machine's gRPC and this client can give the burst; the server's refusals
+are read against them (on 2 cores the burst itself, not the server, takes much of the time).
+
+And it floods a bare grpc.aio server with gRPC's default options (one process, every call sleeps 1 s or
+half the deadline, no work): with a few thousand calls waiting for the application to take them up, gRPC
+core cancels a random share (about 550 of 3,000 on the 2-core machine). The frontends raise that limit
+(server.max_pending_calls), so the server's row should show no CANCELLED.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench import echo
 from bench.load import minilm_only
 from infercache.testing import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
+from server.config import Config
+from server.frontend import server_options
 
 
 def _ms(values: list[float]) -> dict:
@@ -51,6 +59,17 @@ def _bare_server(port: int, sleep_s: float) -> None:
         await server.start()
         await server.wait_for_termination()
     asyncio.run(main())
+
+
+def refusing_main(port: int, ready) -> None:
+    """One process of the refusal floor: Infer answered RESOURCE_EXHAUSTED at once, with no work (gRPC
+    options as the frontends', so that gRPC itself sheds none of the burst)."""
+    async def refuse(request: bytes, context) -> bytes:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "refused")
+
+    handler = grpc.method_handlers_generic_handler("infercache.v1.InferenceCache", {
+        "Infer": grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=None, response_serializer=None)})
+    echo.serve(port, ready, lambda server: server.add_generic_rpc_handlers((handler,)), server_options(Config()))
 
 
 async def _flood(address: str, texts: list[str], deadline_s: float, channels: int = 8) -> list[tuple[str, float]]:
@@ -76,13 +95,15 @@ async def _flood(address: str, texts: list[str], deadline_s: float, channels: in
             await channel.close()
 
 
-def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: float = 10.0) -> dict:
-    """deadline_s: each call's; on a GPU host a short one (0.5 s) makes 3,000 misses an overload."""
+def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: float = 10.0,
+                   settings: tuple[str, ...] = ()) -> dict:
+    """deadline_s: each call's; on a GPU host a short one (0.5 s) makes 3,000 misses an overload.
+    settings: the server's --set items (e.g. engines.runtime=onnxruntime: a CPU-bound model on a GPU host)."""
     calls = max(300, int(3000 * scale))
     models = minilm_only(workdir / "models")
     (workdir / "server").mkdir()
     frontends = os.cpu_count() or 1  # the server's default: one per CPU
-    server = ServerProcess(workdir / "server", models, frontends=frontends)
+    server = ServerProcess(workdir / "server", models, frontends=frontends, settings=settings)
     try:
         # About 210 tokens each, all distinct: every call is a miss.
         long = [(f"#{n} " + " ".join(texts[(n + k) % len(texts)] for k in range(18)))[:1000] for n in range(calls)]
@@ -100,13 +121,23 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
         bare_answers = asyncio.run(_flood(f"127.0.0.1:{port}", long, deadline_s))
     finally:
         bare.terminate()
+    address, procs = echo.start(frontends, refusing_main)
+    try:
+        floor_answers = asyncio.run(_flood(address, long, deadline_s))
+    finally:
+        echo.stop(procs)
     codes = Counter(code for code, _ in answers)
+    refused = _ms([ms for code, ms in answers if code == "RESOURCE_EXHAUSTED"])
+    floor = _ms([ms for code, ms in floor_answers if code == "RESOURCE_EXHAUSTED"])
     worker = stats.worker.counters
     return {
-        "calls": calls, "deadline_s": deadline_s, "frontends": frontends, "wall_s": round(wall, 2),
-        "codes": dict(codes),
+        "calls": calls, "deadline_s": deadline_s, "frontends": frontends, "settings": list(settings),
+        "wall_s": round(wall, 2), "codes": dict(codes),
         "bare_grpc_server_codes": dict(Counter(code for code, _ in bare_answers)),
-        "refused": _ms([ms for code, ms in answers if code == "RESOURCE_EXHAUSTED"]),
+        "refused": refused,
+        "refusal_floor": {**floor, "codes": dict(Counter(code for code, _ in floor_answers))},
+        "refused_vs_floor": {f"{q}_ratio": round(refused[f"{q}_ms"] / floor[f"{q}_ms"], 2)
+                             for q in ("p50", "p99") if refused["count"] and floor["count"]},
         "admitted": _ms([ms for code, ms in answers if code == "OK"]),
         # GetStats shows the answering frontend only: this is one frontend's refusals.
         "refused_by_one_frontend": stats.frontend.counters["frontend.rejected_wait"],
@@ -125,6 +156,11 @@ def print_overload(report: dict) -> None:
         if part["count"]:
             print(f"  {name:9s} {part['count']:5d}  p50 {part['p50_ms']:8.1f} ms  p99 {part['p99_ms']:8.1f} ms  "
                   f"max {part['max_ms']:8.1f} ms")
+    floor = report["refusal_floor"]
+    if floor["count"]:
+        print(f"  refusal floor (a server refusing every call at once, {report['frontends']} processes): "
+              f"p50 {floor['p50_ms']:8.1f} ms  p99 {floor['p99_ms']:8.1f} ms; the server's refusals "
+              f"{report['refused_vs_floor']}")
     print(f"  refused by one of the frontends: {report['refused_by_one_frontend']}, by the worker: "
           f"{report['refused_by_worker']} on arrival and {report['worker_batcher'].get('shed', 0)} shed from its "
           f"queue; mean batch {report['mean_batch']}")
