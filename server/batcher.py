@@ -10,17 +10,18 @@ deadline or `max_wait_s`, so an admitted request is one that can finish in time.
 batches ahead, this one's included, shared by the engine slots, times the batch duration: the larger of
 the recent average, the last batch, and the age of the oldest batch still running (so a machine that
 slows down, by contention or a burst of long texts, raises the estimate within one batch, not after
-several). The worker seeds it from a timed warmup batch (one text of the longest profile: optimistic
-for a burst of long texts, which is what shedding is for; a full batch of them would refuse bursts of
-short texts that easily fit). When a batch is markedly slower than the estimate, queued requests that can
-no longer finish before their deadline are refused at once (Overloaded, counted as `shed`) instead of
-expiring in the queue; a batch that runs on past the estimate re-checks them while it runs.
+several). The worker seeds it from a timed warmup batch (one text of the longest profile). When a batch
+is markedly slower than the estimate, queued requests that can no longer finish before their deadline
+are refused at once (Overloaded, counted as `shed`) instead of expiring in the queue; a batch that runs
+on past the estimate re-checks them while it runs.
 
 Where an engine's time grows with the rows of a batch (a CPU), one text's time says little about a
 burst of long texts: admitted at that estimate, most of such a burst was shed seconds later. So the
-warmup also times a few rows, and the estimate is at least what a row model gives: a batch of n rows of
-bucket b takes fixed + n x row x b / (longest bucket), summed over the rows admitted, scaled by how the
-recent batches compared with the model. On a GPU a row adds next to nothing and the model changes nothing. The
+warmup also times four rows, and every slot at once (slots that share cores slow each other), and the
+estimate is at least what that row model gives: a batch of n rows of bucket b takes fixed + n x row x
+b / (longest bucket), summed over the rows admitted, scaled by how recent batches compared with the
+model (its `speed`; the queue is re-checked after every batch). A GPU, where a row adds next to nothing,
+keeps the batch estimate; short texts cost a proportionally small share of a row. The
 frontends read the same estimate (`expected_wait`) from every answer frame and refuse before sending,
 against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
 before they reach the engine.
