@@ -137,7 +137,7 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
         "refused": refused,
         "refusal_floor": {**floor, "codes": dict(Counter(code for code, _ in floor_answers))},
         "refused_vs_floor": {f"{q}_ratio": round(refused[f"{q}_ms"] / floor[f"{q}_ms"], 2)
-                             for q in ("p50", "p99") if refused["count"] and floor["count"]},
+                             for q in ("p50", "p99") if refused["count"] and floor["count"] and floor[f"{q}_ms"]},
         "admitted": _ms([ms for code, ms in answers if code == "OK"]),
         # GetStats shows the answering frontend only: this is one frontend's refusals.
         "refused_by_one_frontend": stats.frontend.counters["frontend.rejected_wait"],

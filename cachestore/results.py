@@ -1,7 +1,8 @@
 """L1 result cache: whole responses by exact key.
 
-Reading (`ResultCache.get`) is what frontends do on every request: one read transaction on the
-memory map, lock-free with respect to the writer (LMDB's MVCC), a few microseconds. The write-side
+Reading (`ResultCache.lookup`, the exact-hit path; `get` for a Record) is what frontends do on every
+request: one read transaction on the memory map, lock-free with respect to the writer (LMDB's MVCC), a
+few microseconds. The write-side
 functions below run only inside the worker's write-behind transactions (writer.py); they keep the two
 indexes (`stored` for eviction order, `expiry` for the sweeper) consistent with `results`.
 """
@@ -44,7 +45,7 @@ class ResultCache:
         self._ring = store.ring
         self.counters: Counter[str] = Counter()  # written by the thread that reads (the event loop)
         self._warn_at = 0.0
-        # Why the latest `get` found nothing: not_cached, expired, too_old (older than max_age_us) or
+        # Why the latest read found nothing: not_cached, expired, too_old (older than max_age_us) or
         # store_error (/metrics miss reasons; set on the miss path only, read right after by the caller).
         self.missed_because = ""
 

@@ -46,6 +46,7 @@ RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arr
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
+ROW_MODEL_MIN = 0.5         # the row model is on where a row adds at least this share of one row's batch
 
 
 def bucket_of(buckets: tuple[int, ...], length: int) -> int:
@@ -220,7 +221,8 @@ class Batcher:
         row model's seed) and `busy_seconds` for such a batch while every engine slot runs one (slots
         that share the same cores, as ONNX Runtime's do, each run slower)."""
         self.batch_s = seconds
-        if rows_seconds is not None and rows > 1:
+        # A row that adds under half of a batch's own cost (a GPU; timing noise) leaves the model off.
+        if rows_seconds is not None and rows > 1 and rows_seconds > seconds * (1 + ROW_MODEL_MIN * (rows - 1)):
             self.row_s = max(0.0, (rows_seconds - seconds) / (rows - 1))
             self.fixed_s = max(0.0, seconds - self.row_s)
             if busy_seconds is not None and rows_seconds > 0.0:

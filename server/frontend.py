@@ -175,12 +175,12 @@ class FrontendCore:
         """prepare() of a serialized InferRequest. A request that repeats byte for byte (the traffic a
         cache is for) reuses what its first arrival worked out: no parsing, validation, normalization or
         hashing on the hit path. Only what depends on the bytes alone is kept: common requests (see
-        _plan) whose text holds no PII to count."""
+        _plan) of models without a privacy.pii setting (the bytes would keep the raw text in memory)."""
         found = self._prepared.get(raw)
         if found is None:
             request = parsed(_INFER_REQUEST(raw))
             found = self.prepare(request)
-            if len(raw) <= PREPARED_MAX_BYTES and _common(request) and not found[1][2]:
+            if len(raw) <= PREPARED_MAX_BYTES and _common(request) and found[0].served.spec.pii == "off":
                 if len(self._prepared) >= PREPARED_KEPT:
                     self._prepared.clear()
                 self._prepared[raw] = found

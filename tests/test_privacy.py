@@ -121,3 +121,26 @@ def test_planted_pii_is_nowhere_on_disk_nor_in_the_log_and_variants_share_entrie
     assert not found, found[:10]
     # The search reads what is stored: the answers' labels are there in clear (no encryption here).
     assert card_answers[0].label.encode() in haystacks[private_server.cache_dir / "data.mdb"]
+
+
+def test_the_frontend_keeps_no_raw_request_of_a_model_with_a_pii_setting(tmp_path):
+    """Frontends keep serialized requests that repeat (FrontendCore.prepared: their plan and key), but
+    never those of a model whose privacy.pii is set: the bytes hold the text as sent."""
+    from collections import Counter
+
+    from server import config as settings
+    from server.frontend import FrontendCore
+    from server.models import ModelRepository
+
+    root = tmp_path / "models"
+    link_model(root, "redacting", MINILM_CONFIG + REDACT, {"1": MODEL_VERSION_DIR})
+    link_model(root, "plain", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
+    core = FrontendCore(config, ModelRepository(root), None, Counter())
+    text = "my card 4111 1111 1111 1111 was declined"
+    for model in ("redacting", "plain"):
+        raw = pb.InferRequest(model=model, text=text).SerializeToString()
+        plan, (normalized, _, _) = core.prepared(raw)
+        assert plan.served.spec.name == model
+        assert ("4111" in normalized) == (model == "plain")  # redacted before keying
+        assert (raw in core._prepared) == (model == "plain")
