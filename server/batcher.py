@@ -17,11 +17,11 @@ on past the estimate re-checks them while it runs.
 
 Where an engine's time grows with the rows of a batch (a CPU), one text's time says little about a
 burst of long texts: admitted at that estimate, most of such a burst was shed seconds later. So the
-warmup also times four rows, and every slot at once (slots that share cores slow each other), and the
-estimate is at least what that row model gives: a batch of n rows of bucket b takes fixed + n x row x
-b / (longest bucket), summed over the rows admitted, scaled by how recent batches compared with the
-model (its `speed`; the queue is re-checked after every batch). A GPU, where a row adds next to nothing,
-keeps the batch estimate; short texts cost a proportionally small share of a row. The
+warmup also times four rows, and the estimate is at least what that row model gives: a batch of n
+rows of bucket b takes fixed + n x row x b / (longest bucket), summed over the rows admitted, scaled by
+how recent batches compared with the model (its `speed`, which starts from the slots sharing the cores;
+the queue is re-checked after every batch). A GPU, where a row adds next to nothing, keeps the batch
+estimate; short texts cost a proportionally small share of a row. The
 frontends read the same estimate (`expected_wait`) from every answer frame and refuse before sending,
 against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
 before they reach the engine.
@@ -214,19 +214,18 @@ class Batcher:
                 f"{self.name} slowed down ({batch_s * 1000:.1f} ms per batch): this request would not be answered "
                 "before its deadline; retry later"))
 
-    def seed_timing(self, seconds: float, rows_seconds: float | None = None, rows: int = 1,
-                    busy_seconds: float | None = None) -> None:
+    def seed_timing(self, seconds: float, rows_seconds: float | None = None, rows: int = 1) -> None:
         """The first estimate, from the worker's warmup (before it serves anything): `seconds` for a
         batch of one row of the longest bucket and, where timed, `rows_seconds` for `rows` such rows (the
-        row model's seed) and `busy_seconds` for such a batch while every engine slot runs one (slots
-        that share the same cores, as ONNX Runtime's do, each run slower)."""
+        row model's seed). An engine whose rows cost runs its slots on the same cores: while all of them
+        run, each batch takes about `concurrency` times as long (ONNX Runtime's two slots gave 1.15x the
+        throughput of one), which the model's speed starts from."""
         self.batch_s = seconds
         # A row that adds under half of a batch's own cost (a GPU; timing noise) leaves the model off.
         if rows_seconds is not None and rows > 1 and rows_seconds > seconds * (1 + ROW_MODEL_MIN * (rows - 1)):
-            self.row_s = max(0.0, (rows_seconds - seconds) / (rows - 1))
+            self.row_s = (rows_seconds - seconds) / (rows - 1)
             self.fixed_s = max(0.0, seconds - self.row_s)
-            if busy_seconds is not None and rows_seconds > 0.0:
-                self.speed = max(1.0, busy_seconds / rows_seconds)
+            self.speed = float(self.concurrency)
 
     async def submit(self, ids, deadline: float | None) -> Any:
         return await self.enqueue(ids, deadline)

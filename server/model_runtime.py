@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -123,11 +122,4 @@ class ModelRuntime:
             self._run_batch(longest * rows)  # (a new shape's first run is not what it costs)
             started = time.perf_counter()
             self._run_batch(longest * rows)
-            many = time.perf_counter() - started
-            busy = None
-            if self.engine.slots > 1:  # every slot at once: what each batch takes under load
-                with ThreadPoolExecutor(self.engine.slots) as pool:
-                    started = time.perf_counter()
-                    list(pool.map(lambda _: self._run_batch(longest * rows), range(self.engine.slots)))
-                    busy = time.perf_counter() - started
-            self.batcher.seed_timing(one, many, rows, busy)
+            self.batcher.seed_timing(one, time.perf_counter() - started, rows)
