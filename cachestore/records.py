@@ -43,7 +43,11 @@ class Record:
         return fresh(self.created_us, self.expires_us, now_us, max_age_us)
 
     def age_s(self, now_us: int) -> float:
-        return max(0, now_us - self.created_us) / 1e6
+        return age_s(self.created_us, now_us)
+
+
+def age_s(created_us: int, now_us: int) -> float:
+    return max(0, now_us - created_us) / 1e6
 
 
 def fresh(created_us: int, expires_us: int, now_us: int, max_age_us: int | None = None) -> bool:
@@ -90,14 +94,20 @@ def checked(raw: bytes | memoryview) -> tuple[int, int, int, int, memoryview]:
     return flags, kid, created, expires, payload
 
 
-def decode(raw: bytes | memoryview, key: bytes = b"", ring: KeyRing | None = None) -> Record:
-    """The record with its payload in clear; CorruptRecord (Unsealable for sealing) when it is unusable."""
-    flags, kid, created, expires, stored = checked(raw)
-    payload = bytes(stored)
+def opened(flags: int, kid: int, created: int, expires: int, stored: memoryview, key: bytes,
+           ring: KeyRing | None) -> bytes:
+    """The payload in clear of a record that `checked` passed; Unsealable when it does not open (or is in
+    clear while encryption is on)."""
     if flags & FLAG_ENCRYPTED:
         if ring is None:
             raise Unsealable("record is encrypted and no encryption key is configured")
-        payload = ring.open(kid, payload, _aad(key, flags, kid, created, expires))
-    elif ring is not None:
+        return ring.open(kid, bytes(stored), _aad(key, flags, kid, created, expires))
+    if ring is not None:
         raise Unsealable("record stored in clear, and encryption is on")
-    return Record(created, expires, payload, flags, kid)
+    return bytes(stored)
+
+
+def decode(raw: bytes | memoryview, key: bytes = b"", ring: KeyRing | None = None) -> Record:
+    """The record with its payload in clear; CorruptRecord (Unsealable for sealing) when it is unusable."""
+    flags, kid, created, expires, stored = checked(raw)
+    return Record(created, expires, opened(flags, kid, created, expires, stored, key, ring), flags, kid)

@@ -63,20 +63,24 @@ class ResultCache:
         return self._read(self._record, key, now, max_age_us, txn)
 
     def _read(self, make, key: bytes, now: int, max_age_us: int | None, txn: lmdb.Transaction | None):
-        """make(raw record or None, key, now, max_age_us) inside a read transaction (`txn`, or one of its
-        own); a record that does not read is counted, logged and a miss (None)."""
+        """make(raw record, key, now, max_age_us) inside a read transaction (`txn`, or one of its own);
+        an absent record is a miss (None), and so is one that does not read (counted and logged)."""
+        own = None
         try:
-            if txn is not None:
-                return make(txn.get(key, None, self._results), key, now, max_age_us)
-            own = self.store.begin(buffers=True)
-            try:
-                return make(own.get(key, None, self._results), key, now, max_age_us)
-            finally:
-                own.abort()
+            if txn is None:
+                txn = own = self.store.begin(buffers=True)
+            raw = txn.get(key, None, self._results)
+            if raw is None:
+                self.missed_because = "not_cached"
+                return None
+            return make(raw, key, now, max_age_us)
         except CorruptRecord as exc:
             self._unreadable(key, exc)
         except lmdb.Error as exc:
             log.warning("result cache read failed, serving a miss: %s", exc)
+        finally:
+            if own is not None:
+                own.abort()
         self.missed_because = "store_error"
         return None
 
@@ -87,9 +91,6 @@ class ResultCache:
         return False
 
     def _record(self, raw, key: bytes, now: int, max_age_us: int | None) -> records.Record | None:
-        if raw is None:
-            self.missed_because = "not_cached"
-            return None
         record = records.decode(raw, key, self._ring)
         return record if self._fresh(record.created_us, record.expires_us, now, max_age_us) else None
 
@@ -118,15 +119,12 @@ class ResultCache:
         return self._read(self._answer_bytes, key, now_us(), max_age_us, txn)
 
     def _answer_bytes(self, raw, key: bytes, now: int, max_age_us: int | None) -> bytes | None:
-        if raw is None:
-            self.missed_because = "not_cached"
-            return None
-        flags, _, created, expires, payload = records.checked(raw)
-        if flags or self._ring is not None:  # sealed, or encryption is on: decode opens or refuses it
-            payload = records.decode(raw, key, self._ring).payload
+        flags, kid, created, expires, payload = records.checked(raw)
+        if flags or self._ring is not None:  # sealed, or encryption is on: opened, or refused
+            payload = records.opened(flags, kid, created, expires, payload, key, self._ring)
         if not self._fresh(created, expires, now, max_age_us):
             return None
-        return b"".join((payload, wire.cache_info(_RESULT_EXACT, max(0, now - created) / 1e6)))
+        return b"".join((payload, wire.cache_info(_RESULT_EXACT, records.age_s(created, now))))
 
 
 # ---- write side: called by the writer thread inside its write transaction -------------------------

@@ -73,6 +73,13 @@ def _common(request) -> bool:
     return not request.HasField("semantic") and not request.cache.HasField("max_age_s")
 
 
+def _keep(table: dict, key, value, limit: int) -> None:
+    """Into a memo table of at most `limit` entries: a full one starts over (no LRU bookkeeping on hits)."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+
+
 _INFER_REQUEST = lenient(pb.InferRequest)  # Infer's requests arrive serialized (see add_servicer)
 
 
@@ -181,9 +188,7 @@ class FrontendCore:
             request = parsed(_INFER_REQUEST(raw))
             found = self.prepare(request)
             if len(raw) <= PREPARED_MAX_BYTES and _common(request) and found[0].served.spec.pii == "off":
-                if len(self._prepared) >= PREPARED_KEPT:
-                    self._prepared.clear()
-                self._prepared[raw] = found
+                _keep(self._prepared, raw, found, PREPARED_KEPT)
         return found
 
     def prepare(self, request: pb.InferRequest) -> tuple[_Plan, tuple[str, bytes, bool]]:
@@ -210,9 +215,7 @@ class FrontendCore:
                 return found
         plan = self._new_plan(request)
         if common:
-            if len(self._plans) >= PLANS_KEPT:
-                self._plans.clear()
-            self._plans[key] = plan
+            _keep(self._plans, key, plan, PLANS_KEPT)
         return plan
 
     def _new_plan(self, request) -> _Plan:
