@@ -92,7 +92,9 @@ _STOP = object()
 class WriteBehind:
     def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0,
                  on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None,
-                 max_ttl_s: int = 0) -> None:
+                 max_ttl_s: int = 0, threaded: bool = True) -> None:
+        """threaded=False: no thread of its own; whoever owns it calls `drain` (server/writer_process.py,
+        where py-lmdb's releasing the GIL on every call would hand it back and forth between two threads)."""
         self.store = store
         self.max_ttl_us = max_ttl_s * 1_000_000  # retention: the sweep also deletes entries older than this
         # Told after each commit which semantic rows were added and which (ns_id, label) went.
@@ -107,8 +109,11 @@ class WriteBehind:
         self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
-        self._thread.start()
+        self._next_sweep = time.monotonic()  # one sweep at start: a retention cap lowered while down applies at once
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
+            self._thread.start()
 
     # ---- called from any thread; never block -------------------------------------------------------
 
@@ -132,35 +137,48 @@ class WriteBehind:
 
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(_STOP)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self.drain()
+
+    def drain(self) -> None:
+        """Without a thread of its own: handles everything queued so far in the caller's thread (one
+        transaction per batch_max operations), and sweeps when a sweep is due."""
+        while not self._step(0.0) and not self._queue.empty():
+            pass
 
     # ---- the writer thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_sweep = time.monotonic()  # one sweep at start: a retention cap lowered while down applies at once
-        while True:
-            batch = []
+        while not self._step(None):
+            pass
+
+    def _step(self, wait: float | None) -> bool:
+        """Takes up to batch_max queued operations (waiting for the first until the next sweep is due, at
+        most `wait` seconds), applies them in one transaction, sweeps when due; True once stopped."""
+        timeout = max(0.0, self._next_sweep - time.monotonic())
+        batch = []
+        try:
+            batch.append(self._queue.get(timeout=timeout if wait is None else min(wait, timeout)))
+        except queue.Empty:
+            pass
+        while batch and len(batch) < self.batch_max:
             try:
-                batch.append(self._queue.get(timeout=max(0.0, next_sweep - time.monotonic())))
+                batch.append(self._queue.get_nowait())
             except queue.Empty:
-                pass
-            while batch and len(batch) < self.batch_max:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            ops = [op for op in batch if op is not _STOP]
-            if ops:
-                self._guarded(self._apply, ops)
-                for op in ops:
-                    if isinstance(op, _Put) and op.on_done is not None:
-                        self._guarded(op.on_done)
-            if time.monotonic() >= next_sweep:  # also under constant load, not only when idle
-                self._guarded(self._check_disk)  # space may have come back while nothing was written
-                self._guarded(self._sweep)
-                next_sweep = time.monotonic() + self.sweep_interval_s
-            if _STOP in batch:
-                return
+                break
+        ops = [op for op in batch if op is not _STOP]
+        if ops:
+            self._guarded(self._apply, ops)
+            for op in ops:
+                if isinstance(op, _Put) and op.on_done is not None:
+                    self._guarded(op.on_done)
+        if time.monotonic() >= self._next_sweep:  # also under constant load, not only when idle
+            self._guarded(self._check_disk)  # space may have come back while nothing was written
+            self._guarded(self._sweep)
+            self._next_sweep = time.monotonic() + self.sweep_interval_s
+        return _STOP in batch
 
     def _guarded(self, fn, *args) -> None:
         try:

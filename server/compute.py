@@ -34,7 +34,7 @@ from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, Namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
-from cachestore.writer import Selector, WriteBehind
+from cachestore.writer import Selector
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.errors import InferCacheError, ModelNotFound, WorkerUnavailable
@@ -46,6 +46,7 @@ from server.model_runtime import ModelRuntime
 from server.shadow import Check, ShadowVerifier
 from server.models import ModelRepository
 from server.telemetry import Recorder
+from server.writer_process import WriterProcess
 
 log = logging.getLogger("infercache.compute")
 
@@ -136,7 +137,7 @@ def _selector(request: pb.InvalidateRequest) -> Selector:
 
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 writer: WriteBehind | None, semantic=None, fleet=None, features: FeatureTier | None = None) -> None:
+                 writer: WriterProcess | None, semantic=None, fleet=None, features: FeatureTier | None = None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer

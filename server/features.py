@@ -10,7 +10,7 @@ Two levels, looked up in order:
 - memory: an LRU on the worker's GPU (`l2.device_fraction` of the GPU's memory, shared by the workers on
   it), or in host memory on a CPU host (`l2.memory_mb`): server/feature_lru.py;
 - the host's LMDB feature store (`<cache.dir>/features`, its own TTL and byte budget, written behind by
-  the same WriteBehind as the result store, shared by every worker of the host, surviving restarts).
+  a writer process like the result store's, shared by every worker of the host, surviving restarts).
 A level that fails (a corrupt or unsealable record, an unreadable store) is a miss.
 
 A feature is stored in FP16 when the encoder's output survives it (cosine >= 0.999 on the warmup texts,
@@ -31,8 +31,9 @@ from cachestore import records
 from cachestore.errors import CorruptRecord
 from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace
 from cachestore.results import ResultCache, now_us
-from cachestore.writer import Selector, WriteBehind
+from cachestore.writer import Selector
 from server.feature_lru import DeviceRow, FeatureLRU
+from server.writer_process import WriterProcess
 
 log = logging.getLogger("infercache.features")
 
@@ -96,7 +97,7 @@ Source = tuple[str, str, str]  # (encoder model, version, output): what a head r
 
 
 class FeatureTier:
-    def __init__(self, writer: WriteBehind | None, *, ttl_s: int, memory_bytes: int, index_bytes: int,
+    def __init__(self, writer: WriterProcess | None, *, ttl_s: int, memory_bytes: int, index_bytes: int,
                  device: str | None) -> None:
         """memory_bytes: the memory level's cap (device memory on a GPU host); index_bytes: the host memory
         its index may take (which bounds the rows too, at INDEX_BYTES_PER_ROW each)."""

@@ -19,9 +19,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cachestore.env import FILE_MODE, Store, StoreSettings
+from cachestore.env import FILE_MODE, StoreSettings
 from cachestore.errors import StoreError
-from cachestore.writer import WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
 from server import calibration, metrics, process, telemetry
@@ -36,6 +35,7 @@ from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime
 from server.models import ModelConfigError, ModelRepository
 from server.worker_metrics import WorkerMetrics
+from server.writer_process import WriterProcess
 
 log = logging.getLogger("infercache.worker")
 
@@ -99,19 +99,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return stats
 
 
-def _open_writer(config: Config, settings: StoreSettings | None = None, what: str = "result store"
-                 ) -> WriteBehind | None:
+async def _open_writer(config: Config, role: str, stop: asyncio.Event, settings: StoreSettings | None = None,
+                       what: str = "result store") -> WriterProcess | None:
+    """The store's writer, in a process of its own (server/writer_process.py); None when the store cannot
+    be opened (served without it). Losing the writer later stops this worker, which the supervisor
+    restarts with a new one."""
     try:
-        store = Store(settings or store_settings(config), readonly=False)
+        return await WriterProcess.start(
+            settings or store_settings(config), batch_max=config.cache.write_batch,
+            sweep_interval_s=config.cache.sweep_interval_s, max_ttl_s=config.cache.max_ttl_s, what=what,
+            log_level=config.server.log_level, role=role, on_lost=stop.set)
     except StoreError as exc:
         log.error("%s unavailable, serving without it: %s", what, exc)
         return None
-    return WriteBehind(store, batch_max=config.cache.write_batch, sweep_interval_s=config.cache.sweep_interval_s,
-                       max_ttl_s=config.cache.max_ttl_s)
 
 
 def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                   writer: WriteBehind | None, index: int):
+                   writer: WriterProcess | None, index: int):
     """The semantic tier when a served model asks for it and its embedder is served too; its indexes
     are rebuilt in the background (requests are served meanwhile). hnswlib is imported only here."""
     policies = [spec.semantic for spec in repository.servable() if spec.semantic is not None]
@@ -161,7 +165,8 @@ def _feature_memory(config: Config, placement: WorkerPlacement) -> tuple[str | N
 
 
 async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 placement: WorkerPlacement) -> tuple[dict[tuple[str, str], HeadRuntime], FeatureTier | None]:
+                 placement: WorkerPlacement, stop: asyncio.Event
+                 ) -> tuple[dict[tuple[str, str], HeadRuntime], FeatureTier | None]:
     """A runtime for every head version whose encoder this worker serves, and the feature tier they
     share (memory on the GPU when there is one, the LMDB store beside the result store). A head that
     cannot be served is logged and left out; the other models are served."""
@@ -195,7 +200,8 @@ async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tup
             log.error("%s version %s not served: %s", spec.name, version, exc)
     writer = None
     if config.l2.enabled:
-        writer = await asyncio.to_thread(_open_writer, config, feature_store_settings(config), "feature store (L2)")
+        writer = await _open_writer(config, f"worker-{placement.index}-features", stop, feature_store_settings(config),
+                                    "feature store (L2)")
     else:
         memory = 0
     ttl_s = min((t for t in (config.l2.ttl_s, config.cache.max_ttl_s) if t), default=0)
@@ -206,7 +212,7 @@ async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tup
     return heads, tier
 
 
-def _fleet_tier(config: Config, writer: WriteBehind | None, index: int):
+def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
     """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Each worker purges
     other pods' invalidations through its own writer (which then refuses entries created before them);
     worker 0 keeps the generations the host's L1 reflects."""
@@ -241,6 +247,8 @@ def _publisher(core: WorkerCore, placement: WorkerPlacement, metrics_dir: Path |
 
 async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: Path, ready,
                  stop: asyncio.Event, metrics_dir: Path | None) -> None:
+    # The writer process starts (and opens the store) while the engines load.
+    writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", stop))
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     engine_counters: Counter[str] = Counter()
     engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
@@ -249,8 +257,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for (name, version), loaded in engines.items():
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config)
         await _warm(runtime)
-    writer = await asyncio.to_thread(_open_writer, config)
-    heads, features = await _heads(config, repository, runtimes, placement)  # runs the warm encoders
+    writer = await writer_started
+    heads, features = await _heads(config, repository, runtimes, placement, stop)  # runs the warm encoders
     for runtime in heads.values():
         await _warm(runtime)
     runtimes.update(heads)
@@ -294,9 +302,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for conn in list(connections):
         conn.protocol.close()
     if writer is not None:
-        await asyncio.to_thread(writer.close)  # the last writes reach the index before its snapshot
+        await writer.close()  # the last writes reach the index before its snapshot
     if features is not None and features.writer is not None:
-        await asyncio.to_thread(features.writer.close)
+        await features.writer.close()
     if tier is not None:
         await tier.close()
     if publisher is not None:

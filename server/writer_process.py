@@ -1,0 +1,334 @@
+"""A worker's store writer in a process of its own.
+
+Why a process: py-lmdb releases the GIL inside every call (get, put, commit), so a write-behind thread
+beside the worker's event loop hands the GIL back and forth on each LMDB call. Measured with the null
+engine and items sent straight to one worker (bench/worker_capacity.py, 2-core machine, the worker alone
+on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
+frame, against 44k and 62k with nothing written. The process runs the same WriteBehind
+(cachestore/writer.py) without a thread of its own: one thread reads the worker's frames, commits what
+arrived (one transaction per batch) and answers, so nothing inside it contends either; the worker's
+share of a write is a few protobuf field sets.
+
+The worker side (`WriterProcess`) has WriteBehind's interface: put (with on_done), invalidate and
+flush (concurrent futures), counters, store (the worker's own read-only handle) and on_semantic. It
+lives on the worker's event loop: operations queued during one loop iteration go as one StoreOps frame
+(protos/infercache/v1/writer.proto) over a socket pair, and the process answers with StoreEvents: which
+puts are handled (puts are numbered in the order sent), invalidations' counts, the semantic rows each
+commit added or removed, and its counters.
+
+The process stops when its socket closes, after committing what it was sent: at the worker's close, and
+when the worker dies (kill -9 included: nothing it sent is lost). If the process dies first, the worker
+is told (`on_lost`: it stops, and the supervisor starts a new one), every waiting callback and future is
+released, and further writes are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import select
+import signal
+import socket
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future
+from typing import Callable
+
+import numpy as np
+
+from cachestore import records
+from cachestore.env import Store, StoreSettings
+from cachestore.errors import StoreError
+from cachestore.keys import NS_ID_BYTES, Namespace
+from cachestore.semantic import Row, SemanticEntry
+from cachestore.writer import Selector, WriteBehind
+from infercache.v1 import writer_pb2
+from server.errors import WorkerUnavailable
+from server.framing import HEADER, FrameProtocol
+
+log = logging.getLogger("infercache.writer_process")
+
+START_TIMEOUT_S = 120.0  # opening a large store can take a while (its integrity was checked before)
+COUNTERS_EVERY_S = 1.0   # the process sends its counters at least this often while they change
+
+
+class WriterProcess:
+    """The worker's handle on its writer process; see the module docstring. Use `await start(...)`."""
+
+    def __init__(self, process, what: str, on_lost: Callable[[], None] | None) -> None:
+        self.process = process
+        self.what = what
+        self.on_lost = on_lost             # told once if the process dies while the worker still needs it
+        self.on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None
+        self.counters: Counter[str] = Counter()  # the process's, as of its last frame
+        self.store: Store | None = None
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._protocol: FrameProtocol | None = None
+        self._sent = 0                     # puts sent (their numbers)
+        self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()  # (put number, on_done)
+        self._requests: dict[int, Future] = {}
+        self._next_request = 0
+        self._ready: asyncio.Future = self._loop.create_future()
+        self._ended: asyncio.Future = self._loop.create_future()
+        self._closing = False
+        self.dead = False
+
+    @classmethod
+    async def start(cls, settings: StoreSettings, *, batch_max: int, sweep_interval_s: float, max_ttl_s: int,
+                    what: str, log_level: str, role: str, on_lost: Callable[[], None] | None = None
+                    ) -> "WriterProcess":
+        """Starts the process, waits until it has the store open, then opens the worker's read-only
+        handle. StoreError when the store cannot be opened (the process has exited then)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        process = multiprocessing.get_context("spawn").Process(
+            target=_main, name=f"{role}-writer",
+            args=(settings, batch_max, sweep_interval_s, max_ttl_s, theirs, log_level, f"{role} writer"))
+        await asyncio.to_thread(process.start)
+        theirs.close()
+        self = cls(process, what, on_lost)
+        _, self._protocol = await self._loop.create_unix_connection(
+            lambda: FrameProtocol(self._on_frame, self._on_end, writer_pb2.StoreOps), sock=ours)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT_S)
+            self.store = await asyncio.to_thread(Store, settings, readonly=True)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    # ---- WriteBehind's interface (any thread; the work is done on the loop) --------------------------
+
+    def put(self, key: bytes, ns: Namespace, record: records.Record,
+            on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
+        """on_done runs on the worker's loop once the put was committed or dropped."""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic)
+            return
+        if self.dead or self._protocol is None:
+            if on_done is not None:
+                on_done()
+            return
+        put = self._protocol.out.puts.add()
+        put.key, put.payload = key, record.payload
+        put.tenant, put.model, put.version = ns.tenant, ns.model, ns.version
+        put.created_us, put.expires_us = record.created_us, record.expires_us
+        if semantic is not None:
+            put.semantic, put.answer = True, semantic.answer
+            put.embedding = np.asarray(semantic.embedding, dtype="<f4").tobytes()
+        self._sent += 1
+        if on_done is not None:
+            self._callbacks.append((self._sent, on_done))
+        self._protocol.flush_soon()
+
+    def invalidate(self, selector: Selector) -> Future:
+        """Future of the number of entries removed; ordered after every put made before it."""
+        return self._request(selector)
+
+    def flush(self) -> Future:
+        """Future that completes once everything put before it was handled (committed or dropped)."""
+        return self._request(None)
+
+    def _request(self, selector: Selector | None) -> Future:
+        done: Future = Future()
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._send_request, selector, done)
+        else:
+            self._send_request(selector, done)
+        return done
+
+    def _send_request(self, selector: Selector | None, done: Future) -> None:
+        if self.dead or self._protocol is None:
+            done.set_exception(WorkerUnavailable(f"the {self.what}'s writer process is gone; retry"))
+            return
+        self._next_request += 1
+        request = self._protocol.out.requests.add(id=self._next_request)
+        if selector is not None:
+            wanted = request.invalidate
+            wanted.SetInParent()
+            for field in ("tenant", "model", "version", "key"):
+                if (value := getattr(selector, field)) is not None:
+                    setattr(wanted, field, value)
+        self._requests[self._next_request] = done
+        self._protocol.flush_soon()
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Sends what is queued, lets the process commit it and exit (killed after `timeout`)."""
+        self._closing = True
+        if self._protocol is not None and self._protocol.transport is not None:
+            await asyncio.sleep(0)  # the frame queued in this loop iteration goes first
+            transport = self._protocol.transport
+            if transport is not None and not transport.is_closing():
+                transport.write_eof()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._ended), timeout)
+            except TimeoutError:
+                log.error("%s writer did not finish within %.0f s; killing it", self.what, timeout)
+        await asyncio.to_thread(self.process.join, 5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join)
+        if self.store is not None:
+            self.store.close()
+
+    # ---- events from the process (on the loop) -----------------------------------------------------
+
+    def _on_frame(self, frame: bytes) -> None:
+        events = writer_pb2.StoreEvents.FromString(frame)
+        if events.failed and not self._ready.done():
+            self._ready.set_exception(StoreError(events.failed))
+        elif events.ready and not self._ready.done():
+            self._ready.set_result(None)
+        if events.counters:
+            self.counters = Counter(events.counters)
+        callbacks = self._callbacks
+        while callbacks and callbacks[0][0] <= events.handled:
+            self._called(callbacks.popleft()[1])
+        for done in events.done:
+            future = self._requests.pop(done.id, None)
+            if future is None:
+                continue
+            if done.error:
+                future.set_exception(StoreError(done.error))
+            else:
+                future.set_result(done.removed)
+        if (events.added or events.removed) and self.on_semantic is not None:
+            added = [Row(r.ns_id, r.label, r.key, r.answer, np.frombuffer(r.embedding, dtype="<f4"))
+                     for r in events.added]
+            self.on_semantic(added, [(r.ns_id, r.label) for r in events.removed])
+
+    @staticmethod
+    def _called(on_done: Callable[[], None]) -> None:
+        try:
+            on_done()
+        except Exception:
+            log.exception("a write's callback failed")
+
+    def _on_end(self, exc: Exception | None) -> None:
+        self.dead = True
+        if not self._ended.done():
+            self._ended.set_result(None)
+        if not self._ready.done():
+            self._ready.set_exception(StoreError(f"the {self.what}'s writer process ended while starting"))
+        while self._callbacks:  # nothing waits forever for a write that will never be told of
+            self._called(self._callbacks.popleft()[1])
+        requests, self._requests = self._requests, {}
+        for future in requests.values():
+            future.set_exception(WorkerUnavailable(f"the {self.what}'s writer process is gone; retry"))
+        if not self._closing:
+            log.error("the %s's writer process ended unexpectedly (exit code %s); writes are dropped",
+                      self.what, self.process.exitcode)
+            if self.on_lost is not None:
+                self.on_lost()
+
+
+# ---- the process ---------------------------------------------------------------------------------
+
+class _Channel:
+    """The process's side of the socket (one thread: it reads, has the writer commit, and answers)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
+        self.counters: Counter[str] = Counter()  # the writer's (set once it exists)
+        self._told: dict[str, int] = {}
+
+    def send(self, events: writer_pb2.StoreEvents, with_counters: bool = True) -> None:
+        if with_counters:
+            counters = dict(self.counters)
+            if counters != self._told:
+                events.counters.update(counters)
+                self._told = counters
+        if events.ByteSize() == 0:
+            return
+        payload = events.SerializeToString()
+        try:
+            self.sock.sendall(len(payload).to_bytes(HEADER, "little") + payload)
+        except OSError:  # the worker is gone: what was received still gets committed
+            pass
+
+    def semantic(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        events = writer_pb2.StoreEvents()
+        for row in added:
+            events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer,
+                             embedding=np.asarray(row.embedding, dtype="<f4").tobytes())
+        for ns_id, label in removed:
+            events.removed.add(ns_id=ns_id, label=label)
+        self.send(events, with_counters=False)
+
+    def receive(self, timeout: float) -> list[bytes] | None:
+        """The complete frames that arrived (waiting up to `timeout` for some; [] if none did); None once
+        the worker has closed its side (or died)."""
+        if not select.select([self.sock], [], [], timeout)[0]:
+            return []
+        try:
+            data = self.sock.recv(1 << 20)
+        except OSError:
+            return None
+        if not data:
+            return None
+        buffer = self._buffer
+        buffer += data
+        frames, start = [], 0
+        while len(buffer) - start >= HEADER:
+            size = int.from_bytes(buffer[start:start + HEADER], "little")
+            if len(buffer) - start - HEADER < size:
+                break
+            frames.append(bytes(buffer[start + HEADER:start + HEADER + size]))
+            start += HEADER + size
+        del buffer[:start]
+        return frames
+
+
+def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
+    return Selector(*(getattr(wanted, f) if wanted.HasField(f) else None for f in ("tenant", "model", "version", "key")))
+
+
+def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, sock: socket.socket,
+          log_level: str, role: str) -> None:
+    from functools import lru_cache
+
+    from server import process
+
+    # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    process.setup_logging(log_level, role)
+    channel = _Channel(sock)
+    try:
+        store = Store(settings, readonly=False)
+    except StoreError as exc:
+        channel.send(writer_pb2.StoreEvents(failed=str(exc)))
+        return
+    writer = WriteBehind(store, batch_max=batch_max, sweep_interval_s=sweep_interval_s, max_ttl_s=max_ttl_s,
+                         on_semantic=channel.semantic, threaded=False)
+    channel.counters = writer.counters
+    channel.send(writer_pb2.StoreEvents(ready=True))
+    namespace = lru_cache(maxsize=4096)(Namespace)
+    handled = 0  # puts received (numbered as the worker numbers them), all handled after each drain
+    while (frames := channel.receive(min(COUNTERS_EVERY_S, sweep_interval_s))) is not None:
+        requests = []
+        for frame in frames:
+            ops = writer_pb2.StoreOps.FromString(frame)
+            for put in ops.puts:
+                entry = None
+                if put.semantic:
+                    entry = SemanticEntry(put.key[:NS_ID_BYTES], put.answer, np.frombuffer(put.embedding, dtype="<f4"))
+                writer.put(put.key, namespace(put.tenant, put.model, put.version),
+                           records.Record(put.created_us, put.expires_us, put.payload), semantic=entry)
+            handled += len(ops.puts)
+            for request in ops.requests:
+                requests.append((request.id, writer.invalidate(_selector(request.invalidate))
+                                 if request.HasField("invalidate") else writer.flush()))
+        writer.drain()  # commits what arrived (and sweeps when due): every future above is done now
+        events = writer_pb2.StoreEvents(handled=handled) if frames else writer_pb2.StoreEvents()
+        for request_id, future in requests:
+            done = events.done.add(id=request_id)
+            if (exc := future.exception()) is not None:
+                done.error = f"{type(exc).__name__}: {exc}"
+            else:
+                done.removed = future.result() or 0
+        channel.send(events)
+    writer.close()  # (everything received is committed by now)
+    store.close()

@@ -1,0 +1,177 @@
+"""The worker's store writer in its own process (server/writer_process.py): a real child process on a real
+LMDB store, driven from an event loop as the worker drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from cachestore import records
+from cachestore.env import Store, StoreSettings
+from cachestore.errors import StoreError
+from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
+from cachestore.results import ResultCache, now_us
+from cachestore.semantic import SemanticEntry
+from cachestore.writer import Selector
+from server.errors import WorkerUnavailable
+from server.writer_process import WriterProcess
+
+MB = 1 << 20
+NS = Namespace("tenant", "model", "1")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _settings(path) -> StoreSettings:
+    return StoreSettings(path, 64 * MB, 48 * MB, sync=False)
+
+
+async def _start(path, **kwargs) -> WriterProcess:
+    return await WriterProcess.start(_settings(path), batch_max=512, sweep_interval_s=30.0, max_ttl_s=0,
+                                     what="result store", log_level="WARNING", role="test", **kwargs)
+
+
+def _put(writer: WriterProcess, text: str, on_done=None, semantic: SemanticEntry | None = None) -> bytes:
+    key = entry_key(NS.ns_id, text)
+    now = now_us()
+    writer.put(key, NS, records.Record(now, 0, f"answer to {text}".encode()), on_done=on_done, semantic=semantic)
+    return key
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that its new parent has not reaped yet has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_puts_are_committed_and_told_in_order_and_an_invalidation_counts_them(tmp_path):
+    async def scenario():
+        writer = await _start(tmp_path / "cache")
+        told: list[int] = []
+        keys = [_put(writer, f"text {i}", on_done=lambda i=i: told.append(i)) for i in range(300)]
+        await asyncio.wrap_future(writer.flush())
+        assert told == list(range(300))  # every put's callback, in the order put, by the time of the flush
+        cache = ResultCache(writer.store)  # the worker's own read-only handle sees the commits
+        assert all(cache.get(key, now_us()).payload == f"answer to text {i}".encode() for i, key in enumerate(keys))
+        assert writer.counters["writes"] == 300
+        assert await asyncio.wrap_future(writer.invalidate(Selector(key=keys[0]))) == 1
+        assert await asyncio.wrap_future(writer.invalidate(Selector(tenant="other"))) == 0
+        _put(writer, "one more")  # sent before the invalidation below: counted by it
+        assert await asyncio.wrap_future(writer.invalidate(Selector(model="model", version="1"))) == 300
+        assert cache.get(keys[1], now_us()) is None
+        pid = writer.process.pid
+        await writer.close()
+        assert writer.process.exitcode == 0 and not _alive(pid)
+
+    asyncio.run(scenario())
+
+
+def test_a_semantic_entry_comes_back_to_the_worker_as_an_index_row(tmp_path):
+    async def scenario():
+        writer = await _start(tmp_path / "cache")
+        rows = []
+        writer.on_semantic = lambda added, removed: rows.append((added, removed))
+        embedding = np.linspace(-1, 1, 384, dtype=np.float32)
+        key = _put(writer, "hello", semantic=SemanticEntry(entry_key(NS.ns_id, "hello")[:NS_ID_BYTES], "greeting",
+                                                          embedding))
+        await asyncio.wrap_future(writer.flush())
+        removed = await asyncio.wrap_future(writer.invalidate(Selector(key=key)))
+        await asyncio.wrap_future(writer.flush())
+        await writer.close()
+        return rows, removed, key
+
+    rows, removed, key = asyncio.run(scenario())
+    (added, _), (_, gone) = rows
+    assert removed == 1
+    assert [(r.key, r.answer) for r in added] == [(key, "greeting")]
+    assert np.array_equal(added[0].embedding, np.linspace(-1, 1, 384, dtype=np.float32))
+    assert gone == [(key[:NS_ID_BYTES], added[0].label)]
+
+
+def test_a_writer_that_dies_releases_every_waiting_write_and_tells_its_worker(tmp_path):
+    async def scenario():
+        lost = asyncio.Event()
+        writer = await _start(tmp_path / "cache", on_lost=lost.set)
+        os.kill(writer.process.pid, signal.SIGSTOP)  # nothing it is sent from here on gets handled
+        told = []
+        for i in range(50):
+            _put(writer, f"text {i}", on_done=lambda: told.append(1))
+        pending = writer.invalidate(Selector(model="model"))
+        await asyncio.sleep(0.1)
+        assert not told and not pending.done()
+        os.kill(writer.process.pid, signal.SIGKILL)
+        await asyncio.wait_for(lost.wait(), 10)
+        assert len(told) == 50
+        with pytest.raises(WorkerUnavailable, match="writer process is gone"):
+            await asyncio.wrap_future(pending)
+        _put(writer, "after", on_done=lambda: told.append(1))  # dropped, and said so at once
+        assert len(told) == 51
+        with pytest.raises(WorkerUnavailable):
+            await asyncio.wrap_future(writer.flush())
+        await writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_store_that_cannot_be_opened_is_a_store_error_and_leaves_no_process(tmp_path):
+    (tmp_path / "cache").write_text("a file where the store's folder should be")
+
+    async def scenario():
+        with pytest.raises(StoreError, match="cannot open store"):
+            await _start(tmp_path / "cache")
+
+    asyncio.run(scenario())
+    # (a child that stayed would keep the test process from exiting: multiprocessing joins it at exit)
+    import multiprocessing
+
+    assert not multiprocessing.active_children()
+
+
+WORKER_KILLED = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from pathlib import Path
+    from tests.test_writer_process import _put, _start
+
+    async def main():
+        writer = await _start(Path(sys.argv[1]))
+        print(writer.process.pid, flush=True)
+        os.kill(writer.process.pid, signal.SIGSTOP)  # it reads nothing until the test lets it go on
+        for i in range(500):
+            _put(writer, f"text {i}")
+        await asyncio.sleep(0.2)  # in the socket's buffer
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())
+""")
+
+
+def test_what_a_killed_worker_sent_is_committed_and_its_writer_exits(tmp_path):
+    """kill -9 of the worker: its writer process sees the socket close, commits everything it was sent,
+    and exits (no orphan holding the store)."""
+    worker = subprocess.Popen([sys.executable, "-c", WORKER_KILLED, str(tmp_path / "cache")], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    writer_pid = int(worker.stdout.readline())  # (the writer shares this pipe: not read to its end)
+    assert worker.wait(60) == -signal.SIGKILL
+    worker.stdout.close()
+    os.kill(writer_pid, signal.SIGCONT)
+    give_up = time.monotonic() + 30
+    while _alive(writer_pid) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert not _alive(writer_pid)
+    store = Store(_settings(tmp_path / "cache"), readonly=True)
+    try:
+        cache = ResultCache(store)
+        missing = [i for i in range(500) if cache.get(entry_key(NS.ns_id, f"text {i}"), now_us()) is None]
+        assert not missing
+    finally:
+        store.close()
