@@ -785,6 +785,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         await workers.all_up()
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        process.settle_gc()
         ready.put(("frontend", index, os.getpid()))
 
     for service in ("", SERVICE_NAME):
