@@ -300,6 +300,7 @@ class WorkerCore:
         result = future.result()
         outcome = result if isinstance(result, _Outcome) else _Outcome(flight.runtime.payload(result, flight.key))
         flight.outcome = outcome
+        flight.future = None  # (with the engine's outputs: a flight waiting for its commit keeps only its answer)
         joined = 0
         for (replies, item_id), was_joined in flight.waiters.items():
             joined += was_joined
@@ -309,6 +310,7 @@ class WorkerCore:
         self.counters["coalesced"] += joined
         if flight.store and self.writer is not None:
             self._store(flight, outcome)
+            flight.item = None  # (nor the request: the collector sees fewer objects per flight in flight)
         else:
             self._forget(flight)
             self._release(flight)
