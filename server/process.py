@@ -19,11 +19,12 @@ def setup_logging(level: str, role: str) -> None:
 
 
 # Allocations between the collector's young passes (CPython's default: 700). A worker keeps each computed
-# item's objects alive until its write is committed, so at 700 most of them lived through two passes and
-# were promoted, and full passes over the promoted followed: with every answer written behind, one
-# worker carried 27k items/s (null engine, bench/worker_capacity.py on the 2-core machine) at 700 and
-# 31k-38k at 10,000 (47k-57k with nothing written); a young pass over 10,000 objects takes about a ms.
-GC_YOUNG = 10_000
+# item's flight until its write is committed (milliseconds: the writer fsyncs), so at 700 most of what a
+# flight holds lived through two passes and was promoted, and passes over the promoted followed. The
+# worker core with its real writer process (2-core machine, 32 items per frame, fsync on): 25-27 us of
+# CPU per item at 700, 22-24 at 10,000, 19-21 at 100,000, 19.5-20 with the collector off. A young pass
+# over 100,000 objects takes 1-5 ms; only cyclic garbage waits for it (the rest is freed at once).
+GC_YOUNG = 100_000
 
 
 def settle_gc() -> None:
