@@ -19,6 +19,8 @@
    codes, how fast refusals come, and whether admitted calls finish.
 8. Feature tier (`--sections l2`, bench/l2.py): a Banking77 head's misses against the same weights as one
    graph, a head version bump, FEATURE latency; on a GPU host the device LRU's cost per batch.
+9. Worker capacity (`--sections worker`, bench/worker_capacity.py): items straight to one worker's socket,
+   null engine, with every answer written behind against none.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -45,6 +47,7 @@ from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
 from bench.overload import bench_overload, print_overload
 from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
+from bench.worker_capacity import bench_worker_capacity, print_worker_capacity
 from bench.security import bench_hit_path, bench_redaction, print_security
 from bench.semantic import bench_eval, bench_hit_latency, bench_rebuild, print_semantic
 from bench.shadow import bench_shadow, print_shadow
@@ -272,7 +275,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
-                             "alone), l3, semantic, security, fleet, overload, l2, gpu and "
+                             "alone), l3, semantic, security, fleet, overload, l2, worker (one worker's capacity), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -331,6 +334,12 @@ def main() -> None:
 
             print("benchmarking the feature tier (L2) ...", flush=True)
             report["l2"] = bench_l2(workdir / "l2", rounds, args.quick, gpu=bool(visible_gpus()))
+        if "worker" in sections:
+            print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)
+            from bench.gpu import gpu_available
+
+            report["worker_capacity"] = bench_worker_capacity(workdir / "worker", 2.0 if args.quick else 5.0,
+                                                              ("null", "torch-cuda") if gpu_available() else ("null",))
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
@@ -365,6 +374,8 @@ def main() -> None:
         print_gpu(report["gpu"])
     if "workers" in report:
         print_workers(report["workers"])
+    if "worker_capacity" in report:
+        print_worker_capacity(report["worker_capacity"])
     print(f"\nwrote {out}")
 
 

@@ -7,7 +7,8 @@ Side by side, in one run:
    pre-serialized requests: BERT-base on 128-token texts (call shapes swept; mean batch formed and the
    raw ceiling at that batch), MiniLM one text per call against a raw-bytes gRPC server (the floor of
    gRPC: same method, fixed bytes, no protobuf work) with the same processes and load, MiniLM 32 texts
-   per call; CPU seconds per process and GPU busy fraction for each run;
+   per call, both also with twice the calls in flight (part "callers"); CPU seconds per process and GPU
+   busy fraction for each run;
 3. exact hits against the protobuf echo server at 1 and 256 callers;
 4. cold versus warm start (empty vs filled L3 store) and process start to the first GPU-served miss;
 5. the null engine (no model work): what the frontends and the worker carry by themselves.
@@ -326,7 +327,7 @@ def make_gpu_models(root: Path, on_gpu: bool) -> Path:
     return root
 
 
-PARTS = ("raw", "start", "bert", "minilm", "hits", "null")
+PARTS = ("raw", "start", "bert", "minilm", "callers", "hits", "null")
 
 
 def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
@@ -411,6 +412,14 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         report["minilm_batch32"] = measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32),
                                             profile=True)
         checkpoint()
+        if "callers" in parts:  # twice the calls in flight: does a deeper queue carry more? (fresh texts: misses)
+            print("  MiniLM with twice the callers ...", flush=True)
+            more = single_payloads("minilm", distinct_texts(texts, total, seed=4))
+            report["minilm_single_x2_callers"] = measured(server, "minilm", lambda: load(server.address, INFER, more, 64))
+            more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32)
+            report["minilm_batch32_x2_callers"] = measured(
+                server, "minilm", lambda: load(server.address, INFER_BATCH, more, 8, 32))
+            checkpoint()
 
         hot = single_payloads("minilm", texts[:200])
         for payload in hot:  # warm, then wait for the write-behind
@@ -443,6 +452,8 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
     address, procs = echo.start(frontends, echo.raw_main, INFER, recorded)
     try:
         report["raw_bytes_single"] = load(address, INFER, single, 32).summary()
+        if "callers" in parts:
+            report["raw_bytes_single_x2_callers"] = load(address, INFER, single, 64).summary()
         if "hits" in parts:  # the floor of gRPC for the hits above (issue 9: hits >= 0.8x it at 256 callers)
             report["raw_bytes_hits"] = {f"callers_{32 * load_processes}": run_load_processes(
                 address, INFER, hot, processes=load_processes, concurrency=32, seconds=seconds).summary()}
@@ -511,6 +522,10 @@ def _ratios(report: dict) -> dict:
             out[f"hit_throughput_vs_raw_bytes_{many}"] = round(
                 hits[many]["calls_per_s"] / report["raw_bytes_hits"][many]["calls_per_s"], 3)
     out["minilm_batch32_texts_per_s"] = report["minilm_batch32"]["items_per_s"]
+    if "minilm_single_x2_callers" in report:
+        out["minilm_single_vs_raw_bytes_x2_callers"] = round(report["minilm_single_x2_callers"]["calls_per_s"]
+                                                             / report["raw_bytes_single_x2_callers"]["calls_per_s"], 3)
+        out["minilm_batch32_texts_per_s_x2_callers"] = report["minilm_batch32_x2_callers"]["items_per_s"]
     for count, rows in report.get("minilm_by_workers", {}).items():
         out[f"minilm_single_vs_raw_bytes_{count}_workers"] = round(rows["single"]["calls_per_s"]
                                                                    / report["raw_bytes_single"]["calls_per_s"], 3)
