@@ -44,6 +44,10 @@ class Namespace:
         return cls(tenant, model, version)
 
 
+# One object per namespace, not one per stored answer (its JSON form is made once).
+namespace = lru_cache(maxsize=4096)(Namespace)
+
+
 @lru_cache(maxsize=4096)  # every request derives one; few are distinct (identifiers are bounded in length)
 def namespace_id(tenant: str, model: str, version: str) -> bytes:
     # JSON encoding keeps the parts unambiguous ("a|b","c" vs "a","b|c").

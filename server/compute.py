@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import partial
 from typing import Protocol
 
 import numpy as np
 
 from cachestore import records, wire
 from cachestore.errors import CorruptRecord
-from cachestore.keys import NS_ID_BYTES, Namespace, parse_hex_key
+from cachestore.keys import NS_ID_BYTES, namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
 from cachestore.writer import Selector
@@ -121,7 +121,6 @@ def token_ids(packed: bytes) -> np.ndarray:
     return np.frombuffer(packed, dtype="<i4")
 
 
-namespace = lru_cache(maxsize=4096)(Namespace)  # one object per namespace, not one per stored answer
 _COUNTED = {Source.MISS: "computed", Source.RESULT_SEMANTIC: "semantic_hits", Source.RESULT_FLEET: "fleet_hits",
             Source.FEATURE: "feature_answers"}
 
@@ -148,11 +147,6 @@ class WorkerCore:
         self.counters: Counter[str] = Counter()
         self.metrics: Recorder | None = None  # /metrics on (server/worker_metrics.py)
         self._inflight: dict[bytes, _Flight] = {}
-        # Flights whose entries the writer committed, handed over from its thread: one wake-up of the
-        # loop per batch of them, not one per entry (call_soon_threadsafe writes to a pipe each time).
-        self._committed: deque[_Flight] = deque()
-        self._drain_scheduled = False
-        self._loop = asyncio.get_running_loop()
         # The calibrated semantic rule: outcomes per model version, and the hits' background checks.
         self.calibrations: dict[tuple[str, str], Calibration] = {}
         self.shadow = ShadowVerifier(self._checked) if semantic is not None else None
@@ -328,7 +322,7 @@ class WorkerCore:
     def _store(self, flight: _Flight, outcome: _Outcome) -> None:
         item = flight.item
         ns = namespace(item.tenant, item.model, item.version)
-        done = lambda: self._on_committed(flight)  # noqa: E731
+        done = partial(self._forget, flight)  # told on the loop once the entry is committed (or dropped)
         if outcome.matched is not None:
             # A copy of the record it came from (a near-duplicate's, the fleet's): the same text next
             # time is a frontend RESULT_EXACT.
@@ -343,21 +337,6 @@ class WorkerCore:
         if self.fleet is not None:
             self.fleet.put(flight.key, ns, record, release=flight.leased)
             flight.leased = False
-
-    def _on_committed(self, flight: _Flight) -> None:
-        """On the writer thread: the flight's entry is committed (or dropped); forget it on the loop."""
-        self._committed.append(flight)
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            try:
-                self._loop.call_soon_threadsafe(self._drain_committed)
-            except RuntimeError:  # the loop closed (shutdown): nothing left to forget
-                pass
-
-    def _drain_committed(self) -> None:
-        self._drain_scheduled = False
-        while self._committed:
-            self._forget(self._committed.popleft())
 
     def _forget(self, flight: _Flight) -> None:
         if self._inflight.get(flight.key) is flight:

@@ -26,6 +26,30 @@ def items_socket(grpc_socket: Path) -> Path:
     return grpc_socket.with_suffix(".items")
 
 
+class FrameTooLarge(ValueError):
+    pass
+
+
+def complete_frames(buffer: bytearray):
+    """Yields each complete frame at the start of `buffer` and removes what it yielded (also when the
+    caller stops early); FrameTooLarge for a length over MAX_FRAME."""
+    start = 0
+    try:
+        while len(buffer) - start >= HEADER:
+            size = int.from_bytes(buffer[start:start + HEADER], "little")
+            if size > MAX_FRAME:
+                raise FrameTooLarge(f"frame of {size} bytes is over the limit")
+            end = start + HEADER + size
+            if len(buffer) < end:
+                break
+            frame = bytes(buffer[start + HEADER:end])
+            start = end
+            yield frame
+    finally:
+        if start:
+            del buffer[:start]
+
+
 class FrameProtocol(asyncio.Protocol):
     """Calls on_frame(bytes) for each complete frame and on_lost(exc) once the connection ends. `queue`
     appends to an outgoing message that is written once per event-loop iteration."""
@@ -45,28 +69,18 @@ class FrameProtocol(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        start = 0
-        while len(buffer) - start >= HEADER:
-            size = int.from_bytes(buffer[start:start + HEADER], "little")
-            if size > MAX_FRAME:
-                log.error("frame of %d bytes is over the limit; closing the connection", size)
-                self.transport.close()
-                return
-            end = start + HEADER + size
-            if len(buffer) < end:
-                break
-            frame = bytes(buffer[start + HEADER:end])
-            start = end
-            try:
-                self.on_frame(frame)
-            except Exception:  # a frame that does not parse: whose items were in it is unknown
-                log.exception("failed to handle a frame; closing the connection (the peer resends)")
-                self.transport.close()
-                return
-        if start:
-            del buffer[:start]
+        self._buffer += data
+        try:
+            for frame in complete_frames(self._buffer):
+                try:
+                    self.on_frame(frame)
+                except Exception:  # a frame that does not parse: whose items were in it is unknown
+                    log.exception("failed to handle a frame; closing the connection (the peer resends)")
+                    self.transport.close()
+                    return
+        except FrameTooLarge as exc:
+            log.error("%s; closing the connection", exc)
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -78,10 +92,14 @@ class FrameProtocol(asyncio.Protocol):
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def flush_now(self) -> None:
+        """Writes what `out` holds at once (a later flush_soon of this iteration sends only what follows)."""
+        self._flush()
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         out, self.out = self.out, self.new_message()
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing() or not out.ListFields():
             return
         if self.on_flush is not None:
             self.on_flush(out)

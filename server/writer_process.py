@@ -40,17 +40,18 @@ import numpy as np
 from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.errors import StoreError
-from cachestore.keys import NS_ID_BYTES, Namespace
+from cachestore.keys import NS_ID_BYTES, Namespace, namespace
 from cachestore.semantic import Row, SemanticEntry
 from cachestore.writer import Selector, WriteBehind
 from infercache.v1 import writer_pb2
 from server.errors import WorkerUnavailable
-from server.framing import HEADER, FrameProtocol
+from server.framing import HEADER, FrameProtocol, complete_frames
 
 log = logging.getLogger("infercache.writer_process")
 
 START_TIMEOUT_S = 120.0  # opening a large store can take a while (its integrity was checked before)
 COUNTERS_EVERY_S = 1.0   # the process sends its counters at least this often while they change
+ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row is about 1.6 KB)
 
 
 class WriterProcess:
@@ -61,7 +62,8 @@ class WriterProcess:
         self.what = what
         self.on_lost = on_lost             # told once if the process dies while the worker still needs it
         self.on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None
-        self.counters: Counter[str] = Counter()  # the process's, as of its last frame
+        self._reported: Counter[str] = Counter()  # the process's counters, as of its last frame
+        self._own: Counter[str] = Counter()       # this side's (notify_errors)
         self.store: Store | None = None
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -100,16 +102,25 @@ class WriterProcess:
 
     # ---- WriteBehind's interface (any thread; the work is done on the loop) --------------------------
 
+    @property
+    def counters(self) -> Counter[str]:
+        return self._reported + self._own
+
     def put(self, key: bytes, ns: Namespace, record: records.Record,
             on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
         """on_done runs on the worker's loop once the put was committed or dropped."""
         if threading.get_ident() != self._loop_thread:
-            self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic)
+            try:
+                self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic)
+            except RuntimeError:  # the loop has closed: the worker is gone, so is the write
+                pass
             return
-        if self.dead or self._protocol is None:
+        if self.dead or self._closing or self._protocol is None:
             if on_done is not None:
                 on_done()
             return
+        if self._protocol.out.requests:  # a frame applies its puts before its requests: keep the order
+            self._protocol.flush_now()
         put = self._protocol.out.puts.add()
         put.key, put.payload = key, record.payload
         put.tenant, put.model, put.version = ns.tenant, ns.model, ns.version
@@ -132,15 +143,18 @@ class WriterProcess:
 
     def _request(self, selector: Selector | None) -> Future:
         done: Future = Future()
-        if threading.get_ident() != self._loop_thread:
-            self._loop.call_soon_threadsafe(self._send_request, selector, done)
-        else:
+        if threading.get_ident() == self._loop_thread:
             self._send_request(selector, done)
+            return done
+        try:
+            self._loop.call_soon_threadsafe(self._send_request, selector, done)
+        except RuntimeError:
+            done.set_exception(WorkerUnavailable(f"the {self.what}'s writer has stopped; retry"))
         return done
 
     def _send_request(self, selector: Selector | None, done: Future) -> None:
-        if self.dead or self._protocol is None:
-            done.set_exception(WorkerUnavailable(f"the {self.what}'s writer process is gone; retry"))
+        if self.dead or self._closing or self._protocol is None:
+            done.set_exception(WorkerUnavailable(f"the {self.what}'s writer has stopped; retry"))
             return
         self._next_request += 1
         request = self._protocol.out.requests.add(id=self._next_request)
@@ -181,13 +195,13 @@ class WriterProcess:
         elif events.ready and not self._ready.done():
             self._ready.set_result(None)
         if events.counters:
-            self.counters = Counter(events.counters)
+            self._reported = Counter(events.counters)
         callbacks = self._callbacks
         while callbacks and callbacks[0][0] <= events.handled:
             self._called(callbacks.popleft()[1])
         for done in events.done:
             future = self._requests.pop(done.id, None)
-            if future is None:
+            if future is None or future.done():  # (its caller went away: cancelled)
                 continue
             if done.error:
                 future.set_exception(StoreError(done.error))
@@ -196,7 +210,11 @@ class WriterProcess:
         if (events.added or events.removed) and self.on_semantic is not None:
             added = [Row(r.ns_id, r.label, r.key, r.answer, np.frombuffer(r.embedding, dtype="<f4"))
                      for r in events.added]
-            self.on_semantic(added, [(r.ns_id, r.label) for r in events.removed])
+            try:
+                self.on_semantic(added, [(r.ns_id, r.label) for r in events.removed])
+            except Exception:  # the index misses these rows; the log in LMDB is still complete
+                self._own["notify_errors"] += 1
+                log.exception("semantic index notification failed")
 
     @staticmethod
     def _called(on_done: Callable[[], None]) -> None:
@@ -209,16 +227,17 @@ class WriterProcess:
         self.dead = True
         if not self._ended.done():
             self._ended.set_result(None)
-        if not self._ready.done():
+        started = self._ready.done() and self._ready.exception() is None
+        if not self._ready.done():  # (start() says so: the worker serves without the store)
             self._ready.set_exception(StoreError(f"the {self.what}'s writer process ended while starting"))
         while self._callbacks:  # nothing waits forever for a write that will never be told of
             self._called(self._callbacks.popleft()[1])
         requests, self._requests = self._requests, {}
         for future in requests.values():
-            future.set_exception(WorkerUnavailable(f"the {self.what}'s writer process is gone; retry"))
-        if not self._closing:
-            log.error("the %s's writer process ended unexpectedly (exit code %s); writes are dropped",
-                      self.what, self.process.exitcode)
+            if not future.done():
+                future.set_exception(WorkerUnavailable(f"the {self.what}'s writer process is gone; retry"))
+        if started and not self._closing:
+            log.error("the %s's writer process ended unexpectedly; writes are dropped", self.what)
             if self.on_lost is not None:
                 self.on_lost()
 
@@ -249,13 +268,16 @@ class _Channel:
             pass
 
     def semantic(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
-        events = writer_pb2.StoreEvents()
-        for row in added:
-            events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer,
-                             embedding=np.asarray(row.embedding, dtype="<f4").tobytes())
-        for ns_id, label in removed:
-            events.removed.add(ns_id=ns_id, label=label)
-        self.send(events, with_counters=False)
+        """A commit's semantic rows, in frames of at most ROWS_PER_FRAME (a large invalidation removes
+        many: one frame must stay under MAX_FRAME)."""
+        for start in range(0, max(len(added), len(removed)), ROWS_PER_FRAME):
+            events = writer_pb2.StoreEvents()
+            for row in added[start:start + ROWS_PER_FRAME]:
+                events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer,
+                                 embedding=np.asarray(row.embedding, dtype="<f4").tobytes())
+            for ns_id, label in removed[start:start + ROWS_PER_FRAME]:
+                events.removed.add(ns_id=ns_id, label=label)
+            self.send(events, with_counters=False)
 
     def receive(self, timeout: float) -> list[bytes] | None:
         """The complete frames that arrived (waiting up to `timeout` for some; [] if none did); None once
@@ -268,17 +290,8 @@ class _Channel:
             return None
         if not data:
             return None
-        buffer = self._buffer
-        buffer += data
-        frames, start = [], 0
-        while len(buffer) - start >= HEADER:
-            size = int.from_bytes(buffer[start:start + HEADER], "little")
-            if len(buffer) - start - HEADER < size:
-                break
-            frames.append(bytes(buffer[start + HEADER:start + HEADER + size]))
-            start += HEADER + size
-        del buffer[:start]
-        return frames
+        self._buffer += data
+        return list(complete_frames(self._buffer))
 
 
 def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
@@ -287,8 +300,6 @@ def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
 
 def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, sock: socket.socket,
           log_level: str, role: str) -> None:
-    from functools import lru_cache
-
     from server import process
 
     # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
@@ -305,7 +316,6 @@ def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_
                          on_semantic=channel.semantic, threaded=False)
     channel.counters = writer.counters
     channel.send(writer_pb2.StoreEvents(ready=True))
-    namespace = lru_cache(maxsize=4096)(Namespace)
     handled = 0  # puts received (numbered as the worker numbers them), all handled after each drain
     while (frames := channel.receive(min(COUNTERS_EVERY_S, sweep_interval_s))) is not None:
         requests = []

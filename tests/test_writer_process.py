@@ -175,3 +175,47 @@ def test_what_a_killed_worker_sent_is_committed_and_its_writer_exits(tmp_path):
         assert not missing
     finally:
         store.close()
+
+
+def test_answers_nobody_waits_for_any_more_and_a_failing_listener_leave_the_writer_serving(tmp_path):
+    """An Invalidate whose caller went away (its future cancelled) and a semantic listener that raises:
+    neither may cost the worker its writer (the review found both closed the connection)."""
+    async def scenario():
+        lost = asyncio.Event()
+        writer = await _start(tmp_path / "cache", on_lost=lost.set)
+        writer.on_semantic = lambda added, removed: 1 / 0
+        for i in range(200):
+            _put(writer, f"text {i}")
+        waited = asyncio.ensure_future(asyncio.wrap_future(writer.invalidate(Selector(model="model"))))
+        await asyncio.sleep(0)
+        waited.cancel()  # as a gRPC handler is cancelled at its deadline
+        other = Namespace("tenant", "other model", "1")  # (out of the invalidation's reach: its fence)
+        key = entry_key(other.ns_id, "indexed")
+        writer.put(key, other, records.Record(now_us(), 0, b"answer"),
+                   semantic=SemanticEntry(key[:NS_ID_BYTES], "a", np.ones(4, dtype=np.float32)))
+        await asyncio.wrap_future(writer.flush())
+        key = _put(writer, "after")
+        await asyncio.wrap_future(writer.flush())
+        assert not writer.dead and not lost.is_set()
+        assert ResultCache(writer.store).get(key, now_us()) is not None
+        assert writer.counters["notify_errors"] == 1
+        await writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_put_made_after_an_invalidation_in_the_same_loop_iteration_is_applied_after_it(tmp_path):
+    """Puts and requests keep their order within one loop iteration (a frame applies its puts first: the
+    put after the invalidation goes in the next frame). Applied after it, the later put is not counted
+    as removed; the invalidation's fence refuses it (it was created before the invalidation ran)."""
+    async def scenario():
+        writer = await _start(tmp_path / "cache")
+        _put(writer, "before")
+        removed = writer.invalidate(Selector(tenant="tenant"))
+        _put(writer, "after")  # no await in between
+        assert await asyncio.wrap_future(removed) == 1
+        await asyncio.wrap_future(writer.flush())
+        assert writer.counters["fenced"] == 1 and writer.counters["invalidated"] == 1
+        await writer.close()
+
+    asyncio.run(scenario())
