@@ -19,22 +19,19 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import make_gpu_models
+from bench.gpu import _cpu_seconds, make_gpu_models
 from cachestore.keys import entry_key, namespace_id
 from infercache.testing import ServerProcess
 from infercache.v1 import worker_pb2
-from server.framing import HEADER
+from server.framing import HEADER, complete_frames
 
 IN_FLIGHT = 1024
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+def _writer_processes(worker: int) -> list[int]:
+    """The worker's writer processes. (Not bench.gpu._children: it reads /proc/<pid>/task/<pid>/children,
+    which lists only what the main thread started, and the worker starts its writers from a thread.)"""
+    found = subprocess.run(["pgrep", "-P", str(worker)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in found]
 
 
@@ -42,9 +39,9 @@ def _settle(pids: list[int], timeout: float = 60.0) -> None:
     """Waits until the writer processes are idle (done with the last run's writes)."""
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
-        before = sum(_cpu_s(p) for p in pids)
+        before = sum(_cpu_seconds(p) for p in pids)
         time.sleep(0.5)
-        if sum(_cpu_s(p) for p in pids) - before < 0.025:
+        if sum(_cpu_seconds(p) for p in pids) - before < 0.025:
             return
 
 
@@ -65,25 +62,19 @@ def _frames(count: int, per_frame: int, store: bool, tag: str) -> list[tuple[byt
 async def _pump(path: str, frames, seconds: float) -> float:
     """Items answered per second, after a 1 s warm-up, keeping IN_FLIGHT items outstanding."""
     loop = asyncio.get_running_loop()
-    state = {"answered": 0, "outstanding": 0, "buffer": bytearray()}
+    state = {"answered": 0, "outstanding": 0, "refused": None}
+    buffer = bytearray()
     arrived = asyncio.Event()
 
     class Reader(asyncio.Protocol):
         def data_received(self, data: bytes) -> None:
-            buffer = state["buffer"]
+            nonlocal buffer
             buffer += data
-            start = 0
-            while len(buffer) - start >= HEADER:
-                size = int.from_bytes(buffer[start:start + HEADER], "little")
-                if len(buffer) - start - HEADER < size:
-                    break
-                results = worker_pb2.ResultBatch.FromString(bytes(buffer[start + HEADER:start + HEADER + size])).results
-                if any(r.code for r in results):
-                    raise RuntimeError(f"worker refused an item: {next(r.error for r in results if r.code)}")
+            for frame in complete_frames(buffer):
+                results = worker_pb2.ResultBatch.FromString(frame).results
+                state["refused"] = state["refused"] or next((r.error for r in results if r.code), None)
                 state["answered"] += len(results)
                 state["outstanding"] -= len(results)
-                start += HEADER + size
-            del buffer[:start]
             arrived.set()
 
     transport, _ = await loop.create_unix_connection(Reader, path)
@@ -99,6 +90,8 @@ async def _pump(path: str, frames, seconds: float) -> float:
             state["outstanding"] += items
         arrived.clear()
         await arrived.wait()
+        if state["refused"]:
+            raise RuntimeError(f"worker refused an item: {state['refused']}")
     transport.close()
     return (state["answered"] - mark[0]) / (time.perf_counter() - mark[1])
 
@@ -117,7 +110,7 @@ def _capacity(workdir: Path, models: Path, seconds: float, runtime: str) -> dict
     with ServerProcess(workdir, models, frontends=1,
                        settings=(f"engines.runtime={runtime}", "server.max_queue=16384")) as server:
         worker = server.worker_pid()
-        writers = _children(worker)
+        writers = _writer_processes(worker)
         if pinned:
             subprocess.run(["taskset", "-a", "-p", "-c", "0", str(worker)], capture_output=True, check=True)
             others = ",".join(str(c) for c in range(1, os.cpu_count()))
@@ -131,16 +124,16 @@ def _capacity(workdir: Path, models: Path, seconds: float, runtime: str) -> dict
             for per_frame, store in itertools.product((1, 32), (False, True)):
                 frames = _frames(count, per_frame, store, f"{per_frame}-{store}-{time.time()}")
                 _settle(writers)
-                cpu = {pid: _cpu_s(pid) for pid in (worker, *writers)}
+                cpu = {pid: _cpu_seconds(pid) for pid in (worker, *writers)}
                 started = time.perf_counter()
                 rate = asyncio.run(_pump(path, frames, seconds))
                 elapsed = time.perf_counter() - started
-                worker_cores = (_cpu_s(worker) - cpu[worker]) / elapsed
+                worker_cores = (_cpu_seconds(worker) - cpu[worker]) / elapsed
                 name = f"{per_frame}_per_frame_{'stored' if store else 'not_stored'}"
                 report["runs"][name] = row = {
                     "items_per_s": round(rate), "worker_cores": round(worker_cores, 2),
                     "worker_us_per_item": round(worker_cores / rate * 1e6, 1),
-                    "writer_process_cores": round(sum(_cpu_s(p) - cpu[p] for p in writers) / elapsed, 2)}
+                    "writer_process_cores": round(sum(_cpu_seconds(p) - cpu[p] for p in writers) / elapsed, 2)}
                 print(f"  {name}: {row}", flush=True)
         finally:
             if pinned:
