@@ -149,12 +149,15 @@ class WriterProcess:
         try:
             self._loop.call_soon_threadsafe(self._send_request, selector, done)
         except RuntimeError:
-            done.set_exception(WorkerUnavailable(f"the {self.what}'s writer has stopped; retry"))
+            done.set_exception(self._stopped())
         return done
+
+    def _stopped(self) -> WorkerUnavailable:
+        return WorkerUnavailable(f"the {self.what}'s writer process is gone; retry")
 
     def _send_request(self, selector: Selector | None, done: Future) -> None:
         if self.dead or self._closing or self._protocol is None:
-            done.set_exception(WorkerUnavailable(f"the {self.what}'s writer has stopped; retry"))
+            done.set_exception(self._stopped())
             return
         self._next_request += 1
         request = self._protocol.out.requests.add(id=self._next_request)
@@ -235,7 +238,7 @@ class WriterProcess:
         requests, self._requests = self._requests, {}
         for future in requests.values():
             if not future.done():
-                future.set_exception(WorkerUnavailable(f"the {self.what}'s writer process is gone; retry"))
+                future.set_exception(self._stopped())
         if started and not self._closing:
             log.error("the %s's writer process ended unexpectedly; writes are dropped", self.what)
             if self.on_lost is not None:
