@@ -418,7 +418,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
             report["minilm_single_x2_callers"] = measured(server, "minilm", lambda: load(server.address, INFER, more, 64))
             more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32)
             report["minilm_batch32_x2_callers"] = measured(
-                server, "minilm", lambda: load(server.address, INFER_BATCH, more, 8, 32))
+                server, "minilm", lambda: load(server.address, INFER_BATCH, more, 8, 32), profile="frontend")
             checkpoint()
 
         hot = single_payloads("minilm", texts[:200])
@@ -441,10 +441,16 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         sweep = report.setdefault("minilm_by_workers", {})
         with ServerProcess(run_dir, models, frontends=frontends, settings=(*settings[:-1], f"server.workers={count}"),
                            engines_dir=engines) as server:
-            sweep[str(count)] = {
+            sweep[str(count)] = runs = {
                 "single": measured(server, "minilm", lambda: load(server.address, INFER, single, 32)),
                 "batch32": measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32)),
             }
+            if "callers" in parts:  # more processes per GPU may need more calls in flight to fill
+                more = single_payloads("minilm", distinct_texts(texts, total, seed=10 + count))
+                runs["single_x2_callers"] = measured(server, "minilm", lambda: load(server.address, INFER, more, 64))
+                more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=20 + count), 32)
+                runs["batch32_x2_callers"] = measured(
+                    server, "minilm", lambda: load(server.address, INFER_BATCH, more, 8, 32))
             checkpoint()
             assert server.stop() == 0
 
@@ -530,6 +536,10 @@ def _ratios(report: dict) -> dict:
         out[f"minilm_single_vs_raw_bytes_{count}_workers"] = round(rows["single"]["calls_per_s"]
                                                                    / report["raw_bytes_single"]["calls_per_s"], 3)
         out[f"minilm_batch32_texts_per_s_{count}_workers"] = rows["batch32"]["items_per_s"]
+        if "single_x2_callers" in rows:
+            out[f"minilm_single_vs_raw_bytes_{count}_workers_x2_callers"] = round(
+                rows["single_x2_callers"]["calls_per_s"] / report["raw_bytes_single_x2_callers"]["calls_per_s"], 3)
+            out[f"minilm_batch32_texts_per_s_{count}_workers_x2_callers"] = rows["batch32_x2_callers"]["items_per_s"]
     if "start" in report:
         out["cold_vs_warm_start"] = round(report["start"]["cold"]["start_to_ready_s"]
                                           / report["start"]["warm"]["start_to_ready_s"], 2)
@@ -558,7 +568,9 @@ def print_gpu(report: dict) -> None:
     for name, row in rows.items():
         print(f"  {name:<20} {row['calls_per_s']:>9} calls/s {row['items_per_s']:>9} texts/s  p50 {row['p50_ms']} ms  "
               f"p99 {row['p99_ms']} ms  errors {row['errors']}  cpu {row.get('cpu_cores_busy')} "
-              f"busiest {row.get('busiest_process_cores')}  GPU {row.get('gpu_busy_percent')}%")
+              f"busiest {row.get('busiest_process_cores')}  load {row.get('load_generator_cores')}  "
+              f"host {row.get('host_cores_busy')} ({row.get('host_cpu_us_per_call')} us/call)  "
+              f"GPU {row.get('gpu_busy_percent')}%")
     for name, row in {**{f"hits {k}": v for k, v in report["hits"].items()},
                       **{f"echo {k}": v for k, v in report["echo_hits"].items()},
                       **{f"raw bytes {k}": v for k, v in report.get("raw_bytes_hits", {}).items()}}.items():

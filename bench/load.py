@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,10 +121,12 @@ class ProcessLoad:
     latencies_ms: np.ndarray
     items_per_call: int
     error_codes: dict[str, int]
+    load_cpu_s: float = 0.0          # CPU seconds of the load processes over the measured window
+    host_cores_busy: float | None = None  # the whole host's busy cores meanwhile (/proc/stat), where known
 
     def summary(self) -> dict:
         lat = self.latencies_ms
-        return {
+        out = {
             "calls": self.calls, "errors": self.errors, "error_codes": self.error_codes,
             "seconds": round(self.seconds, 3),
             "calls_per_s": round(self.calls / self.seconds, 1),
@@ -131,10 +135,33 @@ class ProcessLoad:
             "p99_ms": round(float(np.percentile(lat, 99)), 3) if len(lat) else None,
             "max_ms": round(float(lat.max()), 3) if len(lat) else None,
         }
+        if self.load_cpu_s:
+            out["load_generator_cores"] = round(self.load_cpu_s / self.seconds, 2)
+        if self.host_cores_busy is not None:
+            out["host_cores_busy"] = round(self.host_cores_busy, 2)
+            if self.calls:  # what one call costs the whole host, load generator included
+                out["host_cpu_us_per_call"] = round(self.host_cores_busy * 1e6 / (self.calls / self.seconds), 1)
+        return out
+
+
+def host_cpu() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot (/proc/stat), None where unreadable."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def host_cores_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * (os.cpu_count() or 1)
 
 
 async def _raw_callers(address: str, method: str, payloads: list[bytes], concurrency: int, seconds: float,
-                       warmup_s: float, timeout: float, start: int) -> tuple[int, int, list[float], dict]:
+                       warmup_s: float, timeout: float, start: int) -> tuple[int, int, list[float], dict, float, float | None]:
     """Callers sending pre-serialized requests and taking raw response bytes: the generator itself does
     no protobuf work, so it is not what a run measures. One connection per caller up to
     CHANNELS_PER_PROCESS: SO_REUSEPORT hashes connections onto the server's processes, and with few of
@@ -165,10 +192,19 @@ async def _raw_callers(address: str, method: str, payloads: list[bytes], concurr
             if now >= measure_from:
                 latencies.append((time.perf_counter() - started) * 1000)
 
+    async def window() -> tuple[float, float | None]:
+        """This process's CPU seconds and the host's busy cores over the measured window."""
+        await asyncio.sleep(max(0.0, measure_from - loop.time()))
+        cpu, host = time.process_time(), host_cpu()
+        await asyncio.sleep(max(0.0, stop_at - loop.time()))
+        return time.process_time() - cpu, host_cores_busy(host, host_cpu())
+
+    measuring = asyncio.ensure_future(window())
     await asyncio.gather(*(caller(calls[i % len(calls)]) for i in range(concurrency)))
+    cpu_s, host_busy = await measuring
     for channel in channels:
         await channel.close()
-    return len(latencies), sum(codes.values()), latencies, codes
+    return len(latencies), sum(codes.values()), latencies, codes, cpu_s, host_busy
 
 
 def _load_process(args, out) -> None:
@@ -177,9 +213,9 @@ def _load_process(args, out) -> None:
     except ImportError:  # pragma: no cover
         run = asyncio.run
     address, method, payloads, concurrency, seconds, warmup_s, timeout, start = args
-    calls, errors, latencies, codes = run(
+    calls, errors, latencies, codes, cpu_s, host_busy = run(
         _raw_callers(address, method, payloads, concurrency, seconds, warmup_s, timeout, start))
-    out.put((calls, errors, np.array(latencies, dtype=np.float64).tobytes(), codes))
+    out.put((calls, errors, np.array(latencies, dtype=np.float64).tobytes(), codes, cpu_s, host_busy))
 
 
 def run_load_processes(address: str, method: str, payloads: list[bytes], *, processes: int, concurrency: int,
@@ -206,4 +242,6 @@ def run_load_processes(address: str, method: str, payloads: list[bytes], *, proc
         for code, n in part[3].items():
             codes[code] = codes.get(code, 0) + n
     latencies = np.concatenate([np.frombuffer(p[2], dtype=np.float64) for p in parts])
-    return ProcessLoad(sum(p[0] for p in parts), sum(p[1] for p in parts), seconds, latencies, items_per_call, codes)
+    hosts = [p[5] for p in parts if p[5] is not None]  # every process saw the same host: their mean
+    return ProcessLoad(sum(p[0] for p in parts), sum(p[1] for p in parts), seconds, latencies, items_per_call, codes,
+                       sum(p[4] for p in parts), statistics.mean(hosts) if hosts else None)
