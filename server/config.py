@@ -22,6 +22,7 @@ from cachestore.env import StoreSettings
 from cachestore.sealing import KeyFileError, read_key_file
 from server.auth import Grant, TokenFileError, read_tokens
 from server.devices import RUNTIMES
+from server.mps import SHARING_MODES
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,8 @@ class ServerSection:
     frontends: int = 0                 # 0 = one per CPU
     workers: int = 0                   # inference workers; 0 = workers_per_gpu per visible GPU (GPU runtime), else 1
     workers_per_gpu: int = 1           # with workers = 0 on a GPU host: worker processes feeding each GPU
+    gpu_sharing: str = "auto"          # workers sharing a GPU: auto (a private CUDA MPS daemon where installed),
+                                       # mps (required), timeslice (never MPS): server/mps.py
     models_dir: str = "models"
     socket_dir: str = ""               # the workers' unix sockets; "" = a fresh temporary directory
     worker_timeout_s: float = 30.0     # longest a frontend waits for the worker when the client sets no deadline
@@ -245,6 +248,8 @@ def validate(config: Config) -> None:
         raise ConfigError("server.workers must be >= 0 (0 = one per GPU, or one on a CPU host)")
     if config.server.workers_per_gpu < 1:
         raise ConfigError("server.workers_per_gpu must be >= 1")
+    if config.server.gpu_sharing not in SHARING_MODES:
+        raise ConfigError(f"server.gpu_sharing must be one of {', '.join(SHARING_MODES)}")
     if config.server.max_batch_texts < 1:
         raise ConfigError("server.max_batch_texts must be >= 1")
     if not 0 < config.cache.budget_mb < config.cache.map_size_mb:

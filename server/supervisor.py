@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cachestore import integrity
 from cachestore.env import DIR_MODE
-from server import devices, frontend, process, worker
+from server import devices, frontend, mps, process, worker
 from server.config import Config, feature_store_settings
 
 log = logging.getLogger("infercache.supervisor")
@@ -60,6 +60,8 @@ class Supervisor:
         self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus(),
                                                config.server.workers_per_gpu)
         cpu_workers = sum(1 for p in self.placements if p.gpu is None)
+        shared = any(p.sharing > 1 for p in self.placements)
+        self.mps = mps.MpsDaemon(socket_dir) if mps.wanted(config.server.gpu_sharing, shared) else None
         sockets = [str(socket_dir / f"worker-{p.index}.sock") for p in self.placements]
         # The children's published figures (server/telemetry.py): /metrics and hot keys. Emptied here:
         # counters start at zero with each run of the server.
@@ -124,6 +126,7 @@ class Supervisor:
             except OSError as exc:
                 raise SystemExit(f"infercache: cannot serve /metrics on {self.config.server.metrics_host}:"
                                  f"{self.config.server.metrics_port}: {exc}") from None
+        self._start_mps()
         # All at once: frontends answer L1 hits without the worker, so a warm pod serves hits while the
         # worker is still loading its models; misses meanwhile wait for it (server.worker_wait_s).
         for child in (*self.workers, *self.frontends):
@@ -132,6 +135,7 @@ class Supervisor:
             self._await_ready([*self.workers, *self.frontends])
         except SystemExit:
             self._stop([*self.frontends, *self.workers])  # or exiting would wait for them forever
+            self._stop_mps()
             self._remove_temporary_sockets()
             raise
         server = self.config.server
@@ -148,6 +152,31 @@ class Supervisor:
         while not self._stopping:
             self._watch()
         return self._drain()
+
+    def _start_mps(self) -> None:
+        """The MPS daemon before the workers (server/mps.py); `auto` serves time-sliced without it."""
+        if self.mps is None:
+            return
+        try:
+            self.mps.start()
+        except mps.MpsUnavailable as exc:
+            if self.config.server.gpu_sharing == "mps":
+                self._remove_temporary_sockets()
+                raise SystemExit(f"infercache: server.gpu_sharing is mps, but {exc}") from None
+            log.warning("workers share their GPU time-sliced: %s", exc)
+            self.mps = None
+
+    def _restart_mps(self) -> None:
+        """Before a worker starts again: the daemon, if it exited (tried again at each worker start)."""
+        log.error("the CUDA MPS daemon has exited; starting it again")
+        try:
+            self.mps.start()
+        except mps.MpsUnavailable as exc:
+            log.error("CUDA MPS daemon not started (%s): a worker that starts now shares its GPU time-sliced", exc)
+
+    def _stop_mps(self) -> None:
+        if self.mps is not None:
+            self.mps.stop()
 
     def _on_signal(self, signum, frame) -> None:
         self._stopping = True
@@ -183,6 +212,8 @@ class Supervisor:
                 return
             if child.restart_at is not None:
                 if now >= child.restart_at:
+                    if child.role == "worker" and self.mps is not None and not self.mps.alive:
+                        self._restart_mps()
                     self._start(child)
                 continue
             if child.process.is_alive():
@@ -218,6 +249,7 @@ class Supervisor:
         log.info("draining")
         self._stop(self.frontends)
         self._stop(self.workers)
+        self._stop_mps()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self._remove_temporary_sockets()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from infercache.testing import REPO
+from server import mps
 from server.devices import WorkerPlacement, plan_workers, resolve_runtime, visible_gpus
 from tests.helpers import unique
 
@@ -132,3 +133,24 @@ def test_null_runtime_answers_zeros_of_the_right_shape(start_server):
     assert not embedding.any()
     assert [(e.runtime, e.device) for e in models[MODEL].engines] == [("null", "cpu")]
     assert {e.runtime for m in models.values() for e in m.engines} == {"null"}  # every model, every version
+
+
+def test_a_private_mps_daemon_is_wanted_only_where_workers_share_a_gpu(monkeypatch, tmp_path):
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no control program
+    assert not mps.wanted("auto", True)          # auto: where installed only
+    assert mps.wanted("mps", True)               # required: the start then says it is missing
+    control = tmp_path / mps.CONTROL
+    control.write_text("#!/bin/sh\n")
+    control.chmod(0o755)
+    assert mps.wanted("auto", True)
+    assert not mps.wanted("auto", False)         # one worker per GPU: nothing to share
+    assert not mps.wanted("timeslice", True)
+    monkeypatch.setenv(mps.PIPE_ENV, "/run/operators-mps")
+    assert not mps.wanted("auto", True) and not mps.wanted("mps", True)  # an operator's daemon is used
+
+
+def test_mps_required_without_its_control_program_is_refused_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(mps.MpsUnavailable, match="nvidia-cuda-mps-control is not installed"):
+        mps.MpsDaemon(tmp_path).start()

@@ -6,6 +6,9 @@ batch classes and the source check run everywhere torch is installed.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -17,6 +20,7 @@ from cachestore.engines import EngineStore  # noqa: E402
 from infercache.testing import REPO  # noqa: E402
 from server.engines.artifacts import get_runtime, prepare  # noqa: E402
 from server.engines.onnxruntime import OrtEngine  # noqa: E402
+from server import mps  # noqa: E402
 from server.engines.torch_cuda import TorchCudaRuntime, batch_classes  # noqa: E402
 from server.models import load_model  # noqa: E402
 from server.tokenization import TextEncoder, pad_batch  # noqa: E402
@@ -99,3 +103,31 @@ def test_a_gpu_host_serves_on_the_gpu_by_default(start_server, tmp_path):
         assert _cosines(result.outputs["embedding"][None], want["embedding"][:1]).min() >= 0.999
     counters = server.stats().worker.counters
     assert counters["engine.minilm.1.replays"] >= 1
+
+
+MPS_CONTROL = shutil.which(mps.CONTROL)
+
+
+@GPU
+@pytest.mark.skipif(MPS_CONTROL is None, reason=f"needs {mps.CONTROL} (the NVIDIA driver's utilities)")
+def test_workers_sharing_the_gpu_run_through_a_private_mps_daemon_that_stops_with_the_server(start_server, tmp_path):
+    models = tmp_path / "models"
+    link_model(models, "minilm", (MINILM / "config.yaml").read_text(), {"1": MINILM / "1"})
+    server = start_server(models=models, settings=("server.workers=2",))
+    pipe = server.workdir / "run" / "mps-pipe"
+    env = {**os.environ, mps.PIPE_ENV: str(pipe)}
+
+    def ask(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run([MPS_CONTROL], input=f"{command}\n".encode(), env=env, capture_output=True, timeout=10)
+
+    texts = [f"{text} {n}" for n in range(16) for text in TEXTS[:4]]  # keys spread over both workers
+    with server.client() as client:
+        results = client.infer_batch("minilm", texts)
+    assert all(r.source == "MISS" and r.outputs["embedding"].shape == (384,) for r in results)
+    workers = server.stats().workers
+    assert len(workers) == 2 and all(w.counters["engine.minilm.1.replays"] >= 1 for w in workers)
+    servers = ask("get_server_list").stdout.split()
+    assert servers, "no MPS server: the workers did not reach the daemon"
+    assert "CUDA MPS daemon started" in server.log_text()
+    assert server.stop() == 0
+    assert ask("get_server_list").returncode != 0 or not ask("get_server_list").stdout.strip()

@@ -39,6 +39,7 @@ def test_config_layers_file_env_and_flags(tmp_path):
     ({"INFERCACHE_SERVER_PORTT": "1"}, "unknown setting server.portt"),
     ({"INFERCACHE_NOPE_X": "1"}, "unknown section 'nope'"),
     ({"INFERCACHE_CACHE_SYNC": "maybe"}, "expected bool"),
+    ({"INFERCACHE_SERVER_GPU_SHARING": "spatial"}, "server.gpu_sharing must be one of auto, mps, timeslice"),
 ])
 def test_config_errors_name_the_setting(environ, message):
     with pytest.raises(config.ConfigError, match=message):

@@ -74,7 +74,10 @@ class _Slot:
         self.ids_np, self.mask_np = self.ids.numpy(), self.mask.numpy()
         self.outputs = {name: torch.zeros((max_rows, dim), dtype=torch.float32, pin_memory=True)
                         for name, dim in output_dims.items()}
-        self.done = torch.cuda.Event()
+        # Blocking: its caller sleeps until the GPU is done instead of spinning on a core (CUDA spins
+        # by default when a process has fewer contexts than the host has CPUs). Spinning cost each
+        # worker about half a core on the H200 host, taken from the frontends (bench/DEVICE_NOTES.md).
+        self.done = torch.cuda.Event(blocking=True)
 
 
 class TorchCudaEngine(Engine):
