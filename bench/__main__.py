@@ -284,6 +284,8 @@ def main() -> None:
     parser.add_argument("--gpu-workers", default="1",
                         help="gpu section: worker processes sharing the GPU, comma-separated; the first serves every "
                              "step, the others repeat the MiniLM runs (e.g. 1,2,4)")
+    parser.add_argument("--gpu-callers", default="2",
+                        help="gpu section, part callers: multiples of the calls in flight to run again, comma-separated")
     parser.add_argument("--overload-deadline", type=float, default=10.0,
                         help="overload section: each call's deadline in seconds (0.5 on a GPU host: an overload there)")
     parser.add_argument("--overload-settings", default="",
@@ -351,6 +353,7 @@ def main() -> None:
             report["gpu"] = {}
             bench_gpu(workdir, texts, report["gpu"], quick=args.quick, parts=tuple(args.gpu_parts.split(",")),
                       workers=tuple(int(n) for n in args.gpu_workers.split(",")),
+                      callers=tuple(int(n) for n in args.gpu_callers.split(",")),
                       checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

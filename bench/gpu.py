@@ -332,11 +332,13 @@ PARTS = ("raw", "start", "bert", "minilm", "callers", "hits", "null")
 
 def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
               load_processes: int = 8, checkpoint=lambda: None, parts: tuple[str, ...] = PARTS,
-              workers: tuple[int, ...] = (1,)) -> dict:
+              workers: tuple[int, ...] = (1,), callers: tuple[int, ...] = (2,)) -> dict:
     """Fills `report` step by step, calling checkpoint() after each step (a run cut short keeps the rest).
     `parts` picks steps (a short device lease measures fewer); "hits" needs "minilm". `workers`: worker
     processes sharing the GPU; the first serves every step, each further count repeats the MiniLM runs
-    (and the null engine runs with the largest), to show what several Python processes per GPU carry."""
+    (and the null engine runs with the largest), to show what several Python processes per GPU carry.
+    `callers`: with part "callers", the MiniLM runs again at these multiples of the calls in flight (and
+    the raw-bytes server with them)."""
     on_gpu = gpu_available()
     runtime = "torch-cuda" if on_gpu else "onnxruntime"
     seconds = 2.0 if quick else 5.0
@@ -412,14 +414,22 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         report["minilm_batch32"] = measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32),
                                             profile=True)
         checkpoint()
-        if "callers" in parts:  # twice the calls in flight: does a deeper queue carry more? (fresh texts: misses)
-            print("  MiniLM with twice the callers ...", flush=True)
-            more = single_payloads("minilm", distinct_texts(texts, total, seed=4))
-            report["minilm_single_x2_callers"] = measured(server, "minilm", lambda: load(server.address, INFER, more, 64))
-            more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=5), 32)
-            report["minilm_batch32_x2_callers"] = measured(
-                server, "minilm", lambda: load(server.address, INFER_BATCH, more, 8, 32), profile="frontend")
-            checkpoint()
+        more_callers = callers if "callers" in parts else ()
+
+        def with_more_callers(server: ServerProcess, out: dict, prefix: str, seed: int) -> None:
+            """The MiniLM runs with `m` times the calls in flight (fresh texts: misses): does a deeper
+            queue carry more?"""
+            for m in more_callers:
+                print(f"  MiniLM with {m}x the callers ...", flush=True)
+                more = single_payloads("minilm", distinct_texts(texts, total, seed=seed + m))
+                out[f"{prefix}single_x{m}_callers"] = measured(
+                    server, "minilm", lambda: load(server.address, INFER, more, 32 * m))
+                more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=seed + 100 + m), 32)
+                out[f"{prefix}batch32_x{m}_callers"] = measured(
+                    server, "minilm", lambda: load(server.address, INFER_BATCH, more, 4 * m, 32))
+                checkpoint()
+
+        with_more_callers(server, report, "minilm_", seed=4)
 
         hot = single_payloads("minilm", texts[:200])
         for payload in hot:  # warm, then wait for the write-behind
@@ -445,12 +455,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
                 "single": measured(server, "minilm", lambda: load(server.address, INFER, single, 32)),
                 "batch32": measured(server, "minilm", lambda: load(server.address, INFER_BATCH, batched, 4, 32)),
             }
-            if "callers" in parts:  # more processes per GPU may need more calls in flight to fill
-                more = single_payloads("minilm", distinct_texts(texts, total, seed=10 + count))
-                runs["single_x2_callers"] = measured(server, "minilm", lambda: load(server.address, INFER, more, 64))
-                more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=20 + count), 32)
-                runs["batch32_x2_callers"] = measured(
-                    server, "minilm", lambda: load(server.address, INFER_BATCH, more, 8, 32))
+            with_more_callers(server, runs, "", seed=1000 * count)  # more processes may need more in flight
             checkpoint()
             assert server.stop() == 0
 
@@ -458,8 +463,8 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
     address, procs = echo.start(frontends, echo.raw_main, INFER, recorded)
     try:
         report["raw_bytes_single"] = load(address, INFER, single, 32).summary()
-        if "callers" in parts:
-            report["raw_bytes_single_x2_callers"] = load(address, INFER, single, 64).summary()
+        for m in more_callers:
+            report[f"raw_bytes_single_x{m}_callers"] = load(address, INFER, single, 32 * m).summary()
         if "hits" in parts:  # the floor of gRPC for the hits above (issue 9: hits >= 0.8x it at 256 callers)
             report["raw_bytes_hits"] = {f"callers_{32 * load_processes}": run_load_processes(
                 address, INFER, hot, processes=load_processes, concurrency=32, seconds=seconds).summary()}
@@ -527,19 +532,16 @@ def _ratios(report: dict) -> dict:
         if many in report.get("raw_bytes_hits", {}):
             out[f"hit_throughput_vs_raw_bytes_{many}"] = round(
                 hits[many]["calls_per_s"] / report["raw_bytes_hits"][many]["calls_per_s"], 3)
-    out["minilm_batch32_texts_per_s"] = report["minilm_batch32"]["items_per_s"]
-    if "minilm_single_x2_callers" in report:
-        out["minilm_single_vs_raw_bytes_x2_callers"] = round(report["minilm_single_x2_callers"]["calls_per_s"]
-                                                             / report["raw_bytes_single_x2_callers"]["calls_per_s"], 3)
-        out["minilm_batch32_texts_per_s_x2_callers"] = report["minilm_batch32_x2_callers"]["items_per_s"]
-    for count, rows in report.get("minilm_by_workers", {}).items():
-        out[f"minilm_single_vs_raw_bytes_{count}_workers"] = round(rows["single"]["calls_per_s"]
-                                                                   / report["raw_bytes_single"]["calls_per_s"], 3)
-        out[f"minilm_batch32_texts_per_s_{count}_workers"] = rows["batch32"]["items_per_s"]
-        if "single_x2_callers" in rows:
-            out[f"minilm_single_vs_raw_bytes_{count}_workers_x2_callers"] = round(
-                rows["single_x2_callers"]["calls_per_s"] / report["raw_bytes_single_x2_callers"]["calls_per_s"], 3)
-            out[f"minilm_batch32_texts_per_s_{count}_workers_x2_callers"] = rows["batch32_x2_callers"]["items_per_s"]
+    runs = {"": {k[len("minilm_"):]: v for k, v in report.items() if k.startswith("minilm_") and "by_workers" not in k},
+            **{f"_{count}_workers": rows for count, rows in report.get("minilm_by_workers", {}).items()}}
+    for suffix, rows in runs.items():  # each against the raw-bytes server at the same calls in flight
+        for name, row in rows.items():
+            if name.startswith("single") and f"raw_bytes_{name}" in report:
+                callers = name[len("single"):]
+                out[f"minilm_single_vs_raw_bytes{suffix}{callers}"] = round(
+                    row["calls_per_s"] / report[f"raw_bytes_{name}"]["calls_per_s"], 3)
+            elif name.startswith("batch32"):
+                out[f"minilm_batch32_texts_per_s{suffix}{name[len('batch32'):]}"] = row["items_per_s"]
     if "start" in report:
         out["cold_vs_warm_start"] = round(report["start"]["cold"]["start_to_ready_s"]
                                           / report["start"]["warm"]["start_to_ready_s"], 2)

@@ -35,7 +35,8 @@ class ServerSection:
     port: int = 50051
     frontends: int = 0                 # 0 = one per CPU
     workers: int = 0                   # inference workers; 0 = workers_per_gpu per visible GPU (GPU runtime), else 1
-    workers_per_gpu: int = 1           # with workers = 0 on a GPU host: worker processes feeding each GPU
+    workers_per_gpu: int = 0           # with workers = 0 on a GPU host: worker processes feeding each GPU;
+                                       # 0 = one per 4 CPUs per GPU, 1 to 4 (server/devices.py auto_per_gpu)
     gpu_sharing: str = "auto"          # workers sharing a GPU: auto (a private CUDA MPS daemon where installed),
                                        # mps (required), timeslice (never MPS): server/mps.py
     models_dir: str = "models"
@@ -246,8 +247,8 @@ def validate(config: Config) -> None:
         raise ConfigError("server.frontends must be >= 0 (0 = one per CPU)")
     if config.server.workers < 0:
         raise ConfigError("server.workers must be >= 0 (0 = one per GPU, or one on a CPU host)")
-    if config.server.workers_per_gpu < 1:
-        raise ConfigError("server.workers_per_gpu must be >= 1")
+    if config.server.workers_per_gpu < 0:
+        raise ConfigError("server.workers_per_gpu must be >= 0 (0 = from the host's CPUs)")
     if config.server.gpu_sharing not in SHARING_MODES:
         raise ConfigError(f"server.gpu_sharing must be one of {', '.join(SHARING_MODES)}")
     if config.server.max_batch_texts < 1:

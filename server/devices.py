@@ -72,14 +72,26 @@ class WorkerPlacement:
         return "cpu" if self.gpu is None else f"cuda:{self.gpu}"
 
 
+AUTO_MAX_PER_GPU = 4        # workers_per_gpu 0 (auto): at most this many worker processes per GPU,
+CPUS_PER_AUTO_WORKER = 4    # one per this many CPUs (the frontends need most of them)
+
+
+def auto_per_gpu(gpus: int, cpus: int | None = None) -> int:
+    """Worker processes per GPU when `server.workers_per_gpu` is 0: one per 4 CPUs per GPU, 1 to 4. One
+    worker's Python carried about 24k MiniLM texts/s on the H200 host, four (through MPS) 58k, with the
+    16 frontends on the same cores (bench/DEVICE_NOTES.md, session 13)."""
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    return max(1, min(AUTO_MAX_PER_GPU, cpus // (CPUS_PER_AUTO_WORKER * max(1, gpus))))
+
+
 def plan_workers(requested_runtime: str, workers: int, gpus: list[str], per_gpu: int = 1) -> list[WorkerPlacement]:
-    """workers = 0: `per_gpu` per visible GPU for a GPU runtime, else one. Workers share the GPUs
-    round-robin (worker i on GPU i mod n), so each GPU gets the same number, and two workers on one GPU
-    exercise the multi-worker path on a one-GPU host. Several workers per GPU are several Python
-    processes feeding it: what one process's GIL cannot carry (see bench/DEVICE_NOTES.md)."""
+    """workers = 0: `per_gpu` per visible GPU for a GPU runtime (0: auto_per_gpu), else one. Workers
+    share the GPUs round-robin (worker i on GPU i mod n), so each GPU gets the same number, and two
+    workers on one GPU exercise the multi-worker path on a one-GPU host. Several workers per GPU are
+    several Python processes feeding it: what one process's GIL cannot carry (see bench/DEVICE_NOTES.md)."""
     runtime = resolve_runtime(requested_runtime, gpus)
     on_gpu = runtime in GPU_RUNTIMES and bool(gpus)
-    count = workers or (len(gpus) * per_gpu if on_gpu else 1)
+    count = workers or (len(gpus) * (per_gpu or auto_per_gpu(len(gpus))) if on_gpu else 1)
     if not on_gpu:
         return [WorkerPlacement(i, runtime, None) for i in range(count)]
     return [WorkerPlacement(i, runtime, gpus[i % len(gpus)], len(range(i % len(gpus), count, len(gpus))))

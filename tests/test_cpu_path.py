@@ -12,7 +12,7 @@ import pytest
 
 from infercache.testing import REPO
 from server import mps
-from server.devices import WorkerPlacement, plan_workers, resolve_runtime, visible_gpus
+from server.devices import WorkerPlacement, auto_per_gpu, plan_workers, resolve_runtime, visible_gpus
 from tests.helpers import unique
 
 MODEL = "minilm"
@@ -104,6 +104,13 @@ def test_more_workers_than_gpus_share_them_round_robin():
 def test_workers_per_gpu_feed_each_gpu_equally():
     assert [p.gpu for p in plan_workers("torch-cuda", 0, ["0", "1"], per_gpu=2)] == ["0", "1", "0", "1"]
     assert [p.gpu for p in plan_workers("onnxruntime", 0, ["0", "1"], per_gpu=2)] == [None]  # CPU: one
+    assert [p.gpu for p in plan_workers("onnxruntime", 0, ["0"], per_gpu=0)] == [None]
+
+
+def test_automatic_workers_per_gpu_follow_the_cpus_per_gpu():
+    assert auto_per_gpu(1, cpus=16) == 4 and auto_per_gpu(1, cpus=64) == 4   # the H200 host: 4, never more
+    assert auto_per_gpu(2, cpus=16) == 2 and auto_per_gpu(1, cpus=8) == 2
+    assert auto_per_gpu(8, cpus=16) == 1 and auto_per_gpu(1, cpus=2) == 1    # at least one
 
 
 def test_explicit_runtime_is_kept():
