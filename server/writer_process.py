@@ -52,15 +52,20 @@ log = logging.getLogger("infercache.writer_process")
 START_TIMEOUT_S = 120.0  # opening a large store can take a while (its integrity was checked before)
 COUNTERS_EVERY_S = 1.0   # the process sends its counters at least this often while they change
 ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row is about 1.6 KB)
+# Puts sent and not yet handled, at most: past it new puts are dropped (a later miss computes them
+# again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
+# Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
+MAX_BACKLOG = 50_000
 
 
 class WriterProcess:
     """The worker's handle on its writer process; see the module docstring. Use `await start(...)`."""
 
-    def __init__(self, process, what: str, on_lost: Callable[[], None] | None) -> None:
+    def __init__(self, process, what: str, on_lost: Callable[[], None] | None, max_backlog: int = MAX_BACKLOG) -> None:
         self.process = process
         self.what = what
         self.on_lost = on_lost             # told once if the process dies while the worker still needs it
+        self.max_backlog = max_backlog
         self.on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None
         self._reported: Counter[str] = Counter()  # the process's counters, as of its last frame
         self._own: Counter[str] = Counter()       # this side's (notify_errors)
@@ -69,6 +74,7 @@ class WriterProcess:
         self._loop_thread = threading.get_ident()
         self._protocol: FrameProtocol | None = None
         self._sent = 0                     # puts sent (their numbers)
+        self._handled = 0                  # the last put number the process said it handled
         self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()  # (put number, on_done)
         self._requests: dict[int, Future] = {}
         self._next_request = 0
@@ -79,8 +85,8 @@ class WriterProcess:
 
     @classmethod
     async def start(cls, settings: StoreSettings, *, batch_max: int, sweep_interval_s: float, max_ttl_s: int,
-                    what: str, log_level: str, role: str, on_lost: Callable[[], None] | None = None
-                    ) -> "WriterProcess":
+                    what: str, log_level: str, role: str, on_lost: Callable[[], None] | None = None,
+                    max_backlog: int = MAX_BACKLOG) -> "WriterProcess":
         """Starts the process, waits until it has the store open, then opens the worker's read-only
         handle. StoreError when the store cannot be opened (the process has exited then)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -89,7 +95,7 @@ class WriterProcess:
             args=(settings, batch_max, sweep_interval_s, max_ttl_s, theirs, log_level, f"{role} writer"))
         await asyncio.to_thread(process.start)
         theirs.close()
-        self = cls(process, what, on_lost)
+        self = cls(process, what, on_lost, max_backlog)
         _, self._protocol = await self._loop.create_unix_connection(
             lambda: FrameProtocol(self._on_frame, self._on_end, writer_pb2.StoreOps), sock=ours)
         try:
@@ -104,7 +110,9 @@ class WriterProcess:
 
     @property
     def counters(self) -> Counter[str]:
-        return self._reported + self._own
+        counters = self._reported + self._own
+        counters["backlog"] = self._sent - self._handled  # a gauge: puts the process has not handled yet
+        return counters
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,
             on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
@@ -115,7 +123,10 @@ class WriterProcess:
             except RuntimeError:  # the loop has closed: the worker is gone, so is the write
                 pass
             return
-        if self.dead or self._closing or self._protocol is None:
+        behind = self._sent - self._handled >= self.max_backlog
+        if self.dead or self._closing or self._protocol is None or behind:
+            if behind:
+                self._own["dropped_backlog"] += 1
             if on_done is not None:
                 on_done()
             return
@@ -199,6 +210,7 @@ class WriterProcess:
             self._ready.set_result(None)
         if events.counters:
             self._reported = Counter(events.counters)
+        self._handled = max(self._handled, events.handled)
         callbacks = self._callbacks
         while callbacks and callbacks[0][0] <= events.handled:
             self._called(callbacks.popleft()[1])
