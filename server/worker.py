@@ -40,15 +40,59 @@ from server.writer_process import WriterProcess
 log = logging.getLogger("infercache.worker")
 
 
+WAIT_JUMP = 1.5    # a queue wait this many times what the frontends were told (and WAIT_JUMP_S more)
+WAIT_JUMP_S = 0.01  # is pushed to all of them at once, without waiting for an answer frame
+
+
+class _Frontends:
+    """The worker's open frontend connections, and the queue waits they were last told all at once.
+
+    Every answer frame tells its frontend the queue waits (admission control in the frontends), but at a
+    burst's start no answer has come back yet: the first batch is still running while its frontends keep
+    sending. So when a frame's items make a model's wait jump past what the frontends believe, every
+    frontend is told in a frame of its own, in this loop iteration, and refuses what would not be
+    answered in time instead of sending it."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self.open: set[_Connection] = set()
+        self._told: dict[tuple[str, str], tuple[float, float]] = {}  # (model, version) -> (seconds, loop time)
+        self._check_scheduled = False
+
+    def items_arrived(self) -> None:
+        """Checks the waits once at the end of this loop iteration, whatever frames it brings (at one
+        item per frame a check per frame cost the worker 5 us per item)."""
+        if not self._check_scheduled:
+            self._check_scheduled = True
+            asyncio.get_running_loop().call_soon(self._check_waits)
+
+    def _check_waits(self) -> None:
+        self._check_scheduled = False
+        now = asyncio.get_running_loop().time()
+        waits = list(self.core.queue_waits())
+        if not any(seconds > self._believed(model, version, now) * WAIT_JUMP + WAIT_JUMP_S
+                   for model, version, seconds in waits):
+            return
+        self._told = {(model, version): (seconds, now) for model, version, seconds in waits}
+        self.core.counters["wait_pushes"] += 1
+        for connection in self.open:
+            connection.tell_waits(waits)
+
+    def _believed(self, model: str, version: str, now: float) -> float:
+        """The wait the frontends hold from the last push, discounted as they discount it (worker_pool)."""
+        told, at = self._told.get((model, version), (0.0, now))
+        return max(0.0, told - (now - at))
+
+
 class _Connection:
     """One frontend's item connection (server/framing.py): items in, answers out in micro-batches."""
 
-    def __init__(self, core: WorkerCore, connections: set) -> None:
+    def __init__(self, core: WorkerCore, frontends: _Frontends) -> None:
         self.core = core
-        self.connections = connections       # the worker's open connections (for closing them at drain)
+        self.frontends = frontends
         self.waiting: dict = {}              # item id -> flight (written by the core)
         self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch, self._on_flush)
-        connections.add(self)
+        frontends.open.add(self)
 
     def _on_frame(self, frame: bytes) -> None:
         batch = worker_pb2.ComputeBatch.FromString(frame)
@@ -59,14 +103,27 @@ class _Connection:
         self.core.submit_all(self, batch.items, now)
         for item_id in batch.cancel:
             self.core.cancel(self, item_id)
+        if batch.items:
+            self.frontends.items_arrived()
+
+    def tell_waits(self, waits) -> None:
+        """Queue waits in a frame of their own (sent at the end of this loop iteration)."""
+        self._add_waits(self.protocol.out, waits)
+        self.protocol.flush_soon()
 
     def _on_flush(self, out) -> None:
-        """Every answer frame tells the frontend how long new items would take (its admission control)."""
-        for model, version, seconds in self.core.queue_waits():
+        """Every answer frame tells the frontend how long new items would take (its admission control):
+        as of now, replacing what tell_waits put there earlier in this iteration."""
+        del out.waits[:]
+        self._add_waits(out, self.core.queue_waits())
+
+    @staticmethod
+    def _add_waits(out, waits) -> None:
+        for model, version, seconds in waits:
             out.waits.add(model=model, version=version, seconds=seconds)
 
     def _on_lost(self, exc: Exception | None) -> None:
-        self.connections.discard(self)
+        self.frontends.open.discard(self)
         for item_id in list(self.waiting):  # the frontend went away: nobody reads these answers
             self.core.cancel(self, item_id)
 
@@ -275,9 +332,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for path in (socket_path, items_path):
         path.unlink(missing_ok=True)  # left behind by a worker that was killed
     server.add_insecure_port(f"unix:{socket_path}")
-    connections: set[_Connection] = set()
+    frontends = _Frontends(core)
     items = await asyncio.get_running_loop().create_unix_server(
-        lambda: _Connection(core, connections).protocol, path=str(items_path))
+        lambda: _Connection(core, frontends).protocol, path=str(items_path))
     await server.start()
     for path in (socket_path, items_path):  # the server's own user only (the folder is private too)
         path.chmod(FILE_MODE)
@@ -292,7 +349,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     # answered; then what is still in flight finishes here.
     loop = asyncio.get_running_loop()
     frontends_gone_by = loop.time() + config.server.drain_s
-    while connections and loop.time() < frontends_gone_by:
+    while frontends.open and loop.time() < frontends_gone_by:
         await asyncio.sleep(0.05)
     items.close()
     await server.stop(config.server.drain_s)
@@ -300,7 +357,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     if tier is not None:
         await asyncio.to_thread(calibration.save, core.calibrations, calibration.path_for(tier.snapshot_dir))
     await asyncio.sleep(0)  # the last answers' writes
-    for conn in list(connections):
+    for conn in list(frontends.open):
         conn.protocol.close()
     if writer is not None:
         await writer.close()  # the last writes reach the index before its snapshot

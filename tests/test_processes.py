@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,12 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from cachestore import records
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from infercache.v1 import infercache_pb2 as pb
-from infercache.v1 import infercache_pb2_grpc
+from infercache.v1 import infercache_pb2_grpc, worker_pb2
+from server.framing import HEADER
 from tests.conftest import MODEL_VERSION_DIR, REPO
 from tests.helpers import is_cached, unique, wait_cached
 
@@ -251,6 +254,44 @@ def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
     assert by_frontend > 0 and by_frontend + by_worker == len(refused), (by_frontend, by_worker, len(refused))
     assert stats.worker.counters.get("batcher.minilm.1.rejected_full", 0) == 0
     assert stats.worker.counters["batcher.minilm.1.batch_us"] > 0
+
+
+def test_at_a_bursts_start_the_worker_tells_every_frontend_its_queue_wait_before_any_answer(start_server):
+    """Items a frontend sends make the worker's queue wait jump: every connected frontend hears the new
+    wait at once, in a frame of its own, not only with the answers (which come after the batches run).
+    Two connections to the worker's item socket stand for frontends: one sends 256 long items, the
+    other sends nothing, so any frame it gets is such a push."""
+    server = start_server(frontends=1)
+    path = str(server.workdir / "run" / "worker-0.items")
+    ids = np.array([101, *range(2000, 2126), 102], dtype="<i4").tobytes()  # 128 tokens: slow batches
+    batch = worker_pb2.ComputeBatch()
+    for i in range(256):
+        batch.items.add(id=i + 1, model=MODEL, version="1", key=os.urandom(24), ids=ids, timeout_s=30.0)
+    payload = batch.SerializeToString()
+
+    def frame(sock: socket.socket) -> worker_pb2.ResultBatch:
+        size = int.from_bytes(_read_exactly(sock, HEADER), "little")
+        return worker_pb2.ResultBatch.FromString(_read_exactly(sock, size))
+
+    with socket.socket(socket.AF_UNIX) as sender, socket.socket(socket.AF_UNIX) as bystander:
+        for sock in (sender, bystander):
+            sock.settimeout(10)
+            sock.connect(path)
+        sender.sendall(len(payload).to_bytes(HEADER, "little") + payload)
+        pushed = frame(bystander)  # (without the push: nothing, and a timeout)
+        assert not pushed.results
+        [wait] = [w for w in pushed.waits if w.model == MODEL]
+        assert wait.seconds > 0
+    assert server.stats().worker.counters["worker.wait_pushes"] >= 1
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "the worker closed the connection"
+        data += chunk
+    return bytes(data)
 
 
 def test_a_burst_of_thousands_of_calls_is_answered_not_cancelled_by_grpc(start_server):
