@@ -54,6 +54,11 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
                                       ("store",), ()),
     "infercache_store_evictions_total": ("counter", "Entries evicted to stay under the budget.", ("store",), ()),
     "infercache_store_swept_total": ("counter", "Expired entries removed by sweeps.", ("store",), ()),
+    "infercache_store_writes_dropped_total": (
+        "counter", "Writes dropped because the store's writer was too far behind (their texts are computed "
+        "again on their next miss).", ("store",), ()),
+    "infercache_store_write_backlog": (
+        "gauge", "Writes the workers sent to their store writers and not yet committed.", ("store",), ()),
     "infercache_semantic_index_entries": ("gauge", "Entries in the semantic indexes of the workers.", (), ()),
     "infercache_semantic_nearest_similarity": (
         "histogram", "Cosine similarity of the nearest neighbour found by each semantic search.", ("model",),

@@ -43,6 +43,7 @@ class WorkerMetrics:
         for name, writer in self._writers():
             out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
             out.inc(("infercache_store_swept_total", name), writer.counters["swept"])
+            out.inc(("infercache_store_writes_dropped_total", name), writer.counters["dropped_backlog"])
         return out
 
     def _writers(self):
@@ -60,6 +61,8 @@ class WorkerMetrics:
             labels = (info.model, info.version, info.runtime, info.device, str(self.placement.index))
             gauges[("infercache_engine_build_seconds", *labels)] = runtime.built_s
             gauges[("infercache_engine_warmup_seconds", *labels)] = runtime.warmup_s
+        for name, writer in self._writers():
+            gauges[("infercache_store_write_backlog", name)] = writer.counters["backlog"]
         if self.core.semantic is not None:
             gauges[("infercache_semantic_index_entries",)] = self.core.semantic.entries()
         for (model, version), calibration in self.core.calibrations.items():

@@ -27,7 +27,8 @@ METRICS = {
     "infercache_requests_total", "infercache_request_duration_seconds", "infercache_misses_total",
     "infercache_compute_seconds_saved_total", "infercache_compute_seconds_total", "infercache_batch_size",
     "infercache_queue_depth", "infercache_store_entries", "infercache_store_bytes", "infercache_store_budget_bytes",
-    "infercache_store_evictions_total", "infercache_store_swept_total", "infercache_semantic_index_entries",
+    "infercache_store_evictions_total", "infercache_store_swept_total", "infercache_store_writes_dropped_total",
+    "infercache_store_write_backlog", "infercache_semantic_index_entries",
     "infercache_semantic_nearest_similarity", "infercache_engines_built_total", "infercache_engine_build_seconds",
     "infercache_engine_warmup_seconds", "infercache_process_restarts_total", "infercache_processes",
 }

@@ -111,6 +111,9 @@ def test_traffic_is_counted_as_sent(observed):
     assert 0.05 * per_miss < per_hit < 20 * per_miss  # the same engine's times, estimated per bucket
     assert value(prometheus, 'infercache_store_entries{store="results"}') >= 8
     assert value(prometheus, 'infercache_store_budget_bytes{store="results"}') > 0
+    for series in ('infercache_store_write_backlog{store="results"}', 'infercache_store_writes_dropped_total{store="results"}'):
+        assert prometheus.query(series), series  # exposed, and 0 once every write is committed, none dropped
+        assert settled(prometheus, series, 0) == 0
     assert value(prometheus, 'infercache_queue_depth{model="minilm"}') == 0
     assert value(prometheus, 'infercache_processes{role="frontend"}') == 2
     assert value(prometheus, 'infercache_processes{role="worker"}') == 1
