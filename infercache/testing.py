@@ -48,6 +48,9 @@ class ServerProcess:
             "--models-dir", str(models_dir), "--cache-dir", str(self.cache_dir),
             "--engines-dir", str(self.engines_dir),
             "--set", f"server.socket_dir={workdir / 'run'}", "--set", "cache.sweep_interval_s=1",
+            # One worker per GPU unless `settings` say otherwise (server.workers, or this again): a GPU
+            # host would otherwise pick one per 4 CPUs, and tests read one worker's figures.
+            "--set", "server.workers_per_gpu=1",
         ]
         for item in settings:
             args += ["--set", item]

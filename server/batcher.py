@@ -63,6 +63,12 @@ def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:
     return min(max_wait_s, remaining) if max_wait_s else remaining
 
 
+def discounted(seconds: float, told_at: float, now: float) -> float:
+    """A queue wait estimated at `told_at`, as it stands at `now` (the queue drains meanwhile): how the
+    frontends read the waits their worker sends, and how the worker reckons what they hold."""
+    return max(0.0, seconds - (now - told_at))
+
+
 @dataclass(eq=False, slots=True)
 class _Request:
     ids: Sequence[int]

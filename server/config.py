@@ -246,7 +246,7 @@ def validate(config: Config) -> None:
     if config.server.frontends < 0:
         raise ConfigError("server.frontends must be >= 0 (0 = one per CPU)")
     if config.server.workers < 0:
-        raise ConfigError("server.workers must be >= 0 (0 = one per GPU, or one on a CPU host)")
+        raise ConfigError("server.workers must be >= 0 (0 = workers_per_gpu per GPU, or one on a CPU host)")
     if config.server.workers_per_gpu < 0:
         raise ConfigError("server.workers_per_gpu must be >= 0 (0 = from the host's CPUs)")
     if config.server.gpu_sharing not in SHARING_MODES:

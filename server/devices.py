@@ -66,6 +66,7 @@ class WorkerPlacement:
     runtime: str
     gpu: str | None
     sharing: int = 1  # workers on this worker's GPU, itself included (they share its memory)
+    ordinal: int = 0  # its GPU's position among the visible GPUs (what an MPS server numbers it)
 
     @property
     def device(self) -> str:
@@ -94,5 +95,5 @@ def plan_workers(requested_runtime: str, workers: int, gpus: list[str], per_gpu:
     count = workers or (len(gpus) * (per_gpu or auto_per_gpu(len(gpus))) if on_gpu else 1)
     if not on_gpu:
         return [WorkerPlacement(i, runtime, None) for i in range(count)]
-    return [WorkerPlacement(i, runtime, gpus[i % len(gpus)], len(range(i % len(gpus), count, len(gpus))))
+    return [WorkerPlacement(i, runtime, gpus[i % len(gpus)], len(range(i % len(gpus), count, len(gpus))), i % len(gpus))
             for i in range(count)]

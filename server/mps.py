@@ -11,10 +11,17 @@ The supervisor starts the control daemon in the foreground as its own child (`nv
 sets CUDA_MPS_PIPE_DIRECTORY in its own environment so that every child it spawns reaches that daemon
 (frontends and writers never create a CUDA context; the variable costs them nothing). The daemon is
 private: other processes on the host, which do not name its pipe directory, keep plain contexts. It
-changes no device setting (compute mode stays as it is). Stopped with the control command `quit` after
-the workers have stopped; a daemon that dies meanwhile is started again before the next worker start.
+changes no device setting (compute mode stays as it is). It runs in a session of its own (a Ctrl-C
+meant for the server must not stop it under workers that are still finishing), is told to end with the
+supervisor where `setpriv` can arrange it (a supervisor killed with -9), and is stopped with the control
+command `quit` after the workers have stopped; a daemon that dies meanwhile is started again before
+the next worker start.
 
-Where CUDA_MPS_PIPE_DIRECTORY is already set, an operator runs MPS: that daemon is used, none started.
+The MPS server numbers the GPUs it sees from 0 (the supervisor's CUDA_VISIBLE_DEVICES, in that order):
+a worker then names its GPU by that position (WorkerPlacement.ordinal), not by its id.
+
+Where CUDA_MPS_PIPE_DIRECTORY is already set, an operator runs MPS: that daemon is used, none started
+(its visible GPUs must be the supervisor's).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ log = logging.getLogger("infercache.mps")
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0  # the workers have stopped by then: nothing keeps it
 SHARING_MODES = ("auto", "mps", "timeslice")
 
 
@@ -65,13 +73,17 @@ class MpsDaemon:
         if binary is None:
             raise MpsUnavailable(f"{CONTROL} is not installed (server.gpu_sharing: mps needs the NVIDIA driver's "
                                  "utilities in the image)")
+        shutil.rmtree(self.pipe_dir, ignore_errors=True)  # a dead daemon's pipes would pass for ours
         for path in (self.pipe_dir, self.log_dir):
             path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         output = self.log_dir / "control-output.txt"  # what it prints in the foreground (a file: never a full pipe)
+        command = [binary, "-f"]
+        if (setpriv := shutil.which("setpriv")) is not None:  # SIGTERM when the supervisor dies, -9 included
+            command = [setpriv, "--pdeathsig", "TERM", "--", *command]
         try:
             with output.open("ab") as sink:
-                self.process = subprocess.Popen([binary, "-f"], env=self._env(), stdin=subprocess.DEVNULL,
-                                                stdout=sink, stderr=subprocess.STDOUT)
+                self.process = subprocess.Popen(command, env=self._env(), stdin=subprocess.DEVNULL, stdout=sink,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as exc:
             raise MpsUnavailable(f"cannot start {CONTROL}: {exc}") from None
         give_up = time.monotonic() + START_TIMEOUT_S
@@ -92,15 +104,17 @@ class MpsDaemon:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """`quit` through the control pipe (the daemon stops its servers), then waits; kills it if it lingers."""
+    def stop(self) -> None:
+        """`quit` through the control pipe (the daemon stops its servers), then waits; kills it if it lingers
+        (STOP_TIMEOUT_S in all)."""
         if self.process is None:
             return
         if self.process.poll() is None:
+            give_up = time.monotonic() + STOP_TIMEOUT_S
             try:
                 subprocess.run([shutil.which(CONTROL) or CONTROL], input=b"quit\n", env=self._env(),
-                               capture_output=True, timeout=timeout)
-                self.process.wait(timeout)
+                               capture_output=True, timeout=STOP_TIMEOUT_S)
+                self.process.wait(max(0.1, give_up - time.monotonic()))
             except (OSError, subprocess.SubprocessError):
                 self.process.kill()
                 self.process.wait()

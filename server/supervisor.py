@@ -167,12 +167,17 @@ class Supervisor:
             self.mps = None
 
     def _restart_mps(self) -> None:
-        """Before a worker starts again: the daemon, if it exited (tried again at each worker start)."""
+        """Before a worker starts again: the daemon, if it exited. If it cannot start again, workers that
+        start from now on share their GPU time-sliced (and name it by its id again: server/worker.py)."""
         log.error("the CUDA MPS daemon has exited; starting it again")
         try:
             self.mps.start()
         except mps.MpsUnavailable as exc:
-            log.error("CUDA MPS daemon not started (%s): a worker that starts now shares its GPU time-sliced", exc)
+            log.error("CUDA MPS daemon not started (%s): workers that start from now on share their GPU "
+                      "time-sliced", exc)
+            for name in (mps.PIPE_ENV, mps.LOG_ENV):
+                os.environ.pop(name, None)
+            self.mps = None
 
     def _stop_mps(self) -> None:
         if self.mps is not None:

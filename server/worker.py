@@ -23,8 +23,9 @@ from cachestore.env import FILE_MODE, StoreSettings
 from cachestore.errors import StoreError
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server import calibration, metrics, process, telemetry
+from server import calibration, metrics, mps, process, telemetry
 from server.compute import WorkerCore
+from server.batcher import discounted
 from server.config import Config, feature_store_settings, store_settings
 from server.devices import WorkerPlacement
 from server.engines.artifacts import load_engines
@@ -40,23 +41,22 @@ from server.writer_process import WriterProcess
 log = logging.getLogger("infercache.worker")
 
 
-WAIT_JUMP = 1.5    # a queue wait this many times what the frontends were told (and WAIT_JUMP_S more)
-WAIT_JUMP_S = 0.01  # is pushed to all of them at once, without waiting for an answer frame
+WAIT_JUMP = 1.5    # a queue wait this many times what a frontend holds (and WAIT_JUMP_S more)
+WAIT_JUMP_S = 0.01  # is pushed to it at once, without waiting for an answer frame
 
 
 class _Frontends:
-    """The worker's open frontend connections, and the queue waits they were last told all at once.
+    """The worker's open frontend connections.
 
     Every answer frame tells its frontend the queue waits (admission control in the frontends), but at a
     burst's start no answer has come back yet: the first batch is still running while its frontends keep
-    sending. So when a frame's items make a model's wait jump past what the frontends believe, every
-    frontend is told in a frame of its own, in this loop iteration, and refuses what would not be
-    answered in time instead of sending it."""
+    sending. So when arriving items make a model's wait jump past what a frontend holds, that frontend
+    is told in a frame of its own, in this loop iteration, and refuses what would not be answered in
+    time instead of sending it."""
 
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
         self.open: set[_Connection] = set()
-        self._told: dict[tuple[str, str], tuple[float, float]] = {}  # (model, version) -> (seconds, loop time)
         self._check_scheduled = False
 
     def items_arrived(self) -> None:
@@ -70,18 +70,10 @@ class _Frontends:
         self._check_scheduled = False
         now = asyncio.get_running_loop().time()
         waits = list(self.core.queue_waits())
-        if not any(seconds > self._believed(model, version, now) * WAIT_JUMP + WAIT_JUMP_S
-                   for model, version, seconds in waits):
-            return
-        self._told = {(model, version): (seconds, now) for model, version, seconds in waits}
-        self.core.counters["wait_pushes"] += 1
         for connection in self.open:
-            connection.tell_waits(waits)
-
-    def _believed(self, model: str, version: str, now: float) -> float:
-        """The wait the frontends hold from the last push, discounted as they discount it (worker_pool)."""
-        told, at = self._told.get((model, version), (0.0, now))
-        return max(0.0, told - (now - at))
+            if connection.holds_less(waits, now):
+                self.core.counters["wait_pushes"] += 1
+                connection.tell_waits(waits)
 
 
 class _Connection:
@@ -91,6 +83,9 @@ class _Connection:
         self.core = core
         self.frontends = frontends
         self.waiting: dict = {}              # item id -> flight (written by the core)
+        # The waits of the last frame sent (what the frontend holds, discounting them as time passes):
+        # (model, version) -> (seconds, loop time sent).
+        self.told: dict[tuple[str, str], tuple[float, float]] = {}
         self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch, self._on_flush)
         frontends.open.add(self)
 
@@ -106,16 +101,27 @@ class _Connection:
         if batch.items:
             self.frontends.items_arrived()
 
+    def holds_less(self, waits, now: float) -> bool:
+        """Whether a wait has jumped past what this frontend holds (WAIT_JUMP, WAIT_JUMP_S)."""
+        for model, version, seconds in waits:
+            told, at = self.told.get((model, version), (0.0, now))
+            if seconds > discounted(told, at, now) * WAIT_JUMP + WAIT_JUMP_S:
+                return True
+        return False
+
     def tell_waits(self, waits) -> None:
         """Queue waits in a frame of their own (sent at the end of this loop iteration)."""
         self._add_waits(self.protocol.out, waits)
         self.protocol.flush_soon()
 
     def _on_flush(self, out) -> None:
-        """Every answer frame tells the frontend how long new items would take (its admission control):
-        as of now, replacing what tell_waits put there earlier in this iteration."""
+        """Every frame tells the frontend how long new items would take (its admission control): as of
+        now, replacing what tell_waits put there earlier in this iteration."""
         del out.waits[:]
-        self._add_waits(out, self.core.queue_waits())
+        waits = list(self.core.queue_waits())
+        self._add_waits(out, waits)
+        now = asyncio.get_running_loop().time()
+        self.told = {(model, version): (seconds, now) for model, version, seconds in waits}
 
     @staticmethod
     def _add_waits(out, waits) -> None:
@@ -374,8 +380,11 @@ def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_pa
          metrics_dir: str | None = None) -> None:
     """Entry point of a spawned worker process."""
     if placement.gpu is not None:
-        # Before anything imports torch or CUDA: this process sees its own GPU only, as device 0.
-        os.environ["CUDA_VISIBLE_DEVICES"] = placement.gpu
+        # Before anything imports torch or CUDA: this process sees its own GPU only, as device 0. An MPS
+        # server numbers the GPUs it sees (the supervisor's visible ones) from 0: its clients name theirs
+        # by that position, not by the id (server/mps.py).
+        through_mps = bool(os.environ.get(mps.PIPE_ENV))
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(placement.ordinal) if through_mps else placement.gpu
     process.setup_logging(config.server.log_level, f"worker-{placement.index}")
     process.run(lambda stop: _serve(config, placement, cpu_workers, Path(socket_path), ready, stop,
                                     Path(metrics_dir) if metrics_dir else None))

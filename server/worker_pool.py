@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server.batcher import wait_bound
+from server.batcher import discounted, wait_bound
 from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, from_worker_error, from_wire
 from server.framing import FrameProtocol, items_socket
 
@@ -104,7 +104,7 @@ class WorkerLink:
         """Seconds until the worker would answer a new item of this model version, from its last answer
         frame less the time since (the queue drains meanwhile); 0 when it told of none."""
         seconds, told = self._waits.get((model, version), (0.0, now))
-        return max(0.0, seconds - (now - told))
+        return discounted(seconds, told, now)
 
     def _on_flush(self, out) -> None:
         self.counters["frames"] += 1

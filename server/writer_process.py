@@ -111,7 +111,8 @@ class WriterProcess:
     @property
     def counters(self) -> Counter[str]:
         counters = self._reported + self._own
-        counters["backlog"] = self._sent - self._handled  # a gauge: puts the process has not handled yet
+        # A gauge: puts the process has not handled yet (none once it is gone: they were released).
+        counters["backlog"] = 0 if self.dead else self._sent - self._handled
         return counters
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,

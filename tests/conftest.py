@@ -16,9 +16,6 @@ MODEL_VERSION_DIR = REPO / "models" / "minilm" / "1"
 FAQ = REPO / "examples" / "faq.csv"
 MINILM_CONFIG = (REPO / "models" / "minilm" / "config.yaml").read_text()
 SHORT_TTL_S = 2
-# The fixtures' servers have one worker on a GPU host too (where workers_per_gpu would pick one per 4
-# CPUs): tests read one worker's counters. Tests of several workers say so in their own settings.
-ONE_WORKER = ("server.workers_per_gpu=1",)
 
 SHORT_CONFIG = f"""
 task: embedding
@@ -79,7 +76,6 @@ def start_server(tmp_path, models_dir, engines_dir):
         workdir = tmp_path / f"server{len(started)}"
         workdir.mkdir()
         kwargs.setdefault("engines_dir", engines_dir)
-        kwargs["settings"] = (*ONE_WORKER, *kwargs.get("settings", ()))  # (a test's own settings win)
         server = ServerProcess(workdir, models or models_dir, **kwargs)
         started.append(server)
         return server
@@ -92,7 +88,7 @@ def start_server(tmp_path, models_dir, engines_dir):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, models_dir, engines_dir):
     """One server shared by a test module (2 frontends). Tests use unique texts to stay independent."""
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), models_dir, engines_dir=engines_dir, settings=ONE_WORKER)
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), models_dir, engines_dir=engines_dir)
     yield srv
     code = srv.stop()
     assert code == 0, srv.log_text()

@@ -99,6 +99,7 @@ def test_gpu_runtime_takes_one_worker_per_gpu():
 def test_more_workers_than_gpus_share_them_round_robin():
     assert [(p.index, p.gpu) for p in plan_workers("torch-cuda", 3, ["0"])] == [(0, "0"), (1, "0"), (2, "0")]
     assert [p.gpu for p in plan_workers("tensorrt", 3, ["4", "7"])] == ["4", "7", "4"]
+    assert [p.ordinal for p in plan_workers("tensorrt", 3, ["4", "7"])] == [0, 1, 0]  # as an MPS server numbers them
 
 
 def test_workers_per_gpu_feed_each_gpu_equally():

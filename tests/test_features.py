@@ -167,7 +167,7 @@ def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, versio
     """A fresh one-worker server on `cache`: its answers to `texts` from intents `version`, and its
     workers' counters after them."""
     workdir.mkdir()
-    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines, settings=("server.workers=1",)) as server:
+    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines) as server:
         with server.client() as client:
             results = [client.infer("intents", t, version=version) for t in texts]
         return results, _counters(server)

@@ -225,12 +225,14 @@ def test_a_writer_that_falls_behind_drops_puts_past_the_backlog_bound_and_commit
     async def scenario():
         writer = await _start(tmp_path / "cache", max_backlog=100)
         os.kill(writer.process.pid, signal.SIGSTOP)  # a writer that cannot keep up at all, for now
-        told: list[int] = []
-        keys = [_put(writer, f"text {i}", on_done=lambda i=i: told.append(i)) for i in range(150)]
-        await asyncio.sleep(0.1)
-        assert told == list(range(100, 150))  # past the bound: dropped, and told at once
-        assert writer.counters["dropped_backlog"] == 50 and writer.counters["backlog"] == 100
-        os.kill(writer.process.pid, signal.SIGCONT)
+        try:
+            told: list[int] = []
+            keys = [_put(writer, f"text {i}", on_done=lambda i=i: told.append(i)) for i in range(150)]
+            await asyncio.sleep(0.1)
+            assert told == list(range(100, 150))  # past the bound: dropped, and told at once
+            assert writer.counters["dropped_backlog"] == 50 and writer.counters["backlog"] == 100
+        finally:
+            os.kill(writer.process.pid, signal.SIGCONT)
         await asyncio.wrap_future(writer.flush())
         assert sorted(told) == list(range(150)) and writer.counters["backlog"] == 0
         cache = ResultCache(writer.store)
