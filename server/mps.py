@@ -56,6 +56,21 @@ def wanted(mode: str, gpus_shared: bool) -> bool:
     return mode == "mps" or shutil.which(CONTROL) is not None
 
 
+def _ended_with_parent() -> list[str]:
+    """A prefix that has the command sent SIGTERM when its parent dies (-9 included): util-linux's
+    setpriv where it is installed and knows --pdeathsig (2.33 and later), else none."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return []
+    prefix = [setpriv, "--pdeathsig", "TERM", "--"]
+    try:
+        if subprocess.run([*prefix, "true"], capture_output=True, timeout=5).returncode == 0:
+            return prefix
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return []
+
+
 class MpsDaemon:
     """One control daemon, a child of the supervisor (see the module docstring)."""
 
@@ -77,9 +92,7 @@ class MpsDaemon:
         for path in (self.pipe_dir, self.log_dir):
             path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         output = self.log_dir / "control-output.txt"  # what it prints in the foreground (a file: never a full pipe)
-        command = [binary, "-f"]
-        if (setpriv := shutil.which("setpriv")) is not None:  # SIGTERM when the supervisor dies, -9 included
-            command = [setpriv, "--pdeathsig", "TERM", "--", *command]
+        command = [*_ended_with_parent(), binary, "-f"]
         try:
             with output.open("ab") as sink:
                 self.process = subprocess.Popen(command, env=self._env(), stdin=subprocess.DEVNULL, stdout=sink,

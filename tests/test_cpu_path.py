@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,32 @@ def test_mps_required_without_its_control_program_is_refused_with_the_reason(mon
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(mps.MpsUnavailable, match="nvidia-cuda-mps-control is not installed"):
         mps.MpsDaemon(tmp_path).start()
+
+
+def test_the_mps_daemons_launch_prefix_ends_it_with_the_supervisor_killed_with_9(tmp_path):
+    prefix = mps._ended_with_parent()
+    if not prefix:
+        pytest.skip("needs util-linux setpriv with --pdeathsig (the daemon then outlives a killed supervisor)")
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys; child = subprocess.Popen(sys.argv[1:] + ['sleep', '60']); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); child.wait()"), *prefix])
+    give_up = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < give_up, "the child never started"
+        time.sleep(0.02)
+    child = int(pid_file.read_text())
+    assert _running(child)
+    parent.kill()  # SIGKILL: no cleanup of its own runs
+    parent.wait()
+    while _running(child):
+        assert time.monotonic() < give_up + 5, "the child outlived its parent"
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
