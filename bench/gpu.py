@@ -365,8 +365,8 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         print("  raw ceiling ...", flush=True)
         report["raw_ceiling"] = raw_ceiling(REPO / "models" / "minilm" / "1", 1.0 if quick else 2.0)
         checkpoint()
-    # A store that holds every miss of the run: at the default budget (1.5 GB, about 700k MiniLM answers)
-    # four workers' misses made the writers evict during the hit runs (session 13: hits at half of echo).
+    # A store that holds every miss of the run (the default budget, 1.5 GB, holds about 700k MiniLM
+    # answers; four workers' miss runs write more), so that no hit run measures eviction.
     settings = (f"engines.runtime={runtime}", "server.max_queue=16384", "cache.map_size_mb=16384",
                 "cache.budget_mb=12288", f"server.workers={workers[0]}")
     engines = workdir / "gpu-engines"

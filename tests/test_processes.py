@@ -258,8 +258,9 @@ def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
 
 
 def test_at_a_bursts_start_the_worker_tells_every_frontend_its_queue_wait_before_any_answer(start_server):
-    """Items a frontend sends make the worker's queue wait jump: every connected frontend hears the new
-    wait at once, in a frame of its own, not only with the answers (which come after the batches run).
+    """Items a frontend sends make the worker's queue wait jump: each connected frontend that holds a
+    lower wait hears the new one at once, in a frame of its own, not only with the answers (which come
+    after the batches run).
     Two connections to the worker's item socket stand for frontends: one sends 256 long items, the
     other sends nothing, so any frame it gets is such a push. (ONNX Runtime on CPU everywhere: on a GPU the
     whole queue would take under the 10 ms a push needs.)"""
