@@ -41,9 +41,10 @@ class WorkerMetrics:
                     calibration.verified - calibration.verified_at_start - disagreed)
             out.inc(("infercache_semantic_verifications_total", model, "disagreed"), disagreed)
         for name, writer in self._writers():
-            out.inc(("infercache_store_evictions_total", name), writer.counters["evicted"])
-            out.inc(("infercache_store_swept_total", name), writer.counters["swept"])
-            out.inc(("infercache_store_writes_dropped_total", name), writer.counters["dropped_backlog"])
+            counters = writer.counters  # (made anew at each read: the process's figures and this side's)
+            out.inc(("infercache_store_evictions_total", name), counters["evicted"])
+            out.inc(("infercache_store_swept_total", name), counters["swept"])
+            out.inc(("infercache_store_writes_dropped_total", name), counters["dropped_backlog"])
         return out
 
     def _writers(self):

@@ -213,7 +213,7 @@ class WriterProcess:
             self._reported = Counter(events.counters)
         self._handled = max(self._handled, events.handled)
         callbacks = self._callbacks
-        while callbacks and callbacks[0][0] <= events.handled:
+        while callbacks and callbacks[0][0] <= self._handled:
             self._called(callbacks.popleft()[1])
         for done in events.done:
             future = self._requests.pop(done.id, None)

@@ -13,6 +13,14 @@ from cachestore import records
 from infercache.client import Client, Result
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie that nobody has reaped yet has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def unique(text: str) -> str:
     """The text plus a random word, so tests sharing a server never share entries."""
     return f"{text} {uuid.uuid4().hex[:12]}"

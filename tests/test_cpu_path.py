@@ -14,7 +14,7 @@ import pytest
 from infercache.testing import REPO
 from server import mps
 from server.devices import WorkerPlacement, auto_per_gpu, plan_workers, resolve_runtime, visible_gpus
-from tests.helpers import unique
+from tests.helpers import running, unique
 
 MODEL = "minilm"
 
@@ -178,17 +178,9 @@ def test_the_mps_daemons_launch_prefix_ends_it_with_the_supervisor_killed_with_9
         assert time.monotonic() < give_up, "the child never started"
         time.sleep(0.02)
     child = int(pid_file.read_text())
-    assert _running(child)
+    assert running(child)
     parent.kill()  # SIGKILL: no cleanup of its own runs
     parent.wait()
-    while _running(child):
+    while running(child):
         assert time.monotonic() < give_up + 5, "the child outlived its parent"
         time.sleep(0.02)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

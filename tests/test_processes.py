@@ -26,7 +26,7 @@ from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc, worker_pb2
 from server.framing import HEADER
 from tests.conftest import MODEL_VERSION_DIR, REPO
-from tests.helpers import is_cached, unique, wait_cached
+from tests.helpers import is_cached, running, unique, wait_cached
 
 MODEL = "minilm"
 
@@ -167,14 +167,7 @@ def test_killed_supervisor_lets_in_flight_calls_finish_and_children_exit(start_s
             responses = [f.result() for f in futures]
     assert all(r.cache.source in (pb.CacheInfo.MISS, pb.CacheInfo.COALESCED) for r in responses)
 
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # exited, not reaped
-
-    _wait_for(lambda: all(gone(pid) for pid in children), 40, "the orphaned children to exit")
+    _wait_for(lambda: not any(running(pid) for pid in children), 40, "the orphaned children to exit")
     again = start_server(cache_dir=server.cache_dir)
     with again.client() as client:
         assert all(is_cached(client, MODEL, t) for t in texts)  # the worker flushed its writes on the way out

@@ -23,6 +23,7 @@ from cachestore.semantic import SemanticEntry
 from cachestore.writer import Selector
 from server.errors import WorkerUnavailable
 from server.writer_process import WriterProcess
+from tests.helpers import running
 
 MB = 1 << 20
 NS = Namespace("tenant", "model", "1")
@@ -45,15 +46,6 @@ def _put(writer: WriterProcess, text: str, on_done=None, semantic: SemanticEntry
     return key
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie that its new parent has not reaped yet has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_puts_are_committed_and_told_in_order_and_an_invalidation_counts_them(tmp_path):
     async def scenario():
         writer = await _start(tmp_path / "cache")
@@ -71,7 +63,7 @@ def test_puts_are_committed_and_told_in_order_and_an_invalidation_counts_them(tm
         assert cache.get(keys[1], now_us()) is None
         pid = writer.process.pid
         await writer.close()
-        assert writer.process.exitcode == 0 and not _alive(pid)
+        assert writer.process.exitcode == 0 and not running(pid)
 
     asyncio.run(scenario())
 
@@ -165,9 +157,9 @@ def test_what_a_killed_worker_sent_is_committed_and_its_writer_exits(tmp_path):
     worker.stdout.close()
     os.kill(writer_pid, signal.SIGCONT)
     give_up = time.monotonic() + 30
-    while _alive(writer_pid) and time.monotonic() < give_up:
+    while running(writer_pid) and time.monotonic() < give_up:
         time.sleep(0.05)
-    assert not _alive(writer_pid)
+    assert not running(writer_pid)
     store = Store(_settings(tmp_path / "cache"), readonly=True)
     try:
         cache = ResultCache(store)
