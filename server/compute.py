@@ -42,7 +42,7 @@ from server.calibration import Calibration
 from server.match_policy import Assessment, Neighbor
 from server.features import FeatureTier, feature_selector, feature_tenant
 from server.heads import HeadRuntime
-from server.model_runtime import ModelRuntime
+from server.model_runtime import ModelRuntime, answer_record
 from server.shadow import Check, ShadowVerifier
 from server.models import ModelRepository
 from server.telemetry import Recorder
@@ -111,11 +111,6 @@ def _may_join(flight: _Flight, item: worker_pb2.ComputeItem) -> bool:
     return item.cached_ok and first.HasField("max_age_us") and first.max_age_us <= max_age
 
 
-def _record(runtime: ModelRuntime, created_us: int, payload: bytes) -> records.Record:
-    """A computed answer as stored: it expires after the model's TTL."""
-    return records.Record(created_us, created_us + runtime.spec.ttl_s * 1_000_000, payload)
-
-
 def token_ids(packed: bytes) -> np.ndarray:
     """An item's token ids (int32 little-endian bytes, see worker.proto)."""
     return np.frombuffer(packed, dtype="<i4")
@@ -181,7 +176,7 @@ class WorkerCore:
 
     def submit(self, replies: Replies, item: worker_pb2.ComputeItem, deadline: float | None, txn=None) -> None:
         """Takes one item; its answer (or error) reaches `replies` later, or at once."""
-        if item.fleet_record:
+        if item.answered_record:
             self._copy(item)
             return
         try:
@@ -210,16 +205,16 @@ class WorkerCore:
         replies.waiting[item.id] = flight
 
     def _copy(self, item: worker_pb2.ComputeItem) -> None:
-        """A fleet hit a frontend answered: its record into L1 (read-through), no answer."""
+        """A record a frontend answered from (a fleet hit, a FEATURE answer) into L1, no answer."""
         if self.writer is None:
             return
         try:
-            record = records.decode(item.fleet_record, item.key)
+            record = records.decode(item.answered_record, item.key)
         except CorruptRecord:
-            self.counters["fleet_copies_unreadable"] += 1
+            self.counters["copies_unreadable"] += 1
             return
         self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record)
-        self.counters["fleet_copies"] += 1
+        self.counters["copies"] += 1
 
     def cancel(self, replies: Replies, item_id: int) -> None:
         """The item's caller went away; the computation is dropped when nobody else waits for it."""
@@ -329,7 +324,7 @@ class WorkerCore:
             self.writer.put(flight.key, ns, outcome.matched, on_done=done)
             self._release(flight)
             return
-        record = _record(flight.runtime, flight.created_us, outcome.stored or outcome.payload)
+        record = answer_record(flight.runtime.spec, flight.created_us, outcome.stored or outcome.payload)
         entry = None
         if outcome.embedding is not None:
             entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
@@ -354,8 +349,8 @@ class WorkerCore:
             started = now_us()
             source = runtime.source
             ns = namespace(feature_tenant(item.tenant, runtime.spec.share_features), *source[:2])
-            key = self.features.key(ns, source, item.ids)
-            if item.cached_ok and (found := self.features.get(ns, source, key)) is not None:
+            key = item.feature_key  # derived by the frontend; empty would mean no feature tier for this item
+            if key and item.cached_ok and (found := self.features.get(ns, source, key)) is not None:
                 feature, level = found
                 self.counters[f"{level}_hits"] += 1
                 try:
@@ -370,7 +365,7 @@ class WorkerCore:
             feature = self.features.stored_form(source, embedding)
             if feature is None:  # out of the stored form's range: the head reads it as computed, not kept
                 feature = embedding
-            elif item.store:
+            elif item.store and key:
                 self.features.put(ns, source, key, feature, started)
         neighbors: list[Neighbor] = []
         assessment: Assessment | None = None
@@ -456,7 +451,7 @@ class WorkerCore:
         runtime = check.runtime
         response = runtime.response(outputs, item.key)
         # Dated at the hit, not now: an invalidation since then covers it (the writer's fences drop it).
-        record = _record(runtime, check.created_us, response.SerializeToString())
+        record = answer_record(runtime.spec, check.created_us, response.SerializeToString())
         self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record,
                         semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label, check.embedding))
         self.counters["semantic_verified_stored" if agreed else "semantic_corrected"] += 1

@@ -80,6 +80,9 @@ class L2Section:
     map_size_mb: int = 1024
     budget_mb: int = 768               # eviction keeps live features under this; must be below map_size_mb
     ttl_s: int = 7 * 86400             # a feature's life (cache.max_ttl_s caps it too); 0 = no expiry
+    frontend_head_mb: int = 16         # heads (weights) up to this size also run in frontends, on features
+                                       # read from the host's store (server/front_features.py); 0 = only
+                                       # workers answer FEATURE
 
 
 @dataclass(frozen=True)
@@ -278,8 +281,9 @@ def validate(config: Config) -> None:
     if fleet.breaker_failures < 1 or fleet.lease_wait_s < 0 or fleet.breaker_open_s < 0:
         raise ConfigError("fleet.breaker_failures must be >= 1, lease_wait_s and breaker_open_s >= 0")
     l2 = config.l2
-    if not 0 <= l2.device_fraction <= 0.9 or l2.memory_mb < 0 or l2.ttl_s < 0:
-        raise ConfigError("l2.device_fraction must be within 0..0.9, l2.memory_mb and l2.ttl_s >= 0")
+    if not 0 <= l2.device_fraction <= 0.9 or l2.memory_mb < 0 or l2.ttl_s < 0 or l2.frontend_head_mb < 0:
+        raise ConfigError("l2.device_fraction must be within 0..0.9, l2.memory_mb, l2.ttl_s and "
+                          "l2.frontend_head_mb >= 0")
     if not 0 < l2.budget_mb < l2.map_size_mb:
         raise ConfigError(f"l2.budget_mb ({l2.budget_mb}) must be positive and below l2.map_size_mb ({l2.map_size_mb})")
     if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):

@@ -1,8 +1,8 @@
 """The feature tier (L2): encoder outputs that head models read, kept so that a miss runs only the head.
 
-A feature is keyed by what decides it: the encoder model, version and output, and the token ids the
-encoder runs on (the frontend's tokenization of the normalized text, truncated as the model is), namespaced by
-tenant ("t:<tenant>") unless the head model's config shares features across tenants ("*"). So a new head
+A feature is keyed by what decides it: the encoder model, version and output, and the normalized text
+(the frontend derives the key, so it can look a feature up without tokenizing), namespaced by tenant
+("t:<tenant>") unless the head model's config shares features across tenants ("*"). So a new head
 version (new labels, same encoder) finds every feature its predecessor computed, and a new encoder
 version finds none of the old ones.
 
@@ -124,10 +124,11 @@ class FeatureTier:
                  added.lru.capacity, self.device or "host")
 
     @staticmethod
-    def key(ns: Namespace, source: Source, ids: bytes) -> bytes:
-        """ns_id + blake2b(ns_id, the output's name, the token ids): namespaced like every cache key."""
+    def key(ns: Namespace, source: Source, normalized: str) -> bytes:
+        """ns_id + blake2b(ns_id, the output's name, the normalized text): namespaced like every cache key.
+        Frontends derive it (worker.proto ComputeItem.feature_key) without tokenizing."""
         ns_id = ns.ns_id
-        material = ns_id + source[2].encode() + b"\0" + ids
+        material = ns_id + source[2].encode() + b"\0" + normalized.encode()
         return ns_id + hashlib.blake2b(material, digest_size=KEY_BYTES - NS_ID_BYTES, person=b"icache-feat").digest()
 
     def get(self, ns: Namespace, source: Source, key: bytes):

@@ -24,8 +24,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cachestore import records, wire
-from cachestore.env import Store
-from cachestore.errors import StoreError
 from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, entry_key, namespace_id, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
@@ -38,18 +36,19 @@ from server.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, 
                            grpc_errors, lenient, parsed, quoted, status_of)
 from server.frontend_metrics import (FEATURE, MISS, RESULT_EXACT, RESULT_FLEET, RESULT_SEMANTIC, SAVING,
                                      FrontendMetrics)
+from server.front_features import FeatureAnswers, FrontHead, feature_key
 from server.hot_keys import HotKeys
 from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
+from server.read_cache import ReadCache
 from server.tokenization import TextEncoder
 from server.worker_pool import WorkerPool
 
 log = logging.getLogger("infercache.frontend")
 
 Mode = pb.CachePolicy.Mode
+_MODES = frozenset(Mode.values())  # (values() builds a list each call)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
-STORE_RETRY_S = 1.0  # a fresh store appears once the worker has created it
-STORE_GRACE_S = 30.0  # till then an unopenable store is logged as info, after as a warning
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 HOT_KEYS_SHOWN = 20  # GetHotKeys without a limit
@@ -95,7 +94,8 @@ class _Served:
     normalize: Normalizer              # with the PII redaction step when the model's privacy.pii says redact
     no_store: bool                     # privacy.pii: no_store: texts holding PII are never cached
     embedder: tuple[str, str] | None   # (model, version) of the semantic embedder, for /metrics
-    feature_source: tuple[str, str] | None  # (model, version) a head model's features come from, for /metrics
+    feature_source: tuple[str, str, str] | None  # (model, version, output) a head model's features are
+    head: FrontHead | None             # a head this frontend runs on stored features (server/front_features.py)
 
     def route(self, key: bytes) -> int:
         return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
@@ -129,28 +129,16 @@ class FrontendCore:
         self.metrics = metrics    # /metrics figures (server/frontend_metrics.py), None when it is off
         self.hot = hot            # the hottest keys (server/hot_keys.py), None when server.hot_keys is 0
         self.hot_published = None  # () -> every frontend's published hot keys (set by _serve)
-        self._cache: ResultCache | None = None
-        self._cache_retry_at = 0.0
-        self._cache_warn_at = 0.0
-        self._created_at = time.monotonic()
+        self._l1 = ReadCache(store_settings(config), "result cache")
+        # FEATURE answers made here (server/front_features.py), where heads may run in frontends
+        self.features = FeatureAnswers(config, counters) if config.l2.enabled and config.l2.frontend_head_mb else None
         self._served: dict[tuple[str, str], _Served] = {}
         self._plans: dict[tuple[str, str, str, int], _Plan] = {}  # see _plan
         self._prepared: dict[bytes, tuple[_Plan, tuple[str, bytes, bool]]] = {}  # see prepared
 
     def l1(self) -> ResultCache | None:
         """The result cache, opened on first use and re-tried while the store is unavailable."""
-        if self._cache is None and time.monotonic() >= self._cache_retry_at:
-            try:
-                self._cache = ResultCache(Store(store_settings(self.config), readonly=True))
-            except StoreError as exc:
-                now = time.monotonic()
-                self._cache_retry_at = now + STORE_RETRY_S
-                if now >= self._cache_warn_at:  # a fresh store appears shortly; a broken one warns every 30 s
-                    self._cache_warn_at = now + 30
-                    # The worker creates a fresh store moments after start: not a warning, unless it lasts.
-                    level = logging.INFO if now - self._created_at < STORE_GRACE_S else logging.WARNING
-                    log.log(level, "result cache unavailable, serving misses until it opens: %s", exc)
-        return self._cache
+        return self._l1.get()
 
     def _encoder(self, spec: ModelSpec, version: str) -> TextEncoder:
         try:
@@ -168,14 +156,17 @@ class FrontendCore:
                 other = self.served(embedder, embedder.serving_version).encoder
                 embed_encoder = None if other.fingerprint == encoder.fingerprint else other
                 embedded_by = (embedder.name, embedder.serving_version)
+            front = None
             try:
                 head = spec.head(version)
+                if head is not None and self.features is not None:
+                    front = FrontHead.load(spec, version, head, self.features.max_head_bytes)
             except (OSError, ValueError):  # a head the workers could not load either: no FEATURE answers
                 head = None
             found = self._served[(spec.name, version)] = _Served(
                 spec, version, encoder, embed_encoder, spec.semantic is not None,
                 Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store",
-                embedded_by, (head.encoder, head.encoder_version) if head is not None else None)
+                embedded_by, (head.encoder, head.encoder_version, head.input) if head is not None else None, front)
         return found
 
     def prepared(self, raw: bytes) -> tuple[_Plan, tuple[str, bytes, bool]]:
@@ -225,7 +216,7 @@ class FrontendCore:
         spec = self.repository.get(request.model)
         version = spec.resolve_version(request.version)
         mode = request.cache.mode
-        if mode not in Mode.values():
+        if mode not in _MODES:
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         if request.semantic.HasField("min_similarity") and not 0.0 <= request.semantic.min_similarity <= 1.0:
             raise InvalidArgument(f"semantic.min_similarity must be within 0..1, got {request.semantic.min_similarity}")
@@ -271,9 +262,9 @@ class FrontendCore:
             return "bypass" if plan.mode == Mode.BYPASS else "not_cacheable"  # (the model's ttl_s is 0)
         if private:
             return "no_store"
-        if self._cache is None:
+        if self._l1.cache is None:
             return "store_error"
-        reason = self._cache.missed_because
+        reason = self._l1.cache.missed_because
         if reason == "too_old" and plan.max_age_us >= plan.served.spec.ttl_s * 1_000_000:
             return "expired"  # the model's TTL cut it (lowered since it was stored), not the request
         return reason
@@ -293,7 +284,7 @@ class FrontendCore:
         sources.append(source)
         served = plan.served
         if source in SAVING:
-            spared = served.feature_source if source == FEATURE else None
+            spared = served.feature_source[:2] if source == FEATURE else None
             spent = served.embedder if source == RESULT_SEMANTIC else None
             self.metrics.hit(served.spec.name, served.version, len(keyed[0]), spared, spent)
         elif source == MISS:
@@ -309,10 +300,30 @@ class FrontendCore:
             return None
         self.counters["hit_fleet"] += 1
         if plan.store:
-            raw, served = records.encode(record), plan.served
-            self.workers.send(served.route(key), functools.partial(
-                _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw))
+            self._copy(plan, key, records.encode(record))
         return record.payload + wire.cache_info(pb.CacheInfo.RESULT_FLEET, record.age_s(now_us()))
+
+    def _copy(self, plan: _Plan, key: bytes, raw: bytes) -> None:
+        """A record this frontend answered from (encoded, cachestore/records.py) to the key's worker, for L1."""
+        served = plan.served
+        self.workers.send(served.route(key), functools.partial(
+            _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw))
+
+    def _feature_answers(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]]) -> list[bytes | None]:
+        """For each (text, key, private) that L1 missed: a FEATURE answer made here from a stored feature
+        (a repeated text's record sent on for L1), or None. Only for a head this frontend runs."""
+        served, answers = plan.served, []
+        for text, key, private in keyed:
+            found = None if private else self.features.answer(
+                served.head, key, feature_key(served.spec, served.feature_source, plan.tenant, text), plan.store)
+            if found is None:
+                answers.append(None)
+                continue
+            payload, record = found
+            if record is not None:
+                self._copy(plan, key, record)
+            answers.append(payload + wire.cache_info(FEATURE))
+        return answers
 
     def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], fleet_looked: bool = False,
                lengths: list | None = None) -> list[tuple[int, object]]:
@@ -324,7 +335,7 @@ class FrontendCore:
         if lengths is not None:
             lengths.extend(len(one) for one in ids)
         embed_ids = served.embed_encoder.encode_batch(texts) if served.embed_encoder is not None else None
-        spec, version = served.spec, served.version
+        spec, version, source = served.spec, served.version, served.feature_source
 
         def fill(item, n: int, key: bytes, private: bool) -> None:
             item.model, item.version, item.tenant, item.key = spec.name, version, plan.tenant, key
@@ -334,6 +345,8 @@ class FrontendCore:
             item.store, item.cached_ok = plan.store and not private, plan.cached_ok and not private
             item.max_age_us = plan.max_age_us
             item.fleet_looked = fleet_looked
+            if source is not None:
+                item.feature_key = feature_key(spec, source, plan.tenant, texts[n])
             if plan.semantic is not None:
                 item.semantic.CopyFrom(plan.semantic)
 
@@ -370,6 +383,12 @@ class FrontendCore:
         if plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
+        if plan.served.head is not None and plan.cached_ok:  # a stored feature: answered here
+            [answer] = self._feature_answers(plan, [keyed])
+            if answer is not None:
+                if sources is not None:
+                    self._counted(sources, plan, keyed, FEATURE)
+                return answer
         self.workers.admit(plan.served.spec.name, plan.served.version, (plan.served.route(keyed[1]),), time_remaining)
         self.counters["forwarded"] += 1
         lengths = [] if sources is not None else None
@@ -404,16 +423,19 @@ class FrontendCore:
             self._seen(plan, keyed)
         self.counters["batch_calls"] += 1
         self.counters["batch_texts"] += len(keyed)
+        here: dict[int, int] = {}  # texts L1 missed, answered here all the same: their sources
         looked = bool(missed) and self.fleet is not None and self.fleet.usable
         if looked:  # one pipeline for all of them
             found = await asyncio.gather(*(self._fleet_hit(plan, keyed[n][1], keyed[n][2]) for n in missed))
-            for n, answer in zip(missed, found):
-                answers[n] = answer
+            self._answered_here(answers, missed, found, here, RESULT_FLEET)
             missed = [n for n in missed if answers[n] is None]
         if missed and plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += len(missed)
             raise NotCached(f"texts[{missed[0]}]: no fresh cached entry ({len(missed)} of {len(keyed)} texts have "
                             "none; cache.mode is ONLY_IF_CACHED)")
+        if missed and plan.served.head is not None and plan.cached_ok:  # stored features: answered here
+            self._answered_here(answers, missed, self._feature_answers(plan, [keyed[n] for n in missed]), here, FEATURE)
+            missed = [n for n in missed if answers[n] is None]
         results, lengths = [], [] if sources is not None else None
         if missed:
             miss_keyed = [keyed[n] for n in missed]
@@ -429,18 +451,24 @@ class FrontendCore:
             if sources is not None:
                 self._tokenized(plan, miss_keyed, lengths)
         if sources is not None:
-            self._count_batch(sources, plan, keyed, answers, dict(zip(missed, results)), reasons)
+            self._count_batch(sources, plan, keyed, answers, dict(zip(missed, results)), reasons, here)
         computed = iter(results)
         return wire.batch_response([self._answer(next(computed)) if answer is None else answer for answer in answers])
 
-    def _count_batch(self, sources: list, plan: _Plan, keyed: list, answers: list, results: dict, reasons: dict
-                     ) -> None:
+    @staticmethod
+    def _answered_here(answers: list, missed: list[int], found: list, here: dict[int, int], source: int) -> None:
+        for n, answer in zip(missed, found):
+            if answer is not None:
+                answers[n], here[n] = answer, source
+
+    def _count_batch(self, sources: list, plan: _Plan, keyed: list, answers: list, results: dict, reasons: dict,
+                     here: dict[int, int]) -> None:
         for n in range(len(answers)):
             if n in results:
                 result = results[n]
                 self._counted(sources, plan, keyed[n], result.source, reasons[n], result.semantic_rejected)
-            else:  # answered here: L1, or the fleet tier for a text L1 missed
-                self._counted(sources, plan, keyed[n], RESULT_FLEET if n in reasons else RESULT_EXACT)
+            else:  # answered here: L1, or for a text L1 missed the fleet tier or a stored feature
+                self._counted(sources, plan, keyed[n], here.get(n, RESULT_EXACT))
 
     async def invalidate(self, request: pb.InvalidateRequest, time_remaining: float | None) -> pb.InvalidateResponse:
         if not (request.model or request.version or request.tenant or request.match_empty_tenant
@@ -486,8 +514,10 @@ class FrontendCore:
     async def stats(self, full: bool = True) -> pb.GetStatsResponse:
         """full=False (a client token): the answering frontend's own counters only."""
         groups = [("frontend", self.counters)]
-        if self._cache is not None:
-            groups.append(("l1", self._cache.counters))
+        if self._l1.cache is not None:
+            groups.append(("l1", self._l1.cache.counters))
+        if self.features is not None and (feature_store := self.features.stats()):
+            groups.append(("features", feature_store))
         if self.fleet is not None:
             groups.append(("fleet", {**self.fleet.counters, "ready": int(self.fleet.ready),
                                      "breaker_open": int(self.fleet.link.open)}))
@@ -617,7 +647,7 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
 
 
 def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes) -> None:
-    item.model, item.version, item.tenant, item.key, item.fleet_record = model, version, tenant, key, raw
+    item.model, item.version, item.tenant, item.key, item.answered_record = model, version, tenant, key, raw
 
 
 PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer already serialized

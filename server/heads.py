@@ -34,6 +34,15 @@ def read_weights(version_dir) -> tuple[np.ndarray, np.ndarray]:
     return weight, bias
 
 
+def head_scores(features: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """softmax(features @ weight + bias) per row, in FP32 (features in their stored form: FP16 or FP32)."""
+    logits = features.astype(np.float32) @ weight + bias
+    logits -= logits.max(axis=1, keepdims=True)
+    np.exp(logits, out=logits)
+    logits /= logits.sum(axis=1, keepdims=True)
+    return logits
+
+
 class _NumpyHead:
     slots = 1
 
@@ -41,11 +50,7 @@ class _NumpyHead:
         self.weight, self.bias = weight, bias
 
     def run(self, features: list) -> np.ndarray:
-        logits = np.stack(features).astype(np.float32) @ self.weight + self.bias
-        logits -= logits.max(axis=1, keepdims=True)
-        np.exp(logits, out=logits)
-        logits /= logits.sum(axis=1, keepdims=True)
-        return logits
+        return head_scores(np.stack(features), self.weight, self.bias)
 
     def counters(self) -> dict:
         return {}

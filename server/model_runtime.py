@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from cachestore import records
 from infercache.v1 import infercache_pb2 as pb
 from server.batcher import Batcher
 from server.config import Config
@@ -27,6 +28,24 @@ def to_tensors(outputs: dict[str, np.ndarray]) -> list[pb.Tensor]:
         dtype = _DTYPE_NAMES.get(array.dtype) or _DTYPE_NAMES.setdefault(array.dtype, str(array.dtype))
         tensors.append(pb.Tensor(name=name, dtype=dtype, shape=array.shape, data=array.tobytes()))
     return tensors
+
+
+def response_of(spec: ModelSpec, version: str, labels: list[str], outputs: dict[str, np.ndarray], key: bytes
+                ) -> pb.InferResponse:
+    """The InferResponse of a model version's outputs for one text (a classifier's: with its label)."""
+    response = pb.InferResponse(outputs=to_tensors({name: outputs[name] for name in spec.outputs}),
+                                cache=pb.CacheInfo(model_version=version, key=key.hex()))
+    if labels:
+        scores = outputs["scores"]
+        best = int(np.argmax(scores))
+        response.classification.label = labels[best]
+        response.classification.probability = float(scores[best])
+    return response
+
+
+def answer_record(spec: ModelSpec, created_us: int, payload: bytes) -> records.Record:
+    """An answer as stored in L1: it expires after the model's TTL."""
+    return records.Record(created_us, created_us + spec.ttl_s * 1_000_000, payload)
 
 
 class _Template:
@@ -75,14 +94,7 @@ class ModelRuntime:
         return [{name: values[row] for name, values in outputs.items()} for row in range(len(sequences))]
 
     def response(self, outputs: dict[str, np.ndarray], key: bytes) -> pb.InferResponse:
-        response = pb.InferResponse(outputs=to_tensors({name: outputs[name] for name in self.spec.outputs}),
-                                    cache=pb.CacheInfo(model_version=self.version, key=key.hex()))
-        if self.labels:
-            scores = outputs["scores"]
-            best = int(np.argmax(scores))
-            response.classification.label = self.labels[best]
-            response.classification.probability = float(scores[best])
-        return response
+        return response_of(self.spec, self.version, self.labels, outputs, key)
 
     def payload(self, outputs: dict[str, np.ndarray], key: bytes) -> bytes:
         """The serialized InferResponse of a computed result (what is replied and stored)."""

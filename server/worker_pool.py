@@ -29,6 +29,7 @@ log = logging.getLogger("infercache.workers")
 MARGIN_S = 0.05        # answer UNAVAILABLE this long before the caller's own deadline fires
 RECONNECT_S = 0.05     # first retry of a lost connection; doubles up to MAX_RECONNECT_S
 MAX_RECONNECT_S = 0.5
+COPY_DELAY_S = 0.005   # copies into L1 (WorkerLink.send) wait at most this long for a write
 STABLE_S = 1.0         # a connection that lived this long resets the backoff
 
 
@@ -82,9 +83,10 @@ class WorkerLink:
         return future
 
     def send(self, fill) -> None:
-        """Queues one item that gets no answer (a fleet record to copy into L1)."""
+        """Queues one item that gets no answer (a record a frontend answered from, to copy into L1): it
+        goes with the next items sent, or within COPY_DELAY_S."""
         fill(self._protocol.out.items.add())
-        self._protocol.flush_soon()
+        self._protocol.flush_later(COPY_DELAY_S)
 
     def _cancelled(self, item_id: int) -> None:
         if self._pending.pop(item_id, None) is not None and self.up:

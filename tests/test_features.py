@@ -74,7 +74,9 @@ def _wait_features_written(server: ServerProcess, count: int) -> None:
 
 
 def test_a_new_head_version_answers_from_features_and_the_encoder_runs_once_per_miss(start_server, head_models):
-    server = start_server(head_models)
+    # Heads run in the worker only: its memory level (on the GPU on a GPU host) answers; the frontends'
+    # own FEATURE answers are tested below.
+    server = start_server(head_models, settings=("l2.frontend_head_mb=0",))
     texts = [unique(q) for q in QUESTIONS]
     with server.client() as client:
         before = _encoded(server)
@@ -105,6 +107,55 @@ def test_a_new_head_version_answers_from_features_and_the_encoder_runs_once_per_
     assert counters["worker.l2_device_hits"] == len(texts) and counters["worker.feature_answers"] == len(texts)
 
 
+def test_a_frontend_answers_from_a_stored_feature_as_the_worker_would_and_copies_the_answer_into_l1(
+        start_server, head_models):
+    texts = [unique(q) for q in QUESTIONS]
+    answers = {}
+    for label, settings in (("worker", ("l2.frontend_head_mb=0",)), ("frontend", ())):
+        server = start_server(head_models, frontends=1, settings=settings)
+        with server.client() as client:
+            assert {client.infer("intents", t, version="1").source for t in texts} == {"MISS"}
+            _wait_features_written(server, len(texts))
+            before = _counters(server)
+            # One call mixes an exact hit (version 1 again), stored features (version 2) and a text never
+            # seen (a miss): each text is answered from its own tier.
+            fresh = unique("where can I find my invoice")
+            mixed = client.infer_batch("intents", [texts[0], fresh], version="1")
+            assert [r.source for r in mixed] == ["RESULT_EXACT", "MISS"]
+            bumped = [client.infer("intents", t, version="2") for t in texts[:5]]
+            bumped += client.infer_batch("intents", texts[5:] + [fresh], version="2")
+            assert [r.source for r in bumped] == ["FEATURE"] * len(texts) + ["FEATURE"]
+            answers[label] = bumped
+            after, frontend = _counters(server), client.stats().frontend.counters
+            made_here = frontend["frontend.feature_answers"]
+            assert after["worker.feature_answers"] - before["worker.feature_answers"] == len(bumped) - made_here
+            assert _encoded(server) - _encoded_in(before) == 1  # the fresh text's miss; no FEATURE ran the encoder
+            if label == "frontend":
+                assert made_here >= len(texts)  # the fresh text's feature may still be behind: the worker's then
+                # A one-off FEATURE answer made here is not written to L1; a text's second one is copied
+                # into L1 through the worker, and the text is an exact hit from then on, with the same answer.
+                assert frontend["frontend.feature_copies"] == 0
+                writes = _counters(server)["writer.writes"]
+                assert {client.infer("intents", t, version="2").source for t in texts} == {"FEATURE"}
+                assert client.stats().frontend.counters["frontend.feature_copies"] == len(texts)
+                deadline = time.monotonic() + 10
+                while _counters(server)["writer.writes"] < writes + len(texts):
+                    assert time.monotonic() < deadline, "FEATURE answers were not written to L1 within 10 s"
+                    time.sleep(0.05)
+                again = [client.infer("intents", t, version="2") for t in texts]
+                assert {r.source for r in again} == {"RESULT_EXACT"}
+                assert [r.label for r in again] == [r.label for r in bumped[:len(texts)]]
+            else:
+                assert made_here == 0
+    for here, there in zip(answers["frontend"][:len(texts)], answers["worker"]):  # (not the fresh texts)
+        assert here.label == there.label and here.model_version == "2"
+        np.testing.assert_allclose(here.outputs["scores"], there.outputs["scores"], atol=1e-6)
+
+
+def _encoded_in(counters: Counter) -> int:
+    return counters["batcher.minilm.1.batched_requests"]
+
+
 def test_tenants_reach_each_others_features_only_when_the_model_shares_them(start_server, head_models):
     server = start_server(head_models)
     texts = [unique(q) for q in QUESTIONS[:4]]
@@ -129,8 +180,9 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
     texts = [unique(q) for q in QUESTIONS]
     cache = tmp_path / "cache"
     (tmp_path / "a").mkdir()
+    in_workers = ("l2.frontend_head_mb=0",)  # the workers' host level (frontends read the store first)
     with ServerProcess(tmp_path / "a", head_models, cache_dir=cache, engines_dir=engines_dir,
-                       settings=("server.workers=2",)) as server:
+                       settings=("server.workers=2", *in_workers)) as server:
         with server.client() as client:
             first = [client.infer("intents", t, version="1") for t in texts]
             _wait_features_written(server, len(texts))
@@ -141,13 +193,14 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
         assert counters["worker.l2_host_hits"] > 0
         assert counters["worker.l2_host_hits"] + counters["worker.l2_device_hits"] == len(texts)
 
-    again, counters = _served_once(tmp_path / "b", head_models, cache, engines_dir, "3", texts)
+    again, counters = _served_once(tmp_path / "b", head_models, cache, engines_dir, "3", texts, in_workers)
     assert {r.source for r in again} == {"FEATURE"}
     assert [r.label for r in again] == [r.label for r in first]
     assert counters["worker.l2_host_hits"] == len(texts)
 
     # Damage every stored feature: half no longer decode as a feature (checksum made valid again),
-    # half fail their checksum. Each is a miss, computed and answered correctly.
+    # half fail their checksum. Each is a miss, computed and answered correctly (the frontend finds
+    # them unreadable first, the worker again).
     store = Store(dataclasses.replace(feature_store_settings(Config()), path=cache / "features"), readonly=False)
     with store.begin(write=True) as txn:
         rows = list(txn.cursor(db=store.dbs[DB_RESULTS]))
@@ -163,11 +216,12 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
     assert counters["features.unreadable"] > 0 and counters["features.records_unreadable"] > 0
 
 
-def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, version: str, texts: list[str]):
+def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, version: str, texts: list[str],
+                 settings: tuple[str, ...] = ()):
     """A fresh one-worker server on `cache`: its answers to `texts` from intents `version`, and its
     workers' counters after them."""
     workdir.mkdir()
-    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines) as server:
+    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines, settings=settings) as server:
         with server.client() as client:
             results = [client.infer("intents", t, version=version) for t in texts]
         return results, _counters(server)
@@ -305,8 +359,9 @@ def test_features_are_stored_in_fp16_only_when_the_encoder_output_survives_it():
     assert storage_dtype(np.vstack([unit, np.zeros((1, 384), np.float32)])) == np.float16
     half = unit[0].astype(np.float16)
     assert np.array_equal(decode(encode(half), 384), half)
-    ids = np.arange(5, dtype="<i4").tobytes()  # two outputs of one encoder never share a key
-    assert FeatureTier.key(NS_A, ("minilm", "1", "cls"), ids) != FeatureTier.key(NS_A, ("minilm", "1", "mean"), ids)
+    # Two outputs of one encoder never share a key; two tenants' namespaces neither.
+    assert FeatureTier.key(NS_A, ("minilm", "1", "cls"), "hi") != FeatureTier.key(NS_A, ("minilm", "1", "mean"), "hi")
+    assert FeatureTier.key(NS_A, ("minilm", "1", "cls"), "hi") != FeatureTier.key(NS_B, ("minilm", "1", "cls"), "hi")
     for bad in (encode(half)[:-2], b"G" + encode(half)[1:], encode(unit[0])[:-4]):
         with pytest.raises(CorruptRecord):
             decode(bad, 384)
