@@ -47,6 +47,11 @@ DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch du
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
 ROW_MODEL_MIN = 0.5         # the row model is on where a row adds at least this share of one row's batch
+ADMIT_HEADROOM = 1.5        # a request is admitted where its expected wait is within 2/3 of what it may
+                            # wait: the slack absorbs batches slower than the estimate (a burst's frontends
+                            # take CPU from a CPU engine), which would otherwise shed admitted requests
+                            # later, a late refusal (bench/overload.py, 2 cores: 0-23 shed against 71 at
+                            # 1.25 and 97 at 1.0)
 
 
 def bucket_of(buckets: tuple[int, ...], length: int) -> int:
@@ -61,6 +66,17 @@ def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:
     if remaining is None:
         return max_wait_s or None
     return min(max_wait_s, remaining) if max_wait_s else remaining
+
+
+def admits(expected: float, bound: float | None) -> bool:
+    """Whether a request expected to be answered in `expected` seconds may wait for it (wait_bound),
+    with ADMIT_HEADROOM to spare. The frontends' admission and the worker's on arrival both use it."""
+    return bound is None or expected * ADMIT_HEADROOM <= bound
+
+
+def over(bound: float) -> str:
+    """What a refused request's expected wait exceeded, for its error message."""
+    return f"the {max(bound, 0) / ADMIT_HEADROOM:.2f} s admitted (the {max(bound, 0):.2f} s allowed, less headroom)"
 
 
 def discounted(seconds: float, told_at: float, now: float) -> float:
@@ -185,11 +201,10 @@ class Batcher:
         if not expected:
             return
         bound = wait_bound(self.max_wait_s, None if deadline is None else deadline - now)
-        if bound is not None and expected > bound:
+        if not admits(expected, bound):
             self.counters["rejected_wait"] += 1
             raise Overloaded(f"{self.name} would answer this in about {expected:.2f} s ({self._waiting} waiting, "
-                             f"{self._batch_estimate(now) * 1000:.1f} ms per batch), past the {max(bound, 0):.2f} s "
-                             "allowed; retry later")
+                             f"{self._batch_estimate(now) * 1000:.1f} ms per batch), past {over(bound)}; retry later")
 
     def _shed(self, now: float) -> None:
         """Refuses queued requests whose batch, at the current estimate, would end after their deadline

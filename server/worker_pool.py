@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server.batcher import discounted, wait_bound
+from server.batcher import admits, discounted, over, wait_bound
 from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, from_worker_error, from_wire
 from server.framing import FrameProtocol, items_socket
 
@@ -212,18 +212,19 @@ class WorkerPool:
 
     def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
         """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
-        that new items of this model version would wait longer than the worker itself would allow: the
-        budget the items carry (the caller's deadline, at most worker_timeout_s) or server.max_queue_wait_s.
-        The worker checks again when the items arrive (its queue may have grown)."""
+        that new items of this model version would wait longer than the worker itself would allow (with
+        the same headroom: batcher.admits): the budget the items carry (the caller's deadline, at most
+        worker_timeout_s) or server.max_queue_wait_s. The worker checks again when the items arrive (its
+        queue may have grown)."""
         bound = wait_bound(self.max_queue_wait_s, self._budget(time_remaining))
         now = asyncio.get_running_loop().time()
         n = len(self.links)
         for index in {route % n for route in routes}:
             wait = self.links[index].queue_wait(model, version, now)
-            if wait > bound:
+            if not admits(wait, bound):
                 self.counters["rejected_wait"] += 1
-                raise Overloaded(f"worker {index} would answer {model} {version} in about {wait:.2f} s, past the "
-                                 f"{max(bound, 0):.2f} s allowed; retry later")
+                raise Overloaded(f"worker {index} would answer {model} {version} in about {wait:.2f} s, past "
+                                 f"{over(bound)}; retry later")
 
     def _budget(self, time_remaining: float | None) -> float:
         """Seconds a call to the workers may take: the caller's deadline, at most worker_timeout_s."""

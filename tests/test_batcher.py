@@ -153,7 +153,8 @@ def _flood(batcher: Batcher, count: int, deadline: float | None):
 def test_admission_refuses_what_cannot_finish_before_the_deadline():
     async def run():
         loop = asyncio.get_running_loop()
-        # Estimated 50 ms per batch of 4 (the real ones take 5 ms): 1 s allows 20 batches, its own included.
+        # Estimated 50 ms per batch of 4 (the real ones take 5 ms): 1 s allows 20 batches, its own included,
+        # of which 13 are admitted (batcher.ADMIT_HEADROOM).
         batcher = Batcher(_sleeping(0.005), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
         batcher.seed_timing(0.05)
         admitted, refused = _flood(batcher, 400, loop.time() + 1.025)
@@ -162,9 +163,9 @@ def test_admission_refuses_what_cannot_finish_before_the_deadline():
         return admitted, refused, results, batcher
 
     admitted, refused, results, batcher = asyncio.run(run())
-    assert len(admitted) == 80 and refused == 320  # waiting 0..79 admitted, the rest refused at once
+    assert len(admitted) == 52 and refused == 348  # waiting 0..51 admitted, the rest refused at once
     assert all(r == 3 for r in results), [r for r in results if r != 3][:3]  # every admitted one ran in time
-    assert batcher.counters["rejected_wait"] == 320 and "dropped_expired" not in batcher.counters
+    assert batcher.counters["rejected_wait"] == 348 and "dropped_expired" not in batcher.counters
     assert 0.0 < batcher.batch_s < 0.05  # the estimate moved toward the real batches
 
 
@@ -193,8 +194,8 @@ def test_a_slowdown_refuses_queued_requests_that_can_no_longer_finish_in_time():
 
 
 def test_the_row_model_refuses_at_once_what_a_one_row_estimate_would_admit_and_then_shed():
-    """An engine whose batches take 5 ms + 10 ms a row (a CPU): one row's time (15 ms) would admit all
-    400 requests against a 1 s deadline and shed most of them once the first batch ran. Seeded with
+    """An engine whose batches take 5 ms + 10 ms a row (a CPU): one row's time (15 ms) would admit most
+    of 400 requests against a 1 s deadline and shed most of them once the first batch ran. Seeded with
     what four rows take too, the batcher refuses at once what cannot finish, and sheds next to nothing."""
     def linear(sequences):
         time.sleep(0.005 + 0.010 * len(sequences))
@@ -219,7 +220,7 @@ def test_the_row_model_refuses_at_once_what_a_one_row_estimate_would_admit_and_t
     assert 250 <= refused <= 340 and len(ran) >= len(outcomes) - 8, (refused, outcomes[-3:])
     assert counters["shed"] == len(outcomes) - len(ran) and "dropped_expired" not in counters
     refused, outcomes, counters = asyncio.run(run(seeded_rows=False))  # the one-row estimate, for contrast
-    assert refused == 0 and counters["shed"] > 250
+    assert refused < 100 and counters["shed"] > 200, (refused, counters["shed"])
 
 
 async def _timed(future, loop):
@@ -235,7 +236,7 @@ def test_admission_bound_without_deadline_and_without_an_estimate():
         bounded = Batcher(_sleeping(0.001), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000,
                           max_wait_s=0.52)
         bounded.seed_timing(0.05)
-        first = _flood(bounded, 100, None)  # 0.52 s: 10 batches, its own included = 39 waiting
+        first = _flood(bounded, 100, None)  # 0.52 s less headroom: 6 batches, its own included = 23 waiting
         untimed = Batcher(_sleeping(0.001), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
         second = _flood(untimed, 100, None)  # no estimate yet: only max_queue bounds admission
         for batcher, (admitted, _) in ((bounded, first), (untimed, second)):
@@ -244,7 +245,7 @@ def test_admission_bound_without_deadline_and_without_an_estimate():
         return first, second
 
     (admitted, refused), (admitted_untimed, refused_untimed) = asyncio.run(run())
-    assert (len(admitted), refused) == (40, 60)
+    assert (len(admitted), refused) == (24, 76)
     assert (len(admitted_untimed), refused_untimed) == (100, 0)
 
 
