@@ -298,6 +298,12 @@ def main() -> None:
     texts = load_texts()
     report: dict = {"machine": {"cpus": multiprocessing.cpu_count(), "python": platform.python_version()},
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each section and step: a run cut short (a device lease) keeps what it measured
+        out.write_text(json.dumps(report, indent=2))
+
     with tempfile.TemporaryDirectory(prefix="infercache-bench-") as tmp:
         workdir = Path(tmp)
         models = make_models(workdir / "models")
@@ -331,11 +337,13 @@ def main() -> None:
             print("benchmarking overload (misses at once against one worker) ...", flush=True)
             report["overload"] = bench_overload(workdir / "overload", texts, scale, args.overload_deadline,
                                                 tuple(filter(None, args.overload_settings.split(","))))
+            save()
         if "l2" in sections:
             from server.devices import visible_gpus
 
             print("benchmarking the feature tier (L2) ...", flush=True)
             report["l2"] = bench_l2(workdir / "l2", rounds, args.quick, gpu=bool(visible_gpus()))
+            save()
         if "worker" in sections:
             print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)
             from bench.gpu import gpu_available
@@ -345,19 +353,15 @@ def main() -> None:
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
-            bench_workers(workdir, texts, report["workers"], quick=args.quick,
-                          checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
+            bench_workers(workdir, texts, report["workers"], quick=args.quick, checkpoint=save)
         if "gpu" in sections:
             print("benchmarking the GPU path ...", flush=True)
-            # Written after each step too: a run cut short by the device's time limit keeps what it measured.
             report["gpu"] = {}
             bench_gpu(workdir, texts, report["gpu"], quick=args.quick, parts=tuple(args.gpu_parts.split(",")),
                       workers=tuple(int(n) for n in args.gpu_workers.split(",")),
                       callers=tuple(int(n) for n in args.gpu_callers.split(",")),
-                      checkpoint=lambda: Path(args.out).write_text(json.dumps(report, indent=2)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+                      checkpoint=save)
+    save()
     if "exact_hits" in report:
         print_table(report)
     if "l3_engines" in report:
