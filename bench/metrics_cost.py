@@ -148,7 +148,7 @@ def in_process_cost(cache_dir: Path, models: Path, texts: list[str], rounds: int
     async def run() -> dict:
         off = FrontendCore(config, repository, None, Counter(), None, None, HotKeys(256))
         on = FrontendCore(config, repository, None, Counter(), None, FrontendMetrics(repository.models), HotKeys(256))
-        on._cache = off.l1()  # one LMDB environment per process
+        on._l1 = off._l1  # one LMDB environment per process
         servicer, context = FrontendServicer(on, Gate(None)), _NoDeadline()
         requests = [pb.InferRequest(model="minilm", text=t) for t in texts]
 

@@ -5,8 +5,9 @@ holds max_batch requests or its oldest request has waited max_delay. A cut waits
 slot first, so while the engine is busy requests keep joining the next batch.
 
 Admission is bounded and answered at once: `enqueue` raises Overloaded past `max_queue` waiting
-requests, and when the time the queue implies until this request's batch is done exceeds the caller's
-deadline or `max_wait_s`, so an admitted request is one that can finish in time. That time is the full
+requests, and when the time the queue implies until this request's batch is done exceeds two thirds of
+the caller's deadline or `max_wait_s` (ADMIT_HEADROOM), so an admitted request is one that can finish in
+time even if batches run somewhat slower than estimated. That time is the full
 batches ahead, this one's included, shared by the engine slots, times the batch duration: the larger of
 the recent average, the last batch, and the age of the oldest batch still running (so a machine that
 slows down, by contention or a burst of long texts, raises the estimate within one batch, not after
@@ -196,7 +197,8 @@ class Batcher:
         return self.row_s * bucket / self.buckets[-1]
 
     def _admit(self, now: float, deadline: float | None, bucket: int) -> None:
-        """Overloaded when the queue ahead cannot be served within the caller's deadline or max_wait_s."""
+        """Overloaded when the queue ahead cannot be served within the caller's deadline or max_wait_s,
+        with ADMIT_HEADROOM to spare (admits)."""
         expected = self.expected_wait(now, bucket)
         if not expected:
             return

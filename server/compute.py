@@ -40,7 +40,7 @@ from infercache.v1 import worker_pb2
 from server.errors import InferCacheError, ModelNotFound, WorkerUnavailable
 from server.calibration import Calibration
 from server.match_policy import Assessment, Neighbor
-from server.features import FeatureTier, feature_selector, feature_tenant
+from server.features import FeatureTier, feature_namespace, feature_selector
 from server.heads import HeadRuntime
 from server.model_runtime import ModelRuntime, answer_record
 from server.shadow import Check, ShadowVerifier
@@ -205,7 +205,8 @@ class WorkerCore:
         replies.waiting[item.id] = flight
 
     def _copy(self, item: worker_pb2.ComputeItem) -> None:
-        """A record a frontend answered from (a fleet hit, a FEATURE answer) into L1, no answer."""
+        """A record a frontend answered from (a fleet hit, a FEATURE answer) into L1, and a FEATURE
+        answer into the fleet tier as this worker's own answers go; no answer."""
         if self.writer is None:
             return
         try:
@@ -213,7 +214,10 @@ class WorkerCore:
         except CorruptRecord:
             self.counters["copies_unreadable"] += 1
             return
-        self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record)
+        ns = namespace(item.tenant, item.model, item.version)
+        self.writer.put(item.key, ns, record)
+        if item.answered_from == Source.FEATURE and self.fleet is not None:
+            self.fleet.put(item.key, ns, record, release=False)
         self.counters["copies"] += 1
 
     def cancel(self, replies: Replies, item_id: int) -> None:
@@ -348,7 +352,7 @@ class WorkerCore:
         if isinstance(runtime, HeadRuntime):
             started = now_us()
             source = runtime.source
-            ns = namespace(feature_tenant(item.tenant, runtime.spec.share_features), *source[:2])
+            ns = feature_namespace(item.tenant, runtime.spec.share_features, source)
             key = item.feature_key  # derived by the frontend; empty would mean no feature tier for this item
             if key and item.cached_ok and (found := self.features.get(ns, source, key)) is not None:
                 feature, level = found

@@ -29,7 +29,7 @@ import numpy as np
 
 from cachestore import records
 from cachestore.errors import CorruptRecord
-from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace
+from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, namespace
 from cachestore.results import ResultCache, now_us
 from cachestore.writer import Selector
 from server.feature_lru import DeviceRow, FeatureLRU
@@ -47,6 +47,11 @@ FP16_MIN_COSINE = 0.999
 
 def feature_tenant(tenant: str, shared: bool) -> str:
     return SHARED_TENANT if shared else _PRIVATE + tenant
+
+
+def feature_namespace(tenant: str, shared: bool, source: Source) -> Namespace:
+    """The namespace of a request's features of `source`: its tenant's, or the shared one."""
+    return namespace(feature_tenant(tenant, shared), *source[:2])
 
 
 def feature_selector(selector: Selector) -> Selector:

@@ -4,40 +4,38 @@ tokenizing (features are keyed by the normalized text). The head is one matrix p
 (server/heads.py), so such an answer costs a frontend little more than an exact hit, where a round trip
 to the worker costs several times that (bench/l2.py: a head version bump).
 
-The answer is the one the worker would give from the same stored feature (the same stored form, the same
-head, the same response). A text's second FEATURE answer here (among this frontend's last DOORKEEPER
-answers) is also copied into L1 through the key's worker, as fleet hits are (frontends never write a
-store): a repeated text becomes an exact hit, while a one-off (a version bump's sweep over every text,
-the long tail) costs no L1 write, which would cost more than answering it again. What is not in the store
-yet (written behind), what does not decode, and heads over `l2.frontend_head_mb` go to the worker as
-before: its memory level, then the store, then the encoder.
+The answer is the worker's for the same stored feature (the same stored form, head and response; the
+worker may run the head in torch on a GPU, so the scores can differ in the last bits). A text's second
+FEATURE answer here, while the doorkeeper still holds its key (DOORKEEPER keys, cleared when full), is
+also copied into L1, and into the fleet tier where there is one, through the key's worker (frontends
+never write a store): a repeated text becomes an exact hit, while a one-off (a version bump's sweep over
+every text, the long tail) costs no L1 write, which would cost more than answering it again. What is not
+in the store yet (written behind), what does not decode, and heads over `l2.frontend_head_mb` go to the
+worker as before: its memory level, then the store, then the encoder.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from cachestore import records
 from cachestore.errors import CorruptRecord
-from cachestore.keys import namespace
 from cachestore.results import now_us
 from server.config import Config, feature_store_settings
-from server.features import FeatureTier, Source, decode, feature_tenant
-from server.heads import head_scores, read_weights
+from server.features import FeatureTier, Source, decode, feature_namespace
+from server.heads import head_scores, load_head
 from server.model_runtime import answer_record, response_of
-from server.models import LABELS_FILE, HeadRef, ModelConfigError, ModelSpec
+from server.models import HeadRef, ModelConfigError, ModelRepository, ModelSpec
 from server.read_cache import ReadCache
-
 
 DOORKEEPER = 65536  # keys of recent FEATURE answers kept to copy a text's second one into L1
 
 
 def feature_key(spec: ModelSpec, source: Source, tenant: str, normalized: str) -> bytes:
     """The feature tier's key of the encoder output `source` for a head model's text."""
-    return FeatureTier.key(namespace(feature_tenant(tenant, spec.share_features), *source[:2]), source, normalized)
+    return FeatureTier.key(feature_namespace(tenant, spec.share_features, source), source, normalized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +49,16 @@ class FrontHead:
     labels: list[str]
 
     @classmethod
-    def load(cls, spec: ModelSpec, version: str, ref: HeadRef, max_bytes: int) -> FrontHead | None:
-        """The head `ref` of a version, or None when its weights are over max_bytes (left to the worker).
-        A head whose files do not load raises ModelConfigError (the worker refuses it too)."""
-        directory = spec.version_dir(version)
-        weight, bias = read_weights(directory)
+    def load(cls, repository: ModelRepository, spec: ModelSpec, version: str, ref: HeadRef, max_bytes: int
+             ) -> FrontHead | None:
+        """The head `ref` of a version, checked as the workers check it (heads.load_head), or None when its
+        weights are over max_bytes (left to the workers). ModelConfigError for a head they refuse too."""
+        encoder = repository.models.get(ref.encoder)
+        if encoder is None:
+            raise ModelConfigError(f"its encoder {ref.encoder} is not in the repository")
+        weight, bias, labels = load_head(spec, version, ref, encoder)
         if weight.nbytes + bias.nbytes > max_bytes:
             return None
-        labels = []
-        if spec.task == "classification":
-            try:
-                labels = json.loads((directory / LABELS_FILE).read_text())
-            except (OSError, ValueError) as exc:
-                raise ModelConfigError(f"{directory / LABELS_FILE}: {exc}") from None
         return cls(spec, version, weight, bias, labels)
 
 
@@ -77,35 +72,47 @@ class FeatureAnswers:
         self.counters = counters  # the frontend's own
         self._answered: dict[bytes, None] = {}  # the doorkeeper: keys answered once (cleared when full)
 
-    def answer(self, head: FrontHead, key: bytes, feature: bytes, store: bool) -> tuple[bytes, bytes | None] | None:
-        """(the serialized InferResponse of the result key `key`, its record to copy into L1 or None) from
-        the stored feature `feature` (feature_key), or None when the store does not hold it."""
+    def answers(self, head: FrontHead, keyed: list[tuple[bytes, bytes]], store: bool) -> list:
+        """For each (result key, feature key): (the serialized InferResponse, its record to copy into L1
+        or None) made from the stored feature, or None where the store does not hold it. One matrix
+        product for all that it holds."""
+        out: list = [None] * len(keyed)
         cache = self._store.get()
         if cache is None:
-            return None
+            return out
         now = now_us()
-        record = cache.get(feature, now)
-        if record is None:
-            return None
-        try:
-            feature = decode(record.payload, head.weight.shape[0])
-        except CorruptRecord:
-            self.counters["features_unreadable"] += 1  # the worker finds it so too, and computes
-            return None
-        scores = head_scores(feature[None, :], head.weight, head.bias)[0]
-        payload = response_of(head.spec, head.version, head.labels, {"scores": scores}, key).SerializeToString()
-        self.counters["feature_answers"] += 1
-        if not store:
-            return payload, None
+        found, vectors = [], []
+        for n, (_, feature) in enumerate(keyed):
+            record = cache.get(feature, now)
+            if record is None:
+                continue
+            try:
+                vectors.append(decode(record.payload, head.weight.shape[0]))
+            except CorruptRecord:
+                self.counters["features_unreadable"] += 1  # the worker finds it so too, and computes
+                continue
+            found.append(n)
+        if not found:
+            return out
+        scores = head_scores(np.stack(vectors), head.weight, head.bias)
+        for n, row in zip(found, scores):
+            key = keyed[n][0]
+            payload = response_of(head.spec, head.version, head.labels, {"scores": row}, key).SerializeToString()
+            out[n] = payload, self._copied(head, key, payload, now) if store else None
+        self.counters["feature_answers"] += len(found)
+        return out
+
+    def _copied(self, head: FrontHead, key: bytes, payload: bytes, now: int) -> bytes | None:
+        """The record of a text's second answer (the doorkeeper held its key), to copy into L1; None
+        for a first one, whose key it now holds."""
         if key not in self._answered:
             if len(self._answered) >= DOORKEEPER:
                 self._answered.clear()
             self._answered[key] = None
-            return payload, None
+            return None
         del self._answered[key]
         self.counters["feature_copies"] += 1
-        return payload, records.encode(answer_record(head.spec, now, payload))
+        return records.encode(answer_record(head.spec, now, payload))
 
     def stats(self) -> dict:
         return dict(self._store.cache.counters) if self._store.cache is not None else {}
-

@@ -94,7 +94,7 @@ class _Served:
     normalize: Normalizer              # with the PII redaction step when the model's privacy.pii says redact
     no_store: bool                     # privacy.pii: no_store: texts holding PII are never cached
     embedder: tuple[str, str] | None   # (model, version) of the semantic embedder, for /metrics
-    feature_source: tuple[str, str, str] | None  # (model, version, output) a head model's features are
+    feature_source: tuple[str, str, str] | None  # a head model's encoder (model, version, output): its features
     head: FrontHead | None             # a head this frontend runs on stored features (server/front_features.py)
 
     def route(self, key: bytes) -> int:
@@ -159,10 +159,13 @@ class FrontendCore:
             front = None
             try:
                 head = spec.head(version)
-                if head is not None and self.features is not None:
-                    front = FrontHead.load(spec, version, head, self.features.max_head_bytes)
             except (OSError, ValueError):  # a head the workers could not load either: no FEATURE answers
                 head = None
+            if head is not None and self.features is not None:
+                try:
+                    front = FrontHead.load(self.repository, spec, version, head, self.features.max_head_bytes)
+                except (OSError, ValueError) as exc:  # the workers refuse it too (their log says why)
+                    log.warning("%s version %s: no FEATURE answers in this frontend: %s", spec.name, version, exc)
             found = self._served[(spec.name, version)] = _Served(
                 spec, version, encoder, embed_encoder, spec.semantic is not None,
                 Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store",
@@ -284,7 +287,7 @@ class FrontendCore:
         sources.append(source)
         served = plan.served
         if source in SAVING:
-            spared = served.feature_source[:2] if source == FEATURE else None
+            spared = served.feature_source[:2] if source == FEATURE and served.feature_source else None
             spent = served.embedder if source == RESULT_SEMANTIC else None
             self.metrics.hit(served.spec.name, served.version, len(keyed[0]), spared, spent)
         elif source == MISS:
@@ -300,29 +303,32 @@ class FrontendCore:
             return None
         self.counters["hit_fleet"] += 1
         if plan.store:
-            self._copy(plan, key, records.encode(record))
+            self._copy(plan, key, records.encode(record), RESULT_FLEET)
         return record.payload + wire.cache_info(pb.CacheInfo.RESULT_FLEET, record.age_s(now_us()))
 
-    def _copy(self, plan: _Plan, key: bytes, raw: bytes) -> None:
-        """A record this frontend answered from (encoded, cachestore/records.py) to the key's worker, for L1."""
+    def _copy(self, plan: _Plan, key: bytes, raw: bytes, source: int) -> None:
+        """A record this frontend answered from (encoded, cachestore/records.py; `source`: how) to the
+        key's worker, for L1."""
         served = plan.served
         self.workers.send(served.route(key), functools.partial(
-            _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw))
+            _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw,
+            source=source))
 
     def _feature_answers(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]]) -> list[bytes | None]:
         """For each (text, key, private) that L1 missed: a FEATURE answer made here from a stored feature
         (a repeated text's record sent on for L1), or None. Only for a head this frontend runs."""
-        served, answers = plan.served, []
-        for text, key, private in keyed:
-            found = None if private else self.features.answer(
-                served.head, key, feature_key(served.spec, served.feature_source, plan.tenant, text), plan.store)
-            if found is None:
-                answers.append(None)
-                continue
-            payload, record = found
-            if record is not None:
-                self._copy(plan, key, record)
-            answers.append(payload + wire.cache_info(FEATURE))
+        served = plan.served
+        public = [n for n, (_, _, private) in enumerate(keyed) if not private]
+        found = self.features.answers(served.head, [
+            (keyed[n][1], feature_key(served.spec, served.feature_source, plan.tenant, keyed[n][0])) for n in public],
+            plan.store)
+        answers: list[bytes | None] = [None] * len(keyed)
+        for n, made in zip(public, found):
+            if made is not None:
+                payload, record = made
+                if record is not None:
+                    self._copy(plan, keyed[n][1], record, FEATURE)
+                answers[n] = payload + wire.cache_info(FEATURE)
         return answers
 
     def _items(self, plan: _Plan, keyed: list[tuple[str, bytes, bool]], fleet_looked: bool = False,
@@ -646,8 +652,9 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         return await self.core.hot_keys(request)
 
 
-def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes) -> None:
+def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes, source: int) -> None:
     item.model, item.version, item.tenant, item.key, item.answered_record = model, version, tenant, key, raw
+    item.answered_from = source
 
 
 PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer already serialized

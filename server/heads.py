@@ -43,6 +43,24 @@ def head_scores(features: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> n
     return logits
 
 
+def load_head(spec: ModelSpec, version: str, ref: HeadRef, encoder: ModelSpec) -> tuple[np.ndarray, np.ndarray, list]:
+    """A head version's (weight, bias, labels), checked against its encoder's spec (`ref.encoder`):
+    the same tokenizer and max_tokens (frontends tokenize for the encoder with the head's, and a feature is
+    keyed by the normalized text alone), and an output the head reads. ModelConfigError otherwise."""
+    directory = spec.version_dir(version)
+    weight, bias = read_weights(directory)
+    if ((directory / TOKENIZER_FILE).read_bytes() != (encoder.version_dir(ref.encoder_version) / TOKENIZER_FILE).read_bytes()
+            or spec.max_tokens != encoder.max_tokens):
+        raise ModelConfigError(f"{directory}: its tokenizer and max_tokens must be its encoder's")
+    if ref.input not in encoder.outputs:
+        raise ModelConfigError(f"{directory}: its encoder {ref.encoder} has no output {ref.input!r}")
+    try:
+        labels = json.loads((directory / LABELS_FILE).read_text()) if spec.task == "classification" else []
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"{directory / LABELS_FILE}: {exc}") from None
+    return weight, bias, labels
+
+
 class _NumpyHead:
     slots = 1
 
@@ -95,15 +113,11 @@ class HeadRuntime(ModelRuntime):
     def __init__(self, spec: ModelSpec, version: str, ref: HeadRef, encoder: ModelRuntime, dim: int, config: Config,
                  device: str | None) -> None:
         """`dim`: the length of the encoder output the head reads. Made on the event loop (its batcher)."""
-        directory = spec.version_dir(version)
-        weight, bias = read_weights(directory)
+        weight, bias, self.labels = load_head(spec, version, ref, encoder.spec)
         self.dim = dim
         if weight.shape[0] != self.dim:
-            raise ModelConfigError(f"{directory}: head takes {weight.shape[0]} features, the encoder gives {self.dim}")
-        if (directory / TOKENIZER_FILE).read_bytes() != (encoder.spec.version_dir(encoder.version) / TOKENIZER_FILE
-                                                         ).read_bytes() or spec.max_tokens > encoder.spec.max_tokens:
-            raise ModelConfigError(f"{directory}: its tokenizer and max_tokens must be the encoder's (frontends "
-                                   "tokenize for the encoder with them)")
+            raise ModelConfigError(f"{spec.version_dir(version)}: head takes {weight.shape[0]} features, the encoder "
+                                   f"gives {self.dim}")
         self.spec = spec
         self.version = version
         self.ref = ref
@@ -113,7 +127,6 @@ class HeadRuntime(ModelRuntime):
                                   precision="fp32", device=device or "cpu")
         self.built_s, self.warmup_s = 0.0, 0.0  # nothing to build: weights
         self.encoder = encoder.encoder
-        self.labels = json.loads((directory / LABELS_FILE).read_text()) if spec.task == "classification" else []
         self._template = None
         self._templated = False  # a head answers with labels: through protobuf
         self.batcher = Batcher(

@@ -115,41 +115,80 @@ def test_a_frontend_answers_from_a_stored_feature_as_the_worker_would_and_copies
         server = start_server(head_models, frontends=1, settings=settings)
         with server.client() as client:
             assert {client.infer("intents", t, version="1").source for t in texts} == {"MISS"}
-            _wait_features_written(server, len(texts))
-            before = _counters(server)
-            # One call mixes an exact hit (version 1 again), stored features (version 2) and a text never
-            # seen (a miss): each text is answered from its own tier.
+            # One call mixes an exact hit (version 1 again) and a text never seen (a miss).
             fresh = unique("where can I find my invoice")
             mixed = client.infer_batch("intents", [texts[0], fresh], version="1")
             assert [r.source for r in mixed] == ["RESULT_EXACT", "MISS"]
+            _wait_features_written(server, len(texts) + 1)
+            before = _counters(server)
             bumped = [client.infer("intents", t, version="2") for t in texts[:5]]
             bumped += client.infer_batch("intents", texts[5:] + [fresh], version="2")
-            assert [r.source for r in bumped] == ["FEATURE"] * len(texts) + ["FEATURE"]
+            assert [r.source for r in bumped] == ["FEATURE"] * len(bumped)
             answers[label] = bumped
             after, frontend = _counters(server), client.stats().frontend.counters
-            made_here = frontend["frontend.feature_answers"]
+            made_here = len(bumped) if label == "frontend" else 0
+            assert frontend["frontend.feature_answers"] == made_here
             assert after["worker.feature_answers"] - before["worker.feature_answers"] == len(bumped) - made_here
-            assert _encoded(server) - _encoded_in(before) == 1  # the fresh text's miss; no FEATURE ran the encoder
+            assert _encoded(server) == _encoded_in(before)  # no FEATURE answer ran the encoder
             if label == "frontend":
-                assert made_here >= len(texts)  # the fresh text's feature may still be behind: the worker's then
                 # A one-off FEATURE answer made here is not written to L1; a text's second one is copied
                 # into L1 through the worker, and the text is an exact hit from then on, with the same answer.
                 assert frontend["frontend.feature_copies"] == 0
-                writes = _counters(server)["writer.writes"]
+                writes = _writes_settled(server)
                 assert {client.infer("intents", t, version="2").source for t in texts} == {"FEATURE"}
                 assert client.stats().frontend.counters["frontend.feature_copies"] == len(texts)
-                deadline = time.monotonic() + 10
-                while _counters(server)["writer.writes"] < writes + len(texts):
-                    assert time.monotonic() < deadline, "FEATURE answers were not written to L1 within 10 s"
-                    time.sleep(0.05)
+                assert _writes_settled(server) - writes == len(texts)
                 again = [client.infer("intents", t, version="2") for t in texts]
                 assert {r.source for r in again} == {"RESULT_EXACT"}
                 assert [r.label for r in again] == [r.label for r in bumped[:len(texts)]]
-            else:
-                assert made_here == 0
+                # Neither under NO_STORE (answered, never copied) nor under BYPASS (no stored answer at
+                # all: the worker computes, the feature it reads included).
+                for _ in range(2):
+                    assert {client.infer("intents", t, version="3", mode="NO_STORE").source for t in texts} == {"FEATURE"}
+                assert client.stats().frontend.counters["frontend.feature_copies"] == len(texts)
+                assert {client.infer("intents", t, version="3", mode="BYPASS").source for t in texts[:3]} == {"MISS"}
     for here, there in zip(answers["frontend"][:len(texts)], answers["worker"]):  # (not the fresh texts)
         assert here.label == there.label and here.model_version == "2"
         np.testing.assert_allclose(here.outputs["scores"], there.outputs["scores"], atol=1e-6)
+
+
+def test_a_feature_answer_a_frontend_copies_is_shared_through_the_fleet(start_server, head_models, tmp_path):
+    """As a worker's answers are: a text's second FEATURE answer made in pod A's frontend reaches pod B
+    through Redis, which then answers it as a fleet hit."""
+    pytest.importorskip("redis")
+    from infercache import testing_redis
+    from tests.test_fleet import TEST_BUDGET_MS, fleet_usable, until, worker_counter
+
+    redis = testing_redis.RedisProcess(tmp_path / "redis")
+    try:
+        settings = (f"fleet.redis={redis.url}", f"fleet.timeout_ms={TEST_BUDGET_MS}")
+        a, b = (start_server(head_models, frontends=1, settings=settings) for _ in range(2))
+        for pod in (a, b):
+            until(lambda: fleet_usable(pod))
+        text = unique("fleet: where is my parcel")
+        with a.client() as ca, b.client() as cb:
+            assert ca.infer("intents", text, version="1").source == "MISS"
+            _wait_features_written(a, 1)
+            writes = worker_counter(a, "fleet.writes")
+            assert [ca.infer("intents", text, version="2").source for _ in range(2)] == ["FEATURE"] * 2
+            until(lambda: worker_counter(a, "fleet.writes") > writes)
+            shared = cb.infer("intents", text, version="2", mode="ONLY_IF_CACHED")
+            assert shared.source == "RESULT_FLEET" and shared.model_version == "2"
+    finally:
+        redis.stop()
+
+
+def _writes_settled(server: ServerProcess) -> int:
+    """The result store's writes, once its writer has handled everything it was sent and stays idle."""
+    deadline, last = time.monotonic() + 10, None
+    while True:
+        counters = _counters(server)
+        now = counters["writer.writes"]
+        if counters["writer.backlog"] == 0 and now == last:
+            return now
+        assert time.monotonic() < deadline, "the result store's writer did not settle within 10 s"
+        last = now
+        time.sleep(0.2)
 
 
 def _encoded_in(counters: Counter) -> int:
@@ -193,7 +232,7 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
         assert counters["worker.l2_host_hits"] > 0
         assert counters["worker.l2_host_hits"] + counters["worker.l2_device_hits"] == len(texts)
 
-    again, counters = _served_once(tmp_path / "b", head_models, cache, engines_dir, "3", texts, in_workers)
+    again, counters, _ = _served_once(tmp_path / "b", head_models, cache, engines_dir, "3", texts, in_workers)
     assert {r.source for r in again} == {"FEATURE"}
     assert [r.label for r in again] == [r.label for r in first]
     assert counters["worker.l2_host_hits"] == len(texts)
@@ -209,22 +248,45 @@ def test_features_are_shared_by_two_workers_survive_a_restart_and_a_corrupt_one_
             damaged = raw[:records.HEADER.size] + b"X" + raw[records.HEADER.size + 1:]
             txn.put(key, reseal_crc(damaged) if n % 2 else damaged, db=store.dbs[DB_RESULTS])
     store.close()
-    recomputed, counters = _served_once(tmp_path / "c", head_models, cache, engines_dir, "4", texts)
+    recomputed, counters, frontend = _served_once(tmp_path / "c", head_models, cache, engines_dir, "4", texts)
     assert {r.source for r in recomputed} == {"MISS"}
     assert [r.label for r in recomputed] == [r.label for r in first]
+    for unreadable in (counters["features.unreadable"], frontend["frontend.features_unreadable"]):
+        assert unreadable > 0
+    assert counters["features.records_unreadable"] > 0 and frontend["features.records_unreadable"] > 0
     assert counters["features.unreadable"] + counters["features.records_unreadable"] == len(texts)
-    assert counters["features.unreadable"] > 0 and counters["features.records_unreadable"] > 0
+    assert frontend["frontend.features_unreadable"] + frontend["features.records_unreadable"] == len(texts)
 
 
 def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, version: str, texts: list[str],
                  settings: tuple[str, ...] = ()):
-    """A fresh one-worker server on `cache`: its answers to `texts` from intents `version`, and its
-    workers' counters after them."""
+    """A fresh server (one worker, one frontend) on `cache`: its answers to `texts` from intents
+    `version`, then its workers' counters and its frontend's."""
     workdir.mkdir()
-    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines, settings=settings) as server:
+    with ServerProcess(workdir, models, cache_dir=cache, engines_dir=engines, settings=settings, frontends=1) as server:
         with server.client() as client:
             results = [client.infer("intents", t, version=version) for t in texts]
-        return results, _counters(server)
+            frontend = client.stats().frontend.counters
+        return results, _counters(server), frontend
+
+
+def test_a_head_whose_tokenizer_or_max_tokens_differ_from_its_encoders_is_refused(head_models):
+    """A feature is keyed by the normalized text alone, so every head on an encoder must tokenize as the
+    encoder does: one truncating shorter would read features computed on longer inputs."""
+    from server.heads import load_head
+    from server.models import ModelConfigError, ModelRepository
+
+    repository = ModelRepository(head_models)
+    spec, encoder = repository.get("intents"), repository.get("minilm")
+    ref = spec.head("1")
+    weight, bias, labels = load_head(spec, "1", ref, encoder)
+    assert weight.shape[0] == 384 and bias.shape == (len(labels),)
+    for other in (dataclasses.replace(spec, max_tokens=spec.max_tokens // 2),
+                  dataclasses.replace(spec, max_tokens=spec.max_tokens + 1)):
+        with pytest.raises(ModelConfigError, match="max_tokens"):
+            load_head(other, "1", ref, encoder)
+    with pytest.raises(ModelConfigError, match="no output"):
+        load_head(spec, "1", dataclasses.replace(ref, input="nope"), encoder)
 
 
 # ---- the memory level and the stored form, without a server ----------------------------------------

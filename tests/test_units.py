@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -100,6 +102,54 @@ def test_frames_split_anywhere_arrive_whole_and_a_bad_one_closes_the_connection(
     assert got == frames and not protocol.transport.closed
     protocol.data_received((3).to_bytes(HEADER, "little") + b"bad" + (1).to_bytes(HEADER, "little") + b"x")
     assert protocol.transport.closed and got == frames  # nothing after the bad frame is handled
+
+
+def test_flush_later_gathers_items_into_one_write_that_a_flush_soon_brings_forward():
+    """Over a real unix socket pair: items queued with flush_later go in one frame after the delay; a
+    flush_soon meanwhile sends them at once (and its timer no longer fires); close() leaves no timer."""
+    import socket
+
+    from infercache.v1 import worker_pb2
+    from server.framing import FrameProtocol, complete_frames
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.setblocking(False)
+        _, protocol = await loop.create_unix_connection(
+            lambda: FrameProtocol(lambda frame: None, lambda exc: None, worker_pb2.ComputeBatch), sock=ours)
+        received = bytearray()
+
+        async def frames_after(seconds: float) -> list:
+            await asyncio.sleep(seconds)
+            try:
+                received.extend(theirs.recv(1 << 16))
+            except BlockingIOError:
+                pass
+            return [worker_pb2.ComputeBatch.FromString(f) for f in complete_frames(received)]
+
+        for key in (b"a", b"b", b"c"):
+            protocol.out.items.add(key=key)
+            protocol.flush_later(0.2)
+        early = await frames_after(0.05)
+        late = await frames_after(0.3)
+        protocol.out.items.add(key=b"d")
+        protocol.flush_later(5.0)
+        protocol.out.items.add(key=b"e")
+        protocol.flush_soon()
+        soon = await frames_after(0.05)
+        protocol.out.items.add(key=b"f")
+        protocol.flush_later(5.0)
+        pending = protocol._flush_timer
+        protocol.close()
+        theirs.close()
+        return early, late, soon, pending
+
+    early, late, soon, pending = asyncio.run(run())
+    assert early == []
+    assert [[i.key for i in f.items] for f in late] == [[b"a", b"b", b"c"]]
+    assert [[i.key for i in f.items] for f in soon] == [[b"d", b"e"]]
+    assert pending.cancelled()
 
 
 def test_pad_batch_pads_each_row_to_the_length():
