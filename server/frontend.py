@@ -52,7 +52,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 HOT_KEYS_SHOWN = 20  # GetHotKeys without a limit
-PLANS_KEPT = 1024  # plans of distinct (model, version, tenant, mode) kept; past it they start over
+PLANS_KEPT = 1024  # plans of distinct _plan_keys kept; past it they start over
 PREPARED_KEPT = 8192      # serialized requests whose plan and key are kept (see prepared); past it, start over
 PREPARED_MAX_BYTES = 512  # longer requests are prepared anew each time
 # Identifiers a client sends; longer ones are INVALID_ARGUMENT (they become store rows and cached strings).
@@ -67,9 +67,20 @@ def check_identifiers(request) -> None:
             raise InvalidArgument(f"{field} has {len(value)} characters; at most {limit}: {quoted(value)}")
 
 
-def _common(request) -> bool:
-    """No semantic overrides and no max_age_s: the plan depends on model, version, tenant and mode."""
-    return not request.HasField("semantic") and not request.cache.HasField("max_age_s")
+def _plan_key(request) -> tuple | None:
+    """What a request's plan depends on, where it can be reused: model, version, tenant, mode and the
+    semantic overrides (serialized); None for a request with max_age_s (its plan holds that age)."""
+    if request.cache.HasField("max_age_s"):
+        return None
+    semantic = request.semantic.SerializeToString() if request.HasField("semantic") else b""
+    return request.model, request.version, request.tenant, request.cache.mode, semantic
+
+
+def _copied(semantic: pb.SemanticPolicy) -> pb.SemanticPolicy:
+    """A request's semantic overrides on their own: a kept plan must not hold the request (its text)."""
+    copy = pb.SemanticPolicy()
+    copy.CopyFrom(semantic)
+    return copy
 
 
 def _keep(table: dict, key, value, limit: int) -> None:
@@ -176,12 +187,12 @@ class FrontendCore:
         """prepare() of a serialized InferRequest. A request that repeats byte for byte (the traffic a
         cache is for) reuses what its first arrival worked out: no parsing, validation, normalization or
         hashing on the hit path. Only what depends on the bytes alone is kept: common requests (see
-        _plan) of models without a privacy.pii setting (the bytes would keep the raw text in memory)."""
+        _plan_key) of models without a privacy.pii setting (the bytes would keep the raw text in memory)."""
         found = self._prepared.get(raw)
         if found is None:
             request = parsed(_INFER_REQUEST(raw))
             found = self.prepare(request)
-            if len(raw) <= PREPARED_MAX_BYTES and _common(request) and found[0].served.spec.pii == "off":
+            if len(raw) <= PREPARED_MAX_BYTES and _plan_key(request) is not None and found[0].served.spec.pii == "off":
                 _keep(self._prepared, raw, found, PREPARED_KEPT)
         return found
 
@@ -200,15 +211,13 @@ class FrontendCore:
         return getattr(request, "model", "")
 
     def _plan(self, request) -> _Plan:
-        """The call's validated plan. The common request (no max_age_s, no semantic overrides) reuses the
-        plan of its (model, version, tenant, mode): a hit then skips the lookups and checks."""
-        common = _common(request)
-        if common:
-            key = (request.model, request.version, request.tenant, request.cache.mode)
-            if (found := self._plans.get(key)) is not None:
-                return found
+        """The call's validated plan. A request without max_age_s reuses the plan of its _plan_key: a
+        hit then skips the lookups and checks."""
+        key = _plan_key(request)
+        if key is not None and (found := self._plans.get(key)) is not None:
+            return found
         plan = self._new_plan(request)
-        if common:
+        if key is not None:
             _keep(self._plans, key, plan, PLANS_KEPT)
         return plan
 
@@ -232,7 +241,7 @@ class FrontendCore:
         return _Plan(
             served=self.served(spec, version), tenant=request.tenant, mode=mode,
             cached_ok=mode != Mode.BYPASS and cached_at_all, store=cached_at_all and mode != Mode.NO_STORE,
-            max_age_us=max_age_us, semantic=request.semantic if request.HasField("semantic") else None,
+            max_age_us=max_age_us, semantic=_copied(request.semantic) if request.HasField("semantic") else None,
             ns=Namespace(request.tenant, spec.name, version),
         )
 

@@ -61,11 +61,12 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
     for got in (first, again):
         assert got.cache.source == pb.CacheInfo.RESULT_EXACT and got.cache.key == parsed.cache.key
         assert list(got.outputs) == list(parsed.outputs) and got.cache.model_version == parsed.cache.model_version
-    # What does not depend on the bytes alone is worked out each time: a request's max_age_s, semantic overrides.
-    for kept_not in (pb.InferRequest(model=MODEL, text=text, cache=pb.CachePolicy(max_age_s=3600)),
-                     pb.InferRequest(model=MODEL, text=text, semantic=pb.SemanticPolicy(min_similarity=0.99))):
-        assert asyncio.run(answer(kept_not.SerializeToString())).cache.source == pb.CacheInfo.RESULT_EXACT
-        assert kept_not.SerializeToString() not in core._prepared
+    # A request with semantic overrides is kept too (they are in its bytes, and in its plan's key); one
+    # with max_age_s is worked out each time.
+    for request, kept in ((pb.InferRequest(model=MODEL, text=text, cache=pb.CachePolicy(max_age_s=3600)), False),
+                          (pb.InferRequest(model=MODEL, text=text, semantic=pb.SemanticPolicy(min_similarity=0.99)), True)):
+        assert asyncio.run(answer(request.SerializeToString())).cache.source == pb.CacheInfo.RESULT_EXACT
+        assert (request.SerializeToString() in core._prepared) == kept
     with pytest.raises(InvalidArgument, match="not a valid InferRequest"):
         asyncio.run(answer(b"\xff\xff\xff"))
     monkeypatch.setattr(frontend, "PREPARED_KEPT", 2)  # bounded: past it the kept requests start over

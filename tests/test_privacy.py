@@ -144,3 +144,33 @@ def test_the_frontend_keeps_no_raw_request_of_a_model_with_a_pii_setting(tmp_pat
         assert plan.served.spec.name == model
         assert ("4111" in normalized) == (model == "plain")  # redacted before keying
         assert (raw in core._prepared) == (model == "plain")
+
+
+def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_path):
+    """Plans are kept per (model, version, tenant, mode, semantic overrides): requests that differ only in
+    their overrides get their own, identical ones share one, and a kept plan holds a copy of the
+    overrides, not the request they came with (whose text would stay in memory)."""
+    from collections import Counter
+
+    from server import config as settings
+    from server.frontend import FrontendCore
+    from server.models import ModelRepository
+
+    root = tmp_path / "models"
+    link_model(root, "plain", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
+    core = FrontendCore(config, ModelRepository(root), None, Counter())
+
+    def plan(**semantic):
+        request = pb.InferRequest(model="plain", text="a private question",
+                                  semantic=pb.SemanticPolicy(**semantic) if semantic else None)
+        return core.prepare(request)[0], request
+
+    none, _ = plan()
+    off, request = plan(enabled=False)
+    strict, _ = plan(min_similarity=0.95)
+    assert none.semantic is None and off.semantic.enabled is False and strict.semantic.min_similarity == pytest.approx(0.95)
+    assert plan(enabled=False)[0] is off and plan()[0] is none and plan(min_similarity=0.95)[0] is strict
+    request.semantic.enabled = True  # the request changed after its plan was kept: the plan did not
+    assert off.semantic.HasField("enabled") and off.semantic.enabled is False
+
