@@ -51,8 +51,9 @@ class FrontHead:
     @classmethod
     def load(cls, repository: ModelRepository, spec: ModelSpec, version: str, ref: HeadRef, max_bytes: int
              ) -> FrontHead | None:
-        """The head `ref` of a version, checked as the workers check it (heads.load_head), or None when its
-        weights are over max_bytes (left to the workers). ModelConfigError for a head they refuse too."""
+        """The head `ref` of a version, checked as the workers check its files (heads.load_head; the
+        feature length only when a feature is read: one of another length does not decode), or None when
+        its weights are over max_bytes (left to the workers). ModelConfigError for a head they refuse too."""
         encoder = repository.models.get(ref.encoder)
         if encoder is None:
             raise ModelConfigError(f"its encoder {ref.encoder} is not in the repository")

@@ -69,18 +69,24 @@ def check_identifiers(request) -> None:
 
 def _plan_key(request) -> tuple | None:
     """What a request's plan depends on, where it can be reused: model, version, tenant, mode and the
-    semantic overrides (serialized); None for a request with max_age_s (its plan holds that age)."""
+    semantic overrides' known fields (not their bytes: unknown fields would make keys of any size);
+    None for a request with max_age_s (its plan holds that age)."""
     if request.cache.HasField("max_age_s"):
         return None
-    semantic = request.semantic.SerializeToString() if request.HasField("semantic") else b""
-    return request.model, request.version, request.tenant, request.cache.mode, semantic
+    return (request.model, request.version, request.tenant, request.cache.mode,
+            _overrides(request.semantic) if request.HasField("semantic") else None)
+
+
+def _overrides(semantic: pb.SemanticPolicy) -> tuple:
+    return (semantic.enabled if semantic.HasField("enabled") else None,
+            semantic.min_similarity if semantic.HasField("min_similarity") else None, semantic.explain)
 
 
 def _copied(semantic: pb.SemanticPolicy) -> pb.SemanticPolicy:
-    """A request's semantic overrides on their own: a kept plan must not hold the request (its text)."""
-    copy = pb.SemanticPolicy()
-    copy.CopyFrom(semantic)
-    return copy
+    """A request's semantic overrides on their own, known fields only: a kept plan must not hold the
+    request (its text), nor bytes a client added."""
+    enabled, min_similarity, explain = _overrides(semantic)
+    return pb.SemanticPolicy(enabled=enabled, min_similarity=min_similarity, explain=explain)
 
 
 def _keep(table: dict, key, value, limit: int) -> None:
@@ -144,7 +150,7 @@ class FrontendCore:
         # FEATURE answers made here (server/front_features.py), where heads may run in frontends
         self.features = FeatureAnswers(config, counters) if config.l2.enabled and config.l2.frontend_head_mb else None
         self._served: dict[tuple[str, str], _Served] = {}
-        self._plans: dict[tuple[str, str, str, int], _Plan] = {}  # see _plan
+        self._plans: dict[tuple, _Plan] = {}  # see _plan_key
         self._prepared: dict[bytes, tuple[_Plan, tuple[str, bytes, bool]]] = {}  # see prepared
 
     def l1(self) -> ResultCache | None:

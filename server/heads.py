@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import zipfile
 
 import numpy as np
 
@@ -26,7 +27,7 @@ def read_weights(version_dir) -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(version_dir / HEAD_WEIGHTS_FILE, allow_pickle=False) as data:
             weight, bias = data["weight"].astype(np.float32), data["bias"].astype(np.float32)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # (a truncated npz: BadZipFile)
         raise ModelConfigError(f"{version_dir / HEAD_WEIGHTS_FILE}: {exc!r}") from None
     if weight.ndim != 2 or bias.shape != (weight.shape[1],):
         raise ModelConfigError(f"{version_dir / HEAD_WEIGHTS_FILE}: weight {weight.shape} and bias {bias.shape} "

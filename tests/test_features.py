@@ -289,6 +289,20 @@ def test_a_head_whose_tokenizer_or_max_tokens_differ_from_its_encoders_is_refuse
         load_head(spec, "1", dataclasses.replace(ref, input="nope"), encoder)
 
 
+def test_a_truncated_head_file_is_a_model_error_not_a_crash(head_models, tmp_path):
+    import shutil
+
+    from server.heads import read_weights
+    from server.models import HEAD_WEIGHTS_FILE, ModelConfigError
+
+    version = tmp_path / "1"
+    shutil.copytree(head_models / "intents" / "1", version)
+    data = (version / HEAD_WEIGHTS_FILE).read_bytes()
+    (version / HEAD_WEIGHTS_FILE).write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelConfigError, match=HEAD_WEIGHTS_FILE):
+        read_weights(version)
+
+
 # ---- the memory level and the stored form, without a server ----------------------------------------
 
 NS_A, NS_B = Namespace("t:a", "minilm", "1"), Namespace("t:b", "minilm", "1")

@@ -173,4 +173,18 @@ def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_pat
     assert plan(enabled=False)[0] is off and plan()[0] is none and plan(min_similarity=0.95)[0] is strict
     request.semantic.enabled = True  # the request changed after its plan was kept: the plan did not
     assert off.semantic.HasField("enabled") and off.semantic.enabled is False
+    assert not strict.semantic.HasField("enabled")
+    # A field the schema does not know (here 1 MB of it) neither makes a plan of its own nor is kept.
+    padded = pb.InferRequest.FromString(pb.InferRequest(model="plain", text="a private question").SerializeToString()
+                                        + b"\x32" + _length_delimited(b"\xa2\x06" + _length_delimited(b"x" * (1 << 20))))
+    assert padded.HasField("semantic") and padded.semantic.ByteSize() > 1 << 20
+    kept = core.prepare(padded)[0]
+    assert kept is core.prepare(pb.InferRequest(model="plain", text="a", semantic=pb.SemanticPolicy()))[0]
+    assert kept.semantic.ByteSize() == 0
+
+
+def _length_delimited(data: bytes) -> bytes:
+    from cachestore.wire import varint
+
+    return varint(len(data)) + data
 
