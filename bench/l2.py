@@ -10,7 +10,9 @@ ONNX graph of encoder + head (`--whole-graph`: the format before L2), by one ser
 2. Head version bump: every distinct Banking77 text through version 1 (misses), then through version 2
    (the same encoder; here the same head weights, a new version as a retrained head would be), both at 32
    callers: the second pass's time over the first's.
-3. One caller: FEATURE answers' p50 against exact hits and misses of the same texts.
+3. One caller: FEATURE answers' p50 against exact hits and misses of the same texts. FEATURE answers are
+   made in the frontends; a second server of the run with heads run by the workers only
+   (l2.frontend_head_mb=0) gives the same figures, and a bump of 2,000 texts, for comparison.
 4. On a GPU host (the worker on torch-cuda): the device LRU's cost per batch of 32 lookups with and
    without the head, measured in this process on the same GPU, and FEATURE throughput at 32 and 256 callers.
 """
@@ -188,6 +190,24 @@ def bench_latency(server: ServerProcess, texts: list[str]) -> dict:
     return out
 
 
+def bench_worker_path(server: ServerProcess, texts: list[str], latency_texts: list[str]) -> dict:
+    """The same FEATURE measurements with heads run by the workers only (l2.frontend_head_mb=0, every
+    FEATURE answer a round trip to the worker, as before frontends answered them): the one-text bump
+    over `texts` and the one-caller p50s, beside the frontends' figures of the same run."""
+    first = _run(server, _requests("banking77", texts, "bump", version="1"))
+    _settle(server)
+    second = _run(server, _requests("banking77", texts, "bump", version="2"))
+    assert second["sources"] == {"FEATURE": len(texts)}, second["sources"]
+    out = {"texts": len(texts), "bump_infer_time_ratio": round(second["seconds"] / first["seconds"], 4)}
+    for label, version, source in (("miss", "1", "MISS"), ("feature", "2", "FEATURE"), ("exact_hit", "2", "RESULT_EXACT")):
+        _settle(server)  # (before the exact hits: the worker stores every FEATURE answer it makes)
+        summary = _run(server, _requests("banking77", latency_texts, "latency", version=version), concurrency=1)
+        assert summary["sources"] == {source: len(latency_texts)}, summary["sources"]
+        out[f"{label}_p50_ms"] = summary["p50_ms"]
+    out["feature_p50_over_exact_hit"] = round(out["feature_p50_ms"] / out["exact_hit_p50_ms"], 3)
+    return out
+
+
 def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, batch: int = 32,
                      repeats: int = 2000) -> dict:
     """The GPU LRU per batch of `batch` features, with the device synchronized after each: the event
@@ -295,6 +315,12 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict
                           for e in w.engines]
     finally:
         assert server.stop() == 0
+    print("  the same with heads run by the workers only (l2.frontend_head_mb=0) ...", flush=True)
+    (workdir / "server-workers-only").mkdir()
+    with ServerProcess(workdir / "server-workers-only", workdir / "models", engines_dir=workdir / "engines",
+                       settings=("l2.frontend_head_mb=0",)) as server:
+        out["workers_only"] = bench_worker_path(server, bump[:2000], texts[:300])
+        assert server.stop() == 0
     if gpu:
         print("  device LRU lookups ...", flush=True)
         out["device_lru"] = bench_device_lru()
@@ -321,6 +347,12 @@ def print_l2(result: dict) -> None:
     print(f"| p50 at 1 caller: FEATURE / exact hit / miss | {lat['feature']['p50_ms']:.2f} / "
           f"{lat['exact_hit']['p50_ms']:.2f} / {lat['miss']['p50_ms']:.2f} ms | FEATURE {lat['feature_p50_over_exact_hit']:.2f}x "
           f"an exact hit, {lat['feature_p50_over_miss']:.2f}x a miss |")
+    if "workers_only" in result:
+        w = result["workers_only"]
+        print(f"| the same with heads run by the workers only (`l2.frontend_head_mb=0`, another server of the run) | "
+              f"bump of {w['texts']} texts, Infer: {w['bump_infer_time_ratio']:.3f}x; p50 FEATURE / exact hit "
+              f"{w['feature_p50_ms']:.2f} / {w['exact_hit_p50_ms']:.2f} ms | FEATURE {w['feature_p50_over_exact_hit']:.2f}x "
+              "an exact hit |")
     for name, row in result.get("feature_throughput", {}).items():
         print(f"| FEATURE answers, {name.replace('_', ' ')} | {row['throughput_rps']:.0f} req/s, p50 {row['p50_ms']:.2f} ms | |")
     if "device_lru" in result:
