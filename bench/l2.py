@@ -175,13 +175,19 @@ def bench_bump(server: ServerProcess, texts: list[str]) -> dict:
     return out
 
 
-def bench_latency(server: ServerProcess, texts: list[str]) -> dict:
-    """One caller: misses (version 1), FEATURE answers of the same texts (version 2; a frontend copies a
-    text's second one into L1), then exact hits."""
+# (label, version, the source every text must get): misses, then FEATURE answers (a frontend copies a
+# text's second one into L1), then exact hits
+FRONTEND_PASSES = (("miss", "1", "MISS"), ("feature", "2", "FEATURE"), ("feature_again", "2", "FEATURE"),
+                   ("exact_hit", "2", "RESULT_EXACT"))
+WORKER_PASSES = (("miss", "1", "MISS"), ("feature", "2", "FEATURE"), ("exact_hit", "2", "RESULT_EXACT"))  # stores each
+
+
+def bench_latency(server: ServerProcess, texts: list[str], passes=FRONTEND_PASSES) -> dict:
+    """One caller, the same texts in each of `passes`: each pass's summary, and FEATURE's p50 against an
+    exact hit's and a miss's."""
     out = {}
-    for label, version, source in (("miss", "1", "MISS"), ("feature", "2", "FEATURE"), ("feature_again", "2", "FEATURE"),
-                                   ("exact_hit", "2", "RESULT_EXACT")):
-        _settle(server)  # (before the exact hits: the copies of the second FEATURE answers are written)
+    for label, version, source in passes:
+        _settle(server)  # (before the exact hits: the copies of FEATURE answers into L1 are written)
         summary = _run(server, _requests("banking77", texts, "latency", version=version), concurrency=1)
         assert summary["sources"] == {source: len(texts)}, summary["sources"]
         out[label] = summary
@@ -198,14 +204,10 @@ def bench_worker_path(server: ServerProcess, texts: list[str], latency_texts: li
     _settle(server)
     second = _run(server, _requests("banking77", texts, "bump", version="2"))
     assert second["sources"] == {"FEATURE": len(texts)}, second["sources"]
-    out = {"texts": len(texts), "bump_infer_time_ratio": round(second["seconds"] / first["seconds"], 4)}
-    for label, version, source in (("miss", "1", "MISS"), ("feature", "2", "FEATURE"), ("exact_hit", "2", "RESULT_EXACT")):
-        _settle(server)  # (before the exact hits: the worker stores every FEATURE answer it makes)
-        summary = _run(server, _requests("banking77", latency_texts, "latency", version=version), concurrency=1)
-        assert summary["sources"] == {source: len(latency_texts)}, summary["sources"]
-        out[f"{label}_p50_ms"] = summary["p50_ms"]
-    out["feature_p50_over_exact_hit"] = round(out["feature_p50_ms"] / out["exact_hit_p50_ms"], 3)
-    return out
+    latency = bench_latency(server, latency_texts, WORKER_PASSES)
+    return {"texts": len(texts), "bump_infer_time_ratio": round(second["seconds"] / first["seconds"], 4),
+            **{f"{label}_p50_ms": latency[label]["p50_ms"] for label, _, _ in WORKER_PASSES},
+            "feature_p50_over_exact_hit": latency["feature_p50_over_exact_hit"]}
 
 
 def bench_device_lru(dim: int = 384, classes: int = 77, entries: int = 100_000, batch: int = 32,

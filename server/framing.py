@@ -105,9 +105,7 @@ class FrameProtocol(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
+        self._cancel_timer()
         out, self.out = self.out, self.new_message()
         if self.transport is None or self.transport.is_closing() or not out.ListFields():
             return
@@ -117,8 +115,11 @@ class FrameProtocol(asyncio.Protocol):
         self.transport.write(len(payload).to_bytes(HEADER, "little") + payload)
 
     def close(self) -> None:
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _cancel_timer(self) -> None:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
-        if self.transport is not None:
-            self.transport.close()

@@ -448,15 +448,14 @@ class FrontendCore:
         looked = bool(missed) and self.fleet is not None and self.fleet.usable
         if looked:  # one pipeline for all of them
             found = await asyncio.gather(*(self._fleet_hit(plan, keyed[n][1], keyed[n][2]) for n in missed))
-            self._answered_here(answers, missed, found, here, RESULT_FLEET)
-            missed = [n for n in missed if answers[n] is None]
+            missed = self._answered_here(answers, missed, found, here, RESULT_FLEET)
         if missed and plan.mode == Mode.ONLY_IF_CACHED:
             self.counters["not_cached"] += len(missed)
             raise NotCached(f"texts[{missed[0]}]: no fresh cached entry ({len(missed)} of {len(keyed)} texts have "
                             "none; cache.mode is ONLY_IF_CACHED)")
         if missed and plan.served.head is not None and plan.cached_ok:  # stored features: answered here
-            self._answered_here(answers, missed, self._feature_answers(plan, [keyed[n] for n in missed]), here, FEATURE)
-            missed = [n for n in missed if answers[n] is None]
+            found = self._feature_answers(plan, [keyed[n] for n in missed])
+            missed = self._answered_here(answers, missed, found, here, FEATURE)
         results, lengths = [], [] if sources is not None else None
         if missed:
             miss_keyed = [keyed[n] for n in missed]
@@ -477,10 +476,13 @@ class FrontendCore:
         return wire.batch_response([self._answer(next(computed)) if answer is None else answer for answer in answers])
 
     @staticmethod
-    def _answered_here(answers: list, missed: list[int], found: list, here: dict[int, int], source: int) -> None:
+    def _answered_here(answers: list, missed: list[int], found: list, here: dict[int, int], source: int) -> list[int]:
+        """Takes the answers `found` for the `missed` texts (None: not found) from `source`; returns
+        the texts still missed."""
         for n, answer in zip(missed, found):
             if answer is not None:
                 answers[n], here[n] = answer, source
+        return [n for n in missed if answers[n] is None]
 
     def _count_batch(self, sources: list, plan: _Plan, keyed: list, answers: list, results: dict, reasons: dict,
                      here: dict[int, int]) -> None:
