@@ -45,13 +45,13 @@ from bench.fleet import bench_fleet, print_fleet
 from bench.l2 import bench_l2, print_l2
 from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
 from bench.overload import bench_overload, print_overload
-from bench.gpu import INFER, PARTS, bench_gpu, load_one, print_gpu
+from bench.gpu import PARTS, bench_gpu, load_one, print_gpu
 from bench.workers import bench_workers, print_workers
 from bench.worker_capacity import bench_worker_capacity, print_worker_capacity
 from bench.security import bench_hit_path, bench_redaction, print_security
 from bench.semantic import bench_eval, bench_hit_latency, bench_rebuild, print_semantic
 from bench.shadow import bench_shadow, print_shadow
-from bench.load import run_load, warm
+from bench.load import INFER, run_load, warm
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc

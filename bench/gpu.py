@@ -29,11 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from bench import echo
-from bench.load import run_load_processes
+from bench.load import INFER, run_load_processes
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
-INFER = "/infercache.v1.InferenceCache/Infer"
 INFER_BATCH = "/infercache.v1.InferenceCache/InferBatch"
 RAW_SHAPES = ((32, 32), (128, 32), (32, 128), (128, 128), (8, 128), (16, 128), (64, 128))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import time
@@ -29,12 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from bench import BANKING77
-from bench.load import run_load
+from bench.load import run_each_once
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import Normalizer
 
 CALLERS = 32
+LOAD_PROCESSES = max(1, (os.cpu_count() or 1) // 4)  # one on a small machine; enough not to set the pace on 16 cores
 
 
 def make_models(root: Path, progress=print) -> tuple[str, str]:
@@ -80,8 +82,7 @@ def _requests(model: str, texts: list[str], tenant: str, version: str = "") -> l
 
 
 def _run(server: ServerProcess, requests: list[pb.InferRequest], concurrency: int = CALLERS) -> dict:
-    result = asyncio.run(run_load(server.address, requests, concurrency=concurrency, total=len(requests),
-                                  timeout=120))
+    result = run_each_once(server.address, requests, concurrency=concurrency, processes=LOAD_PROCESSES, timeout=120)
     assert result.errors == 0, f"{result.errors} errors"
     return result.summary()
 
@@ -90,6 +91,11 @@ def _encoder_runs(server: ServerProcess, whole_graph: str | None = None) -> int:
     """Texts the encoder ran on: minilm's batcher, and a whole-graph model's own (its graph contains it)."""
     names = ["batcher.minilm.1.batched_requests"] + ([f"batcher.{whole_graph}.1.batched_requests"] if whole_graph else [])
     return sum(w.counters[name] for w in server.stats().workers for name in names)
+
+
+def _copies(server: ServerProcess) -> int:
+    """FEATURE answers the workers copied into L1 (a frontend's second answer for a text)."""
+    return sum(w.counters.get("worker.copies", 0) for w in server.stats().workers)
 
 
 def _settle(server: ServerProcess, timeout: float = 30.0) -> None:
@@ -186,11 +192,20 @@ def bench_latency(server: ServerProcess, texts: list[str], passes=FRONTEND_PASSE
     """One caller, the same texts in each of `passes`: each pass's summary, and FEATURE's p50 against an
     exact hit's and a miss's."""
     out = {}
+    copies = _copies(server)
     for label, version, source in passes:
         _settle(server)  # (before the exact hits: the copies of FEATURE answers into L1 are written)
-        summary = _run(server, _requests("banking77", texts, "latency", version=version), concurrency=1)
+        requests = _requests("banking77", texts, "latency", version=version)
+        summary = _run(server, requests, concurrency=1)
         assert summary["sources"] == {source: len(texts)}, summary["sources"]
         out[label] = summary
+        # Each pass's one connection lands on any frontend (SO_REUSEPORT), and a frontend copies a text
+        # into L1 at its own second FEATURE answer: again until one has (each frontend has seen them).
+        for _ in range(server.frontends if label == "feature_again" else 0):
+            if _copies(server) - copies >= len(texts):
+                break
+            _settle(server)
+            _run(server, requests, concurrency=1)
     out["feature_p50_over_exact_hit"] = round(out["feature"]["p50_ms"] / out["exact_hit"]["p50_ms"], 3)
     out["feature_p50_over_miss"] = round(out["feature"]["p50_ms"] / out["miss"]["p50_ms"], 3)
     return out

@@ -110,6 +110,7 @@ def warm(address: str, requests: list[pb.InferRequest], metadata: tuple | None =
 # ---- several load processes, raw bytes ----------------------------------------------------------------
 
 CHANNELS_PER_PROCESS = 16
+INFER = "/infercache.v1.InferenceCache/Infer"
 
 @dataclass
 class ProcessLoad:
@@ -207,13 +208,17 @@ async def _raw_callers(address: str, method: str, payloads: list[bytes], concurr
     return len(latencies), sum(codes.values()), latencies, codes, cpu_s, host_busy
 
 
-def _load_process(args, out) -> None:
+def _event_loop_runner():
     try:
         from uvloop import run  # the same event loop as the servers: a lighter load generator
     except ImportError:  # pragma: no cover
         run = asyncio.run
+    return run
+
+
+def _load_process(args, out) -> None:
     address, method, payloads, concurrency, seconds, warmup_s, timeout, start = args
-    calls, errors, latencies, codes, cpu_s, host_busy = run(
+    calls, errors, latencies, codes, cpu_s, host_busy = _event_loop_runner()(
         _raw_callers(address, method, payloads, concurrency, seconds, warmup_s, timeout, start))
     out.put((calls, errors, np.array(latencies, dtype=np.float64).tobytes(), codes, cpu_s, host_busy))
 
@@ -245,3 +250,75 @@ def run_load_processes(address: str, method: str, payloads: list[bytes], *, proc
     hosts = [p[5] for p in parts if p[5] is not None]  # every process saw the same host: their mean
     return ProcessLoad(sum(p[0] for p in parts), sum(p[1] for p in parts), seconds, latencies, items_per_call, codes,
                        sum(p[4] for p in parts), statistics.mean(hosts) if hosts else None)
+
+
+# ---- each request once, raw bytes --------------------------------------------------------------------
+
+async def _each_once(address: str, payloads: list[bytes], concurrency: int, timeout: float, metadata, start_gate
+                     ) -> tuple[float, float, list[float], list[bytes | None]]:
+    """Sends every payload once from `concurrency` callers once `start_gate` opens: (first send, last
+    answer) on the monotonic clock (shared by the host's processes), latencies, and each response's bytes
+    (None for an error)."""
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, min(CHANNELS_PER_PROCESS, concurrency)))]
+    calls = [c.unary_unary(INFER, request_serializer=None, response_deserializer=None) for c in channels]
+    for channel in channels:
+        await channel.channel_ready()
+    start_gate.wait()  # every load process connected: they start together
+    pending = iter(enumerate(payloads))
+    responses: list[bytes | None] = [None] * len(payloads)
+    latencies: list[float] = []
+
+    async def caller(call) -> None:
+        for i, payload in pending:
+            sent = time.perf_counter()
+            try:
+                responses[i] = await call(payload, timeout=timeout, metadata=metadata)
+            except grpc.aio.AioRpcError:
+                continue
+            latencies.append((time.perf_counter() - sent) * 1000)
+
+    began = time.monotonic()
+    await asyncio.gather(*(caller(calls[i % len(calls)]) for i in range(concurrency)))
+    ended = time.monotonic()
+    for channel in channels:
+        await channel.close()
+    return began, ended, latencies, responses
+
+
+def _each_once_process(args, out) -> None:
+    began, ended, latencies, responses = _event_loop_runner()(_each_once(*args))
+    out.put((began, ended, np.array(latencies, dtype=np.float64).tobytes(), responses))
+
+
+def run_each_once(address: str, requests: list[pb.InferRequest], *, concurrency: int, processes: int = 1,
+                  timeout: float = 30.0, metadata: tuple | None = None) -> LoadResult:
+    """Sends every request exactly once from `concurrency` callers spread over `processes` load processes
+    (uvloop; requests serialized beforehand and responses parsed after the clock stops, so the load
+    generator's protobuf work is not on the measured path). Sources are counted from the responses."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out, gate = ctx.Queue(), ctx.Barrier(processes)
+    processes = max(1, min(processes, concurrency))
+    payloads = [r.SerializeToString() for r in requests]
+    callers = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    procs = [ctx.Process(target=_each_once_process, daemon=True,
+                         args=((address, payloads[i::processes], callers[i], timeout, metadata, gate), out))
+             for i in range(processes)]
+    for proc in procs:
+        proc.start()
+    parts = [out.get(timeout=timeout * len(payloads) / concurrency + 120) for _ in procs]
+    for proc in procs:
+        proc.join(10)
+    sources: dict[str, int] = {}
+    errors = 0
+    for response in (r for part in parts for r in part[3]):
+        if response is None:
+            errors += 1
+            continue
+        name = pb.CacheInfo.Source.Name(pb.InferResponse.FromString(response).cache.source)
+        sources[name] = sources.get(name, 0) + 1
+    seconds = max(p[1] for p in parts) - min(p[0] for p in parts)
+    latencies = np.concatenate([np.frombuffer(p[2], dtype=np.float64) for p in parts])
+    return LoadResult(len(latencies), errors, seconds, latencies, sources)

@@ -37,6 +37,7 @@ class ServerProcess:
                  client_options: dict | None = None) -> None:
         """client_options: what `client()` passes to Client (a token, TLS material) for a secured server."""
         self.workdir = workdir
+        self.frontends = frontends
         self.client_options = client_options or {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
