@@ -142,6 +142,10 @@ class WriteBehind:
         else:
             self.drain()
 
+    def queued(self) -> int:
+        """Operations waiting to be handled (approximate while a thread of its own takes them)."""
+        return self._queue.qsize()
+
     def drain(self) -> None:
         """Without a thread of its own: handles everything queued so far in the caller's thread (one
         transaction per batch_max operations), and sweeps when a sweep is due."""

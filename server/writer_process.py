@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 import threading
+import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Callable
@@ -56,6 +57,11 @@ ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row 
 # again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
 # Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
 MAX_BACKLOG = 50_000
+# Puts wait up to this long for others to share their transaction (each commit costs an fsync, a disk
+# check and an answer frame: with one put per commit, as at a few thousand misses/s, the writer spent
+# more CPU per miss than the frontend's miss path). Invalidations and flushes commit at once. The
+# worker serves a computed key from memory until its put is handled, so the wait is invisible to callers.
+GROUP_COMMIT_S = 0.01
 
 
 class WriterProcess:
@@ -86,13 +92,13 @@ class WriterProcess:
     @classmethod
     async def start(cls, settings: StoreSettings, *, batch_max: int, sweep_interval_s: float, max_ttl_s: int,
                     what: str, log_level: str, role: str, on_lost: Callable[[], None] | None = None,
-                    max_backlog: int = MAX_BACKLOG) -> "WriterProcess":
+                    max_backlog: int = MAX_BACKLOG, group_commit_s: float = GROUP_COMMIT_S) -> "WriterProcess":
         """Starts the process, waits until it has the store open, then opens the worker's read-only
         handle. StoreError when the store cannot be opened (the process has exited then)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         process = multiprocessing.get_context("spawn").Process(
             target=_main, name=f"{role}-writer",
-            args=(settings, batch_max, sweep_interval_s, max_ttl_s, theirs, log_level, f"{role} writer"))
+            args=(settings, batch_max, sweep_interval_s, max_ttl_s, group_commit_s, theirs, log_level, f"{role} writer"))
         await asyncio.to_thread(process.start)
         theirs.close()
         self = cls(process, what, on_lost, max_backlog)
@@ -314,8 +320,8 @@ def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
     return Selector(*(getattr(wanted, f) if wanted.HasField(f) else None for f in ("tenant", "model", "version", "key")))
 
 
-def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, sock: socket.socket,
-          log_level: str, role: str) -> None:
+def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, group_commit_s: float,
+          sock: socket.socket, log_level: str, role: str) -> None:
     from server import process
 
     # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
@@ -333,8 +339,13 @@ def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_
     channel.counters = writer.counters
     channel.send(writer_pb2.StoreEvents(ready=True))
     handled = 0  # puts received (numbered as the worker numbers them), all handled after each drain
-    while (frames := channel.receive(min(COUNTERS_EVERY_S, sweep_interval_s))) is not None:
-        requests = []
+    requests: list = []
+    held_since: float | None = None  # when the oldest put not committed yet arrived
+    while True:
+        wait = min(COUNTERS_EVERY_S, sweep_interval_s) if held_since is None \
+            else max(0.0, held_since + group_commit_s - time.monotonic())
+        if (frames := channel.receive(wait)) is None:
+            break
         for frame in frames:
             ops = writer_pb2.StoreOps.FromString(frame)
             for put in ops.puts:
@@ -347,14 +358,21 @@ def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_
             for request in ops.requests:
                 requests.append((request.id, writer.invalidate(_selector(request.invalidate))
                                  if request.HasField("invalidate") else writer.flush()))
+        if frames and held_since is None:
+            held_since = time.monotonic()
+        if held_since is not None and not requests and writer.queued() < batch_max \
+                and time.monotonic() - held_since < group_commit_s:
+            continue  # more puts may come for the same transaction
         writer.drain()  # commits what arrived (and sweeps when due): every future above is done now
-        events = writer_pb2.StoreEvents(handled=handled) if frames else writer_pb2.StoreEvents()
+        events = writer_pb2.StoreEvents(handled=handled) if held_since is not None else writer_pb2.StoreEvents()
+        held_since = None
         for request_id, future in requests:
             done = events.done.add(id=request_id)
             if (exc := future.exception()) is not None:
                 done.error = f"{type(exc).__name__}: {exc}"
             else:
                 done.removed = future.result() or 0
+        requests.clear()
         channel.send(events)
-    writer.close()  # (everything received is committed by now)
+    writer.close()  # commits what it still holds: everything received is committed
     store.close()

@@ -3,6 +3,7 @@ process loads torch; worker placement (server/devices.py); the null runtime."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -67,6 +68,21 @@ def test_no_server_process_loads_torch_on_a_cpu_host(start_server):
     assert len(pids) >= 4  # supervisor, worker, two frontends (and multiprocessing's helpers)
     loaded = {pid: lines[:2] for pid in pids if (lines := torch_mappings(pid))}
     assert not loaded, f"torch is mapped into server processes: {loaded}"
+
+
+def test_server_processes_run_numpy_on_one_blas_thread(start_server):
+    """OpenBLAS's threads spin beside the engine's (server/__main__.py): every process the supervisor
+    starts (frontends, worker, writers) inherits one thread, unless the operator set otherwise. (The
+    supervisor's own /proc environ is the one it was started with, before it set the variable.)"""
+    server = start_server()
+    with server.client() as client:
+        assert client.infer(MODEL, unique("blas")).source == "MISS"  # the writers are running
+    pids = process_tree(server.proc.pid)
+    assert len(pids) >= 5  # supervisor, worker, its writer, two frontends
+    wanted = os.environ.get("OPENBLAS_NUM_THREADS", "1")
+    for pid in pids[1:]:
+        environ = dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in line)
+        assert environ.get("OPENBLAS_NUM_THREADS") == wanted, (pid, Path(f"/proc/{pid}/cmdline").read_text())
 
 
 def test_importing_and_planning_does_not_import_torch():

@@ -236,3 +236,25 @@ def test_a_writer_that_falls_behind_drops_puts_past_the_backlog_bound_and_commit
         await writer.close()
 
     asyncio.run(scenario())
+
+
+def test_puts_sent_one_after_another_share_a_transaction_and_are_told_without_a_flush(tmp_path):
+    """Group commit: puts wait up to group_commit_s (GROUP_COMMIT_S in the server) for others to share
+    their transaction. Without the wait each of these frames was a transaction of its own (an fsync each).
+    No flush here: what is held is committed, and told, when the wait ends."""
+    async def scenario(group_commit_s: float) -> int:
+        writer = await _start(tmp_path / f"cache-{group_commit_s}", group_commit_s=group_commit_s)
+        told: list[int] = []
+        for i in range(20):
+            _put(writer, f"text {i}", on_done=lambda i=i: told.append(i))
+            await asyncio.sleep(0.005)  # a frame of its own, which the writer has received before the next
+        deadline = time.monotonic() + 10
+        while (len(told) < 20 or writer.counters["writes"] < 20) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # (the counters come with the answer)
+        assert told == list(range(20)) and writer.counters["writes"] == 20
+        txns = writer.counters["write_txns"]
+        await writer.close()
+        return txns
+
+    assert asyncio.run(scenario(1.0)) <= 2  # 20 frames within a second: one transaction (two if it ends between)
+    assert asyncio.run(scenario(0.0)) >= 10  # the same frames with no wait: about one transaction each
