@@ -1,4 +1,5 @@
-"""Tokenization and padding for encoder models (Hugging Face `tokenizers`, no Python model code)."""
+"""Tokenization and padding for encoder models (Hugging Face `tokenizers`, no Python model code; BERT
+WordPiece tokenizers answer printable-ASCII texts through server/wordpiece.py, to the same ids)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from server.wordpiece import FastWordPiece
 
 
 class TextEncoder:
@@ -15,12 +18,22 @@ class TextEncoder:
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length=max_tokens)
+        self.fast = FastWordPiece.of(self.tokenizer)  # None: every text goes to the tokenizer
 
     def encode(self, text: str) -> list[int]:
+        if self.fast is not None and (ids := self.fast.encode(text)) is not None:
+            return ids
         return self.tokenizer.encode(text).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts)]
+        if self.fast is None:
+            return [encoding.ids for encoding in self.tokenizer.encode_batch(texts)]
+        out = [self.fast.encode(text) for text in texts]
+        rest = [n for n, ids in enumerate(out) if ids is None]
+        if rest:
+            for n, encoding in zip(rest, self.tokenizer.encode_batch([texts[n] for n in rest])):
+                out[n] = encoding.ids
+        return out
 
     @property
     def fingerprint(self) -> tuple[int, int]:
