@@ -291,6 +291,9 @@ def main() -> None:
     parser.add_argument("--overload-settings", default="",
                         help="overload section: the server's settings, comma-separated key=value (e.g. "
                              "engines.runtime=onnxruntime,server.engine_threads=4: a CPU-bound model on a GPU host)")
+    parser.add_argument("--l2-settings", default="",
+                        help="l2 section: the servers' settings, comma-separated key=value (e.g. "
+                             "engines.runtime=onnxruntime,server.engine_threads=8: the CPU path on a GPU host)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -339,10 +342,13 @@ def main() -> None:
                                                 tuple(filter(None, args.overload_settings.split(","))))
             save()
         if "l2" in sections:
-            from server.devices import visible_gpus
+            from server.devices import GPU_RUNTIMES, visible_gpus
 
             print("benchmarking the feature tier (L2) ...", flush=True)
-            report["l2"] = bench_l2(workdir / "l2", rounds, args.quick, gpu=bool(visible_gpus()))
+            l2_settings = tuple(filter(None, args.l2_settings.split(",")))
+            runtime = next((s.split("=", 1)[1] for s in l2_settings if s.startswith("engines.runtime=")), "auto")
+            report["l2"] = bench_l2(workdir / "l2", rounds, args.quick, settings=l2_settings,
+                                    gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES))
             save()
         if "worker" in sections:
             print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)

@@ -299,7 +299,8 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
     }
 
 
-def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict:
+def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False, settings: tuple[str, ...] = ()) -> dict:
+    """`settings`: the servers' (both); `gpu`: the device-LRU and FEATURE-throughput parts too."""
     workdir.mkdir(parents=True)
     print("  training the Banking77 head (train-head) ...", flush=True)
     make_models(workdir / "models", progress=lambda line: None)
@@ -308,7 +309,9 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict
     bump = texts[:2000] if quick else texts
     out: dict = {"distinct_texts": len(texts)}
     (workdir / "server").mkdir()
-    server = ServerProcess(workdir / "server", workdir / "models", engines_dir=workdir / "engines")
+    frontends = os.cpu_count() or 1  # the server's default, one per CPU
+    server = ServerProcess(workdir / "server", workdir / "models", frontends=frontends, engines_dir=workdir / "engines",
+                           settings=settings)
     try:
         print("  miss throughput: head vs whole graph ...", flush=True)
         out["miss_throughput"] = bench_miss_throughput(server, texts, rounds, per_round)
@@ -334,8 +337,8 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False) -> dict
         assert server.stop() == 0
     print("  the same with heads run by the workers only (l2.frontend_head_mb=0) ...", flush=True)
     (workdir / "server-workers-only").mkdir()
-    with ServerProcess(workdir / "server-workers-only", workdir / "models", engines_dir=workdir / "engines",
-                       settings=("l2.frontend_head_mb=0",)) as server:
+    with ServerProcess(workdir / "server-workers-only", workdir / "models", frontends=frontends, engines_dir=workdir / "engines",
+                       settings=(*settings, "l2.frontend_head_mb=0")) as server:
         out["workers_only"] = bench_worker_path(server, bump[:2000], texts[:300])
         assert server.stop() == 0
     if gpu:
