@@ -347,8 +347,9 @@ def main() -> None:
             print("benchmarking the feature tier (L2) ...", flush=True)
             l2_settings = tuple(filter(None, args.l2_settings.split(",")))
             runtime = next((s.split("=", 1)[1] for s in l2_settings if s.startswith("engines.runtime=")), "auto")
-            report["l2"] = bench_l2(workdir / "l2", rounds, args.quick, settings=l2_settings,
-                                    gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES))
+            report["l2"] = {}
+            bench_l2(workdir / "l2", rounds, args.quick, report["l2"], settings=l2_settings,
+                     gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=save)
             save()
         if "worker" in sections:
             print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)

@@ -299,15 +299,17 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
     }
 
 
-def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False, settings: tuple[str, ...] = ()) -> dict:
-    """`settings`: the servers' (both); `gpu`: the device-LRU and FEATURE-throughput parts too."""
+def bench_l2(workdir: Path, rounds: int, quick: bool, out: dict, gpu: bool = False, settings: tuple[str, ...] = (),
+             checkpoint=lambda: None) -> None:
+    """Fills `out` step by step, calling checkpoint() after each (a run cut short keeps what it measured).
+    `settings`: the servers' (both); `gpu`: the device-LRU and FEATURE-throughput parts too."""
     workdir.mkdir(parents=True)
     print("  training the Banking77 head (train-head) ...", flush=True)
     make_models(workdir / "models", progress=lambda line: None)
     texts = distinct_texts()
     per_round = 300 if quick else 2000
     bump = texts[:2000] if quick else texts
-    out: dict = {"distinct_texts": len(texts)}
+    out["distinct_texts"] = len(texts)
     (workdir / "server").mkdir()
     frontends = os.cpu_count() or 1  # the server's default, one per CPU
     server = ServerProcess(workdir / "server", workdir / "models", frontends=frontends, engines_dir=workdir / "engines",
@@ -315,10 +317,13 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False, setting
     try:
         print("  miss throughput: head vs whole graph ...", flush=True)
         out["miss_throughput"] = bench_miss_throughput(server, texts, rounds, per_round)
+        checkpoint()
         print(f"  head version bump over {len(bump)} texts ...", flush=True)
         out["version_bump"] = bench_bump(server, bump)
+        checkpoint()
         print("  latency at one caller ...", flush=True)
         out["latency"] = bench_latency(server, texts[:300])
+        checkpoint()
         if gpu:
             print("  FEATURE throughput ...", flush=True)
             out["feature_throughput"] = {}
@@ -328,6 +333,7 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False, setting
                 summary = _run(server, _requests("banking77", chosen, f"ft-{callers}", version="2"), callers)
                 assert summary["sources"] == {"FEATURE": len(chosen)}, summary["sources"]
                 out["feature_throughput"][f"callers_{callers}"] = summary
+                checkpoint()
         workers = server.stats().workers
         out["worker_counters"] = {k: v for w in workers for k, v in w.counters.items()
                                   if k.startswith(("worker.", "features."))}
@@ -340,11 +346,11 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, gpu: bool = False, setting
     with ServerProcess(workdir / "server-workers-only", workdir / "models", frontends=frontends, engines_dir=workdir / "engines",
                        settings=(*settings, "l2.frontend_head_mb=0")) as server:
         out["workers_only"] = bench_worker_path(server, bump[:2000], texts[:300])
+        checkpoint()
         assert server.stop() == 0
     if gpu:
         print("  device LRU lookups ...", flush=True)
         out["device_lru"] = bench_device_lru()
-    return out
 
 
 def print_l2(result: dict) -> None:
