@@ -57,10 +57,11 @@ ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row 
 # again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
 # Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
 MAX_BACKLOG = 50_000
-# Puts wait up to this long for others to share their transaction (each commit costs an fsync, a disk
+# Puts wait up to this long for others to share their transaction. Each commit costs an fsync, a disk
 # check and an answer frame: with one put per commit, as at a few thousand misses/s, the writer spent
-# more CPU per miss than the frontend's miss path). Invalidations and flushes commit at once. The
-# worker serves a computed key from memory until its put is handled, so the wait is invisible to callers.
+# 169-185 us of CPU per miss (2-core machine, null engine), 54-61 us with the wait. Invalidations and
+# flushes commit at once. The worker serves a computed key from memory until its put is handled, so
+# callers do not see the wait.
 GROUP_COMMIT_S = 0.01
 
 
