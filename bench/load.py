@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import queue
 import statistics
 import time
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ def warm(address: str, requests: list[pb.InferRequest], metadata: tuple | None =
 # ---- several load processes, raw bytes ----------------------------------------------------------------
 
 CHANNELS_PER_PROCESS = 16
+START_GATE_S = 120.0  # load processes start, import and connect within this
 INFER = "/infercache.v1.InferenceCache/Infer"
 
 @dataclass
@@ -264,7 +266,7 @@ async def _each_once(address: str, payloads: list[bytes], concurrency: int, time
     calls = [c.unary_unary(INFER, request_serializer=None, response_deserializer=None) for c in channels]
     for channel in channels:
         await channel.channel_ready()
-    start_gate.wait()  # every load process connected: they start together
+    start_gate.wait(START_GATE_S)  # every load process connected: they start together (BrokenBarrierError if not)
     pending = iter(enumerate(payloads))
     responses: list[bytes | None] = [None] * len(payloads)
     latencies: list[float] = []
@@ -299,8 +301,8 @@ def run_each_once(address: str, requests: list[pb.InferRequest], *, concurrency:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    out, gate = ctx.Queue(), ctx.Barrier(processes)
     processes = max(1, min(processes, concurrency))
+    out, gate = ctx.Queue(), ctx.Barrier(processes)  # (after the clamp: a party short waits forever)
     payloads = [r.SerializeToString() for r in requests]
     callers = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     procs = [ctx.Process(target=_each_once_process, daemon=True,
@@ -308,7 +310,17 @@ def run_each_once(address: str, requests: list[pb.InferRequest], *, concurrency:
              for i in range(processes)]
     for proc in procs:
         proc.start()
-    parts = [out.get(timeout=timeout * len(payloads) / concurrency + 120) for _ in procs]
+    parts = []
+    deadline = time.monotonic() + START_GATE_S + timeout * len(payloads) / concurrency + 60
+    while len(parts) < len(procs):  # a load process that dies (an error outside gRPC's) fails the run
+        try:
+            parts.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"load processes failed (exit codes {dead}) or ran past their deadline")
     for proc in procs:
         proc.join(10)
     sources: dict[str, int] = {}

@@ -12,6 +12,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -30,7 +31,7 @@ def _writer(path: str, puts: int, batch: int, sync: bool, start, out) -> None:
     store = Store(StoreSettings(Path(path), 16 << 30, 12 << 30, sync), readonly=False)
     writer = WriteBehind(store, batch_max=batch, threaded=False)
     ns, payload, tag = Namespace("bench", "minilm", "1"), os.urandom(RECORD_BYTES), os.getpid().to_bytes(4, "big")
-    start.wait()
+    start.wait(120)
     began = time.perf_counter()
     for i in range(puts):
         writer.put(ns.ns_id + tag + i.to_bytes(12, "big"), ns, Record(now_us(), 0, payload))
@@ -43,18 +44,20 @@ def _writer(path: str, puts: int, batch: int, sync: bool, start, out) -> None:
 
 def capacity(directory: Path, processes: int, puts: int, batch: int, sync: bool = True) -> dict:
     ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
+    start, out = ctx.Barrier(processes + 1), ctx.Queue()  # the writers, each with its store open, and this
     path = Path(tempfile.mkdtemp(prefix="write-capacity-", dir=directory))
     procs = [ctx.Process(target=_writer, args=(str(path), puts, batch, sync, start, out)) for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    time.sleep(2)  # every process has its store open
-    began = time.perf_counter()
-    start.set()
-    parts = [out.get(timeout=600) for _ in procs]
-    wall = time.perf_counter() - began
-    for proc in procs:
-        proc.join(30)
+    try:
+        for proc in procs:
+            proc.start()
+        start.wait(120)
+        began = time.perf_counter()
+        parts = [out.get(timeout=600) for _ in procs]
+        wall = time.perf_counter() - began
+        for proc in procs:
+            proc.join(30)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
     return {"processes": processes, "puts": processes * puts, "batch": batch, "sync": sync,
             "puts_per_s": round(processes * puts / wall), "txns": sum(p[1] for p in parts)}
 

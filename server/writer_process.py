@@ -6,8 +6,8 @@ engine and items sent straight to one worker (bench/worker_capacity.py, 2-core m
 on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
 frame, against 44k and 62k with nothing written. The process runs the same WriteBehind
 (cachestore/writer.py) without a thread of its own: one thread reads the worker's frames, commits what
-arrived (one transaction per batch) and answers, so nothing inside it contends either; the worker's
-share of a write is a few protobuf field sets.
+arrived (one transaction per batch; puts wait up to GROUP_COMMIT_S for others to join it) and answers,
+so nothing inside it contends either; the worker's share of a write is a few protobuf field sets.
 
 The worker side (`WriterProcess`) has WriteBehind's interface: put (with on_done), invalidate and
 flush (concurrent futures), counters, store (the worker's own read-only handle) and on_semantic. It
@@ -61,7 +61,8 @@ MAX_BACKLOG = 50_000
 # check and an answer frame: with one put per commit, as at a few thousand misses/s, the writer spent
 # 169-185 us of CPU per miss (2-core machine, null engine), 54-61 us with the wait. Invalidations and
 # flushes commit at once. The worker serves a computed key from memory until its put is handled, so
-# callers do not see the wait.
+# an exact repeat does not see the wait; a near-duplicate may (semantic index rows come from commits: a
+# text's row is searchable up to this much later).
 GROUP_COMMIT_S = 0.01
 
 
@@ -376,4 +377,5 @@ def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_
         requests.clear()
         channel.send(events)
     writer.close()  # commits what it still holds: everything received is committed
+    channel.send(writer_pb2.StoreEvents(handled=handled))  # (a worker that closed its side is gone: dropped)
     store.close()

@@ -231,7 +231,8 @@ def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_mode
                 indexed = _counters(first).get("semantic.indexed", 0)
                 if client.infer("faq", text).source == "MISS":
                     deadline = time.monotonic() + 30  # (puts wait up to GROUP_COMMIT_S to be committed)
-                    while _counters(first).get("semantic.indexed", 0) == indexed and time.monotonic() < deadline:
+                    while _counters(first).get("semantic.indexed", 0) == indexed:
+                        assert time.monotonic() < deadline, f"{text!r} was computed and never indexed"
                         time.sleep(0.005)
         learnt = {k: v for k, v in _counters(first).items() if k.startswith("semantic.faq.1.")}
         assert learnt["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in learnt

@@ -8,7 +8,7 @@ import string
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from infercache.testing import REPO
 from server.tokenization import TextEncoder
@@ -75,3 +75,16 @@ def test_a_tokenizer_of_another_recipe_gets_no_fast_path(tmp_path):
     encoder = TextEncoder(Path(path), 8)
     assert encoder.fast is None and FastWordPiece.of(encoder.tokenizer) is None
     assert encoder.encode("hello world again") == [1, 2, 0]
+
+
+def test_added_tokens_matched_on_the_normalized_text_turn_the_fast_path_off(tmp_path):
+    """Such a token matches the lowercased text in a normalized form ("x [foo] y" is one token for
+    "[FOO]"), which the fast path does not reproduce: it stays off, and the tokenizer answers."""
+    tokenizer = Tokenizer.from_file(str(MINILM_TOKENIZER))
+    tokenizer.add_tokens([AddedToken("[FOO]", normalized=True)])
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    encoder = TextEncoder(path, 256)
+    assert encoder.fast is None
+    assert encoder.encode("x [foo] y") == encoder.tokenizer.encode("x [foo] y").ids
+    assert len(encoder.encode("x [foo] y")) == 5  # [CLS] x [FOO] y [SEP]
