@@ -8,11 +8,10 @@ far more than their texts, so a text here is a lower(), one regex split and a di
 It answers only where it is exactly the tokenizer's answer: the tokenizer must be the BERT recipe
 (BertNormalizer, BertPreTokenizer, WordPiece, [CLS] $A [SEP], right truncation, no padding, added
 tokens matched on the raw text only), read from its own JSON, and the text printable ASCII without any
-added token in it. There, the normalizer only
-lowercases (clean-up, accents and CJK spacing change nothing), the pre-tokenizer splits on spaces and
-isolates each ASCII punctuation character, and WordPiece is greedy longest-match-first. `FastWordPiece.of`
-also checks itself against the tokenizer on sample texts and is None on any difference; everything else
-(None from `encode`) goes to the tokenizer.
+added token in it. There, the normalizer only lowercases (clean-up, accents and CJK spacing change
+nothing), the pre-tokenizer splits on spaces and isolates each ASCII punctuation character, and
+WordPiece is greedy longest-match-first. `FastWordPiece.of` also checks itself against the tokenizer on
+sample texts and is None on any difference; everything else (None from `encode`) goes to the tokenizer.
 """
 
 from __future__ import annotations
