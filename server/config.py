@@ -271,6 +271,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.cache.max_ttl_s < 0:
         raise ConfigError("cache.max_ttl_s must be >= 0 (0 = no cap beyond each model's TTL)")
+    if config.cache.sweep_interval_s <= 0 or config.cache.write_batch < 1:
+        raise ConfigError("cache.sweep_interval_s must be positive and cache.write_batch >= 1 "
+                          f"(got {config.cache.sweep_interval_s} and {config.cache.write_batch})")
     fleet = config.fleet
     if fleet.redis and not fleet.redis.startswith(("redis://", "rediss://", "redis-cluster://")):
         raise ConfigError(f"fleet.redis must start with redis://, rediss:// or redis-cluster://, got {fleet.redis!r}")
