@@ -51,16 +51,23 @@ class LoadResult:
         }
 
 
+async def _connected(address: str, count: int) -> list:
+    """`count` (at least one) channels of their own, each its own connection (a local subchannel pool:
+    SO_REUSEPORT spreads connections, not channels, over the server's processes), all ready."""
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, count))]
+    for channel in channels:
+        await channel.channel_ready()
+    return channels
+
+
 async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency: int, total: int,
                    channels: int = 16, timeout: float = 30.0, metadata: tuple | None = None) -> LoadResult:
     """Sends `total` requests cycling through `requests`. Many channels (connections), so that
     SO_REUSEPORT's hashing spreads them evenly over the server's processes: with 4 connections on 2
     processes one process often gets 3, and the run measures that imbalance instead of the server."""
-    opened = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-              for _ in range(max(1, min(channels, concurrency)))]
+    opened = await _connected(address, min(channels, concurrency))
     stubs = [infercache_pb2_grpc.InferenceCacheStub(c) for c in opened]
-    for channel in opened:
-        await channel.channel_ready()
     source = iter(itertools.islice(itertools.cycle(requests), total))
     latencies: list[float] = []
     sources: dict[str, int] = {}
@@ -170,11 +177,7 @@ async def _raw_callers(address: str, method: str, payloads: list[bytes], concurr
     CHANNELS_PER_PROCESS: SO_REUSEPORT hashes connections onto the server's processes, and with few of
     them some frontends get several and others none (measured on the H200 host: 32 connections over 16
     frontends left the busiest frontend saturated while the mean was half busy)."""
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, min(CHANNELS_PER_PROCESS, concurrency)))]
-    calls = [c.unary_unary(method, request_serializer=None, response_deserializer=None) for c in channels]
-    for channel in channels:
-        await channel.channel_ready()
+    channels, calls = await _raw_calls(address, method, concurrency)
     latencies: list[float] = []
     codes: dict[str, int] = {}
     counter = itertools.count(start)
@@ -216,6 +219,13 @@ def _event_loop_runner():
     except ImportError:  # pragma: no cover
         run = asyncio.run
     return run
+
+
+async def _raw_calls(address: str, method: str, concurrency: int) -> tuple[list, list]:
+    """(channels, calls of `method` on each, bytes in and out) for `concurrency` callers: one connection
+    per caller up to CHANNELS_PER_PROCESS."""
+    channels = await _connected(address, min(CHANNELS_PER_PROCESS, concurrency))
+    return channels, [c.unary_unary(method, request_serializer=None, response_deserializer=None) for c in channels]
 
 
 def _load_process(args, out) -> None:
@@ -261,11 +271,7 @@ async def _each_once(address: str, payloads: list[bytes], concurrency: int, time
     """Sends every payload once from `concurrency` callers once `start_gate` opens: (first send, last
     answer) on the monotonic clock (shared by the host's processes), latencies, and each response's bytes
     (None for an error)."""
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, min(CHANNELS_PER_PROCESS, concurrency)))]
-    calls = [c.unary_unary(INFER, request_serializer=None, response_deserializer=None) for c in channels]
-    for channel in channels:
-        await channel.channel_ready()
+    channels, calls = await _raw_calls(address, INFER, concurrency)
     start_gate.wait(START_GATE_S)  # every load process connected: they start together (BrokenBarrierError if not)
     pending = iter(enumerate(payloads))
     responses: list[bytes | None] = [None] * len(payloads)
