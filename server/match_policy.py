@@ -11,6 +11,11 @@ A wrong cached answer is worse than a slow one. Two rules:
   runner-up by a margin that verified outcomes say keeps the error under `max_error`
   (server/calibration.py), and the query must be covered: its distance from the neighbours' hull
   (`residual`) at most `coverage`. A query far from everything cached is a miss whatever its nearest label.
+  And the namespace's cache-wide fit of the model's scores (server/surrogate.py) must rank the same answer
+  first: the interpolation cannot see where the query leaves the neighbours' hull, the fit can, from the
+  scores every entry holds for classes no entry answers. A query of a topic the cache has never stored,
+  beside one it has, is a miss when the fit says the model would answer the new topic. (A namespace with
+  fewer entries than the embedding has dimensions has no fit to ask yet.)
 - **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
   similarity floor and agreement among the nearest neighbours.
 """
@@ -21,6 +26,9 @@ import math
 from dataclasses import dataclass, fields
 
 import numpy as np
+
+from server.surrogate import RIDGE as FIT_RIDGE
+from server.surrogate import log_scores
 
 RIDGE = 0.01  # keeps the weights bounded when neighbours nearly coincide
 
@@ -39,15 +47,18 @@ class Assessment:
     answer: str      # the label the interpolated scores rank first
     margin: float    # its lead over the runner-up (log-probability)
     residual: float  # the query's distance from the neighbours' affine hull (unit vectors: 0 .. 2)
+    fitted: str | None = None  # the label the namespace's cache-wide fit ranks first (None: no fit yet)
 
 
-def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: list[str]) -> Assessment:
-    """`vectors` (k x dim) and `scores` (k x classes, probabilities) of the k nearest entries."""
+def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: list[str],
+           fitted: str | None = None) -> Assessment:
+    """`vectors` (k x dim) and `scores` (k x classes, probabilities) of the k nearest entries; `fitted`:
+    what the namespace's fit (server/surrogate.py) answers at the query."""
     k = len(vectors)
     gram = vectors @ vectors.T + RIDGE * np.eye(k)
     toward_query, toward_ones = np.linalg.solve(gram, np.stack([vectors @ query, np.ones(k)], axis=1)).T
     weights = toward_query + (1.0 - toward_query.sum()) / toward_ones.sum() * toward_ones  # they sum to 1
-    logits = weights @ np.log(np.maximum(scores, 1e-12))
+    logits = weights @ log_scores(scores)
     first = int(np.argmax(logits))
     if len(logits) > 1:
         lead = logits[first]
@@ -56,7 +67,7 @@ def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: l
     else:
         margin = math.inf
     residual = float(np.linalg.norm(query - weights @ vectors))
-    return Assessment(labels[first] if first < len(labels) else "", margin, residual)
+    return Assessment(labels[first] if first < len(labels) else "", margin, residual, fitted)
 
 
 @dataclass(frozen=True)
@@ -82,12 +93,15 @@ class CalibratedPolicy:
 
     def settings(self, embedder_version: str) -> str:
         """What outcomes learnt under this rule depend on (server/calibration.py keeps them with it)."""
-        return f"{self.embedder}/{embedder_version} k={self.k} coverage={self.coverage} ridge={RIDGE}"
+        return (f"{self.embedder}/{embedder_version} k={self.k} coverage={self.coverage} ridge={RIDGE} "
+                f"fit_ridge={FIT_RIDGE}")
 
     def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
-        """The query is near enough to what is cached, and an entry holds the predicted answer: the
-        rule would answer at a low enough threshold (such a miss is an outcome to calibrate on)."""
-        return assessment.residual <= self.coverage and any(n.answer == assessment.answer for n in neighbors)
+        """The query is near enough to what is cached, the cache-wide fit agrees, and an entry holds the
+        predicted answer: the rule would answer at a low enough threshold (such a miss is an outcome to
+        calibrate on)."""
+        return (assessment.residual <= self.coverage and assessment.fitted in (None, assessment.answer)
+                and any(n.answer == assessment.answer for n in neighbors))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ log in LMDB is the source of truth, and an index is rebuilt on start from its sn
 rows the snapshot lacks. Until that finishes, lookups report no neighbours (requests just miss).
 With encryption at rest on, no snapshot is written (an hnswlib file holds the embeddings in clear) and
 any left from before is deleted: indexes are rebuilt from the sealed log alone.
+
+The same thread keeps each namespace's cache-wide fit of the model's scores (server/surrogate.py), fed by
+every indexed entry whose answer carries class scores, and rebuilt from the live entries at start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from cachestore.results import now_us
 from cachestore.semantic import Row
 from infercache.v1 import infercache_pb2 as pb
 from server.match_policy import Assessment, Neighbor, assess
+from server.surrogate import Surrogate
 
 log = logging.getLogger("infercache.semantic")
 
@@ -41,6 +45,9 @@ HISTOGRAM_EDGES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
 # 2 KB each for MiniLM and 77 classes): reading them from hnswlib and the store each time cost about
 # 0.4 ms of every calibrated lookup.
 MEMO_ENTRIES = 16384
+# Namespaces with a fit of the model's scores (about 1.4 MB each for MiniLM and 77 classes); the rule goes
+# without the fit's agreement in a namespace beyond them (counted: fits_refused).
+MAX_FITS = 64
 
 
 class _Index:
@@ -110,6 +117,7 @@ class SemanticTier:
         self._indexes: dict[bytes, _Index] = {}
         # (ns_id, label) -> (the record's header when decoded, embedding, class scores); the owner thread's
         self._memo: OrderedDict[tuple[bytes, int], tuple[bytes, np.ndarray, np.ndarray]] = OrderedDict()
+        self._fits: dict[bytes, Surrogate] = {}  # the owner thread's
         self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic")
 
     @property
@@ -201,6 +209,12 @@ class SemanticTier:
             assessment = self._assess(ns_id, index, raws, vector, found, labels) if labels else None
         return [n for _, n in found], assessment
 
+    def _fitted(self, ns_id: bytes, vector: np.ndarray, labels: list[str]) -> str | None:
+        fit = self._fits.get(ns_id)
+        if fit is None or not fit.ready or fit.classes != len(labels):
+            return None
+        return labels[fit.answer(vector)]
+
     def _assess(self, ns_id: bytes, index: _Index, raws: dict[bytes, memoryview], vector: np.ndarray,
                 found: list[tuple[int, Neighbor]], labels: list[str]) -> Assessment | None:
         """Interpolates the found entries' stored class scores at the query (entries whose record
@@ -216,19 +230,27 @@ class SemanticTier:
             scores.append(known[1])
         if len(vectors) < 2:
             return None
-        return assess(vector, np.stack(vectors), np.stack(scores), labels)
+        return assess(vector, np.stack(vectors), np.stack(scores), labels, self._fitted(ns_id, vector, labels))
 
     def _decoded(self, ns_id: bytes, index: _Index, label: int, key: bytes, raw: memoryview,
                  classes: int) -> tuple[np.ndarray, np.ndarray] | None:
         """An entry's embedding and class scores: from the memo while its record is the one they were
         read from (another worker of the host may have rewritten it without this index hearing of it),
         else read and remembered."""
-        header = bytes(raw[:records.HEADER.size])
         memo_key = (ns_id, label)
         known = self._memo.get(memo_key)
-        if known is not None and known[0] == header:  # (a namespace is one model version: one label set)
+        if known is not None and known[0] == bytes(raw[:records.HEADER.size]):  # (a namespace is one model version)
             self._memo.move_to_end(memo_key)
             return known[1], known[2]
+        values = self._scores(raw, key)
+        if values is None or values.shape != (classes,):
+            return None
+        embedding = np.asarray(index.graph.get_items([label])[0], dtype=np.float32)
+        self._remember(memo_key, raw, embedding, values)
+        return embedding, values
+
+    def _scores(self, raw: memoryview, key: bytes) -> np.ndarray | None:
+        """The class scores in an entry's record (None: it does not open, or carries none)."""
         try:
             record = records.decode(raw, key, self.store.ring)
             response = pb.InferResponse.FromString(record.payload)
@@ -236,13 +258,39 @@ class SemanticTier:
             values = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).astype(np.float32)
         except (CorruptRecord, DecodeError, StopIteration, TypeError, ValueError):
             return None
-        if values.shape != (classes,) or not np.all(np.isfinite(values)):
-            return None
-        embedding = np.asarray(index.graph.get_items([label])[0], dtype=np.float32)
-        self._memo[memo_key] = (header, embedding, values)
+        return values if values.ndim == 1 and np.all(np.isfinite(values)) else None
+
+    def _remember(self, memo_key: tuple[bytes, int], raw: memoryview, embedding: np.ndarray, values: np.ndarray) -> None:
+        self._memo[memo_key] = (bytes(raw[:records.HEADER.size]), embedding, values)
+        self._memo.move_to_end(memo_key)
         if len(self._memo) > MEMO_ENTRIES:
             self._memo.popitem(last=False)
-        return embedding, values
+
+    def _learn(self, ns_id: bytes, rows: list[Row]) -> None:
+        """Adds the entries whose records carry class scores to the namespace's fit (and their decoded
+        form to the memo, which the first search of them would otherwise make)."""
+        fit = self._fits.get(ns_id)
+        classes = fit.classes if fit is not None else None
+        embeddings, scores = [], []
+        with self.store.begin(buffers=True) as txn:
+            for row in rows:
+                raw = txn.get(row.key, db=self.store.dbs[DB_RESULTS])
+                values = None if raw is None else self._scores(raw, row.key)
+                if values is None or len(values) != (classes := classes or len(values)):
+                    continue  # no scores (another kind of model), or gone since it was written
+                embedding = np.asarray(row.embedding, dtype=np.float32)
+                self._remember((ns_id, row.label), raw, embedding, values)
+                embeddings.append(embedding)
+                scores.append(values)
+        if not scores:
+            return
+        if fit is None:
+            if len(self._fits) >= MAX_FITS:
+                self._index_counters["fits_refused"] += len(scores)
+                return
+            fit = self._fits[ns_id] = Surrogate(self.dim, classes)
+        fit.add(np.stack(embeddings), np.stack(scores))
+        self._index_counters["fit_rows"] += len(scores)
 
     def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         try:
@@ -251,11 +299,14 @@ class SemanticTier:
                 self._memo.pop((ns_id, label), None)
                 if ns_id in self._indexes:
                     unindexed += self._indexes[ns_id].remove(label)
+                    if not self._indexes[ns_id].rows:  # emptied (invalidated): what it learnt goes too
+                        self._fits.pop(ns_id, None)
             by_ns: dict[bytes, list[Row]] = {}
             for row in added:
                 by_ns.setdefault(row.ns_id, []).append(row)
             for ns_id, rows in by_ns.items():
                 self._index(ns_id).add(rows)
+                self._learn(ns_id, rows)
             self._index_counters["indexed"] += len(added)
             self._index_counters["unindexed"] += unindexed
         except Exception:  # a failed index update loses matches, never answers
@@ -302,6 +353,8 @@ class SemanticTier:
                 pass  # already marked in the snapshot
         index.add(tail)
         self._indexes[ns_id] = index
+        self._fits.pop(ns_id, None)
+        self._learn(ns_id, rows)
         self._index_counters["rebuilt_from_log"] += len(tail)
         self._index_counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
 

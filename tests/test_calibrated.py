@@ -23,6 +23,7 @@ from infercache.testing import ServerProcess
 from cachestore.results import now_us
 from server.calibration import EDGES, Calibration, load, save, wilson_upper
 from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
+from server.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique
 
@@ -45,15 +46,54 @@ def test_interpolation_is_exact_for_a_linear_head_inside_the_neighbours_hull():
     assert far.residual > 1
 
 
-def test_calibrated_decision_needs_coverage_margin_and_an_entry_holding_the_answer():
+def test_calibrated_decision_needs_coverage_margin_the_fits_agreement_and_an_entry_holding_the_answer():
     policy = CalibratedPolicy(coverage=0.5)
     neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "y")]
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=1.0).key == b"k2"  # nearest holding it
-    assert policy.decide(neighbors, Assessment("y", 0.5, 0.3), threshold=1.0) is None       # margin short
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.7), threshold=1.0) is None       # not covered
-    assert policy.decide(neighbors, Assessment("z", 9.0, 0.1), threshold=1.0) is None       # nobody holds z
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=math.inf) is None  # no outcomes yet
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), 1.0, min_similarity=0.95) is None
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), threshold=1.0).key == b"k2"  # nearest holding it
+    assert policy.decide(neighbors, Assessment("y", 0.5, 0.3, "y"), threshold=1.0) is None       # margin short
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.7, "y"), threshold=1.0) is None       # not covered
+    assert policy.decide(neighbors, Assessment("z", 9.0, 0.1, "z"), threshold=1.0) is None       # nobody holds z
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), threshold=math.inf) is None  # no outcomes yet
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), 1.0, min_similarity=0.95) is None
+    assert policy.decide(neighbors, Assessment("y", 9.0, 0.1, "x"), threshold=1.0) is None       # the fit differs
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=1.0).key == b"k2"       # no fit yet
+    assert not policy.covers(neighbors, Assessment("y", 9.0, 0.1, "x"))  # such a miss is no outcome
+
+
+def test_the_fit_learns_a_class_that_no_entry_answers():
+    """Entries of classes a and b only; their scores (a linear head over all three classes) still say
+    where c lies. Queries of c beside the cached a: the neighbours' interpolation answers a cached class,
+    the fit answers the model's c, and the rule does not answer."""
+    rng = np.random.default_rng(0)
+    dim, labels = 64, ["a", "b", "c"]
+    centres = rng.standard_normal((3, dim)) * 2
+    weight = centres.T  # the head: a class's logit is the dot product with its centre
+
+    def head(x):
+        logits = x @ weight
+        scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return scores / scores.sum(axis=1, keepdims=True)
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    cached = unit(np.vstack([centres[c] + rng.standard_normal((60, dim)) for c in (0, 1)]))
+    fit = Surrogate(dim, 3)
+    fit.add(cached[:dim], head(cached[:dim]))
+    assert not fit.ready
+    fit.add(cached[dim:], head(cached[dim:]))
+    assert fit.count == 120 and fit.ready
+    novel = unit(0.5 * centres[0] + centres[2] + rng.standard_normal((40, dim)))
+    assert head(novel).argmax(axis=1).tolist() == [2] * 40
+    assert [fit.answer(q) for q in novel] == [2] * 40
+    blind = 0
+    for query in novel:
+        nearest = np.argsort(-(cached @ query))[:10]
+        found = assess(query, cached[nearest], head(cached)[nearest], labels, labels[fit.answer(query)])
+        assert found.fitted == "c"
+        assert not CalibratedPolicy(coverage=2.0).covers([Neighbor(0.9, b"k", found.answer)], found)
+        blind += found.answer != "c"
+    assert blind >= 30  # the interpolation alone would have answered these from the cache
 
 
 def test_threshold_is_the_lowest_margin_whose_error_bound_holds_and_the_guard_tightens():
@@ -89,7 +129,7 @@ def test_config_chooses_the_rule():
 
 def test_a_nan_margin_never_answers_and_is_not_an_outcome():
     neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "x")]
-    assert CalibratedPolicy().decide(neighbors, Assessment("x", math.nan, 0.1), threshold=0.5) is None
+    assert CalibratedPolicy().decide(neighbors, Assessment("x", math.nan, 0.1, "x"), threshold=0.5) is None
     calibration = Calibration(max_error=0.05)
     calibration.record(math.nan, agreed=False)
     assert calibration.n.sum() == 0
@@ -267,3 +307,69 @@ def test_eval_semantic_replays_held_out_and_novel_rows_and_writes_a_new_file(cal
         if part["semantic_hits"]:
             assert part["disagreed"] == round(part["semantic_hits"] * (1 - part["fidelity"]))
     assert "heldout" in result.stdout and "novel_streaming" in result.stdout
+
+
+def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_it_when_emptied(tmp_path):
+    """Real LMDB and write-behind: entries of classes a and b, whose stored scores come from a linear head
+    over a, b and c. The tier's fit answers c at a query of c (what the rule needs to refuse it), from
+    the entries as written, again after a restart (rebuilt from the log), and no more once an
+    invalidation empties the namespace."""
+    from cachestore.env import Store, StoreSettings
+    from cachestore.keys import Namespace
+    from cachestore import records
+    from cachestore.semantic import SemanticEntry
+    from cachestore.writer import Selector, WriteBehind
+    from infercache.v1 import infercache_pb2 as pb
+    from server.model_runtime import to_tensors
+    from server.semantic import SemanticTier
+
+    rng = np.random.default_rng(2)
+    dim, labels = 16, ["a", "b", "c"]
+    centres = rng.standard_normal((3, dim)) * 2
+    cached = np.vstack([centres[c] + rng.standard_normal((30, dim)) for c in (0, 1)]).astype(np.float32)
+    cached /= np.linalg.norm(cached, axis=1, keepdims=True)
+    query = (0.5 * centres[0] + centres[2]).astype(np.float32)
+    query /= np.linalg.norm(query)
+    ns = Namespace("t", "m", "1")
+
+    def scores(x):
+        logits = x @ centres.T
+        return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+
+    assert int(np.argmax(scores(query))) == 2
+
+    async def fitted(tier) -> str | None:
+        _, assessment = await tier.search(ns.ns_id, query, 10, labels)
+        return assessment.fitted
+
+    def put(writer, rows):
+        for i in rows:
+            payload = pb.InferResponse(outputs=to_tensors({"scores": scores(cached[i]).astype(np.float32)}))
+            writer.put(ns.ns_id + i.to_bytes(16, "big"), ns,
+                       records.Record(now_us(), now_us() + 3_600_000_000, payload.SerializeToString()),
+                       semantic=SemanticEntry(ns.ns_id, labels[i // 30], cached[i]))
+        writer.flush().result(10)
+
+    async def run() -> list:
+        store = Store(StoreSettings(tmp_path / "cache", 64 << 20, 48 << 20, sync=False), readonly=False)
+        seen = []
+        tier = SemanticTier(store, tmp_path / "snapshots", dim)
+        writer = WriteBehind(store, on_semantic=tier.apply)
+        await tier.start()
+        put(writer, range(60))
+        seen += [await fitted(tier), tier.counters["fit_rows"]]
+        writer.close()
+        await tier.close()
+        again = SemanticTier(store, tmp_path / "snapshots", dim)
+        writer = WriteBehind(store, on_semantic=again.apply)
+        await again.start()
+        seen += [await fitted(again), again.counters["fit_rows"]]
+        writer.invalidate(Selector(tenant="t")).result(10)
+        put(writer, range(8))  # fewer than the dimensions: a fit started over has nothing to say yet
+        seen.append(await fitted(again))
+        writer.close()
+        await again.close()
+        store.close()
+        return seen
+
+    assert asyncio.run(run()) == ["c", 60, "c", 60, None]
