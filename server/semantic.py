@@ -48,6 +48,7 @@ MEMO_ENTRIES = 16384
 # Namespaces with a fit of the model's scores (about 1.4 MB each for MiniLM and 77 classes); the rule goes
 # without the fit's agreement in a namespace beyond them (counted: fits_refused).
 MAX_FITS = 64
+FIT_CHUNK = 4096  # entries added to a fit at once (a rebuild's float64 rows: about 12 MB)
 
 
 class _Index:
@@ -266,31 +267,33 @@ class SemanticTier:
         if len(self._memo) > MEMO_ENTRIES:
             self._memo.popitem(last=False)
 
-    def _learn(self, ns_id: bytes, rows: list[Row]) -> None:
-        """Adds the entries whose records carry class scores to the namespace's fit (and their decoded
-        form to the memo, which the first search of them would otherwise make)."""
-        fit = self._fits.get(ns_id)
-        classes = fit.classes if fit is not None else None
-        embeddings, scores = [], []
-        with self.store.begin(buffers=True) as txn:
-            for row in rows:
-                raw = txn.get(row.key, db=self.store.dbs[DB_RESULTS])
-                values = None if raw is None else self._scores(raw, row.key)
-                if values is None or len(values) != (classes := classes or len(values)):
-                    continue  # no scores (another kind of model), or gone since it was written
-                embedding = np.asarray(row.embedding, dtype=np.float32)
-                self._remember((ns_id, row.label), raw, embedding, values)
-                embeddings.append(embedding)
-                scores.append(values)
-        if not scores:
-            return
-        if fit is None:
-            if len(self._fits) >= MAX_FITS:
-                self._index_counters["fits_refused"] += len(scores)
-                return
-            fit = self._fits[ns_id] = Surrogate(self.dim, classes)
-        fit.add(np.stack(embeddings), np.stack(scores))
-        self._index_counters["fit_rows"] += len(scores)
+    def _learn(self, ns_id: bytes, rows: list[Row], remember: bool = True) -> None:
+        """Adds the entries whose records carry class scores to the namespace's fit, FIT_CHUNK at a time
+        (and, with `remember`, their decoded form to the memo: the first search of them needs it)."""
+        for start in range(0, len(rows), FIT_CHUNK):
+            fit = self._fits.get(ns_id)
+            classes = fit.classes if fit is not None else None
+            embeddings, scores = [], []
+            with self.store.begin(buffers=True) as txn:
+                for row in rows[start:start + FIT_CHUNK]:
+                    raw = txn.get(row.key, db=self.store.dbs[DB_RESULTS])
+                    values = None if raw is None else self._scores(raw, row.key)
+                    if values is None or len(values) != (classes := classes or len(values)):
+                        continue  # no scores (another kind of model), or gone since it was written
+                    embedding = np.asarray(row.embedding, dtype=np.float32)
+                    if remember:
+                        self._remember((ns_id, row.label), raw, embedding, values)
+                    embeddings.append(embedding)
+                    scores.append(values)
+            if not scores:
+                continue
+            if fit is None:
+                if len(self._fits) >= MAX_FITS:
+                    self._index_counters["fits_refused"] += len(scores)
+                    continue
+                fit = self._fits[ns_id] = Surrogate(self.dim, classes)
+            fit.add(np.stack(embeddings), np.stack(scores))
+            self._index_counters["fit_rows"] += len(scores)
 
     def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         try:
@@ -354,7 +357,7 @@ class SemanticTier:
         index.add(tail)
         self._indexes[ns_id] = index
         self._fits.pop(ns_id, None)
-        self._learn(ns_id, rows)
+        self._learn(ns_id, rows, remember=False)
         self._index_counters["rebuilt_from_log"] += len(tail)
         self._index_counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
 
