@@ -148,6 +148,9 @@ def _eval_semantic(args: argparse.Namespace) -> int:
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"eval-semantic-{args.model}-{stamp}.json")  # by default a new file, never a tracked one
+    if args.folds and args.replay:
+        print("infercache: --replay and --folds exclude each other (--folds replays folds of one file)", file=sys.stderr)
+        return 2
     try:
         if args.folds:
             from server.tools.semantic_eval import main as evaluate
@@ -160,7 +163,8 @@ def _eval_semantic(args: argparse.Namespace) -> int:
 
             evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,
                      label_column=args.label_column, limit=args.limit, holdout=args.holdout,
-                     leave_out=args.leave_out_labels, out=out, novel_modes=tuple(args.novel_replay.split(",")))
+                     leave_out=args.leave_out_labels, out=out, novel_modes=tuple(args.novel_replay.split(",")),
+                     replay_path=Path(args.replay) if args.replay else None)
     except LabelledDataError as exc:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
@@ -234,6 +238,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     evaluate.add_argument("--text-column", default="text")
     evaluate.add_argument("--label-column", default="label")
     evaluate.add_argument("--holdout", type=int, default=5, help="replay every Nth row, warm with the rest")
+    evaluate.add_argument("--replay", metavar="CSV",
+                          help="instead of --holdout: every row of the first file warms the cache, this file's are replayed")
     evaluate.add_argument("--leave-out-labels", type=int, default=0, metavar="K",
                           help="every Kth label never warms the cache: its rows are replayed as novel queries")
     evaluate.add_argument("--novel-replay", default="static,streaming", choices=("static", "streaming", "static,streaming"),

@@ -89,6 +89,8 @@ class CalibratedPolicy:
             return None
         if not assessment.margin >= threshold or not self.covers(neighbors, assessment):  # (NaN: no)
             return None
+        if assessment.fitted not in (None, assessment.answer):  # the fit refuses (it is no outcome's filter)
+            return None
         return next(n for n in neighbors if n.answer == assessment.answer)
 
     def settings(self, embedder_version: str) -> str:
@@ -97,11 +99,11 @@ class CalibratedPolicy:
                 f"fit_ridge={FIT_RIDGE}")
 
     def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
-        """The query is near enough to what is cached, the cache-wide fit agrees, and an entry holds the
-        predicted answer: the rule would answer at a low enough threshold (such a miss is an outcome to
-        calibrate on)."""
-        return (assessment.residual <= self.coverage and assessment.fitted in (None, assessment.answer)
-                and any(n.answer == assessment.answer for n in neighbors))
+        """The query is near enough to what is cached and an entry holds the predicted answer: the
+        interpolation would answer at a low enough threshold, so such a miss is an outcome to calibrate
+        on. The fit's agreement is left out on purpose: the threshold then bounds the interpolation's own
+        error, which holds in a namespace without a fit (a small one), and the fit only removes hits."""
+        return assessment.residual <= self.coverage and any(n.answer == assessment.answer for n in neighbors)
 
 
 @dataclass(frozen=True)

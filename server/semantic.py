@@ -8,8 +8,9 @@ rows the snapshot lacks. Until that finishes, lookups report no neighbours (requ
 With encryption at rest on, no snapshot is written (an hnswlib file holds the embeddings in clear) and
 any left from before is deleted: indexes are rebuilt from the sealed log alone.
 
-The same thread keeps each namespace's cache-wide fit of the model's scores (server/surrogate.py), fed by
-every indexed entry whose answer carries class scores, and rebuilt from the live entries at start.
+The same thread keeps a cache-wide fit of the model's scores (server/surrogate.py) for each namespace that
+a calibrated search has asked for: built from its indexed entries at the first such search (that search
+goes without it), then fed every entry indexed after.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ MEMO_ENTRIES = 16384
 # Namespaces with a fit of the model's scores (about 1.4 MB each for MiniLM and 77 classes); the rule goes
 # without the fit's agreement in a namespace beyond them (counted: fits_refused).
 MAX_FITS = 64
-FIT_CHUNK = 4096  # entries added to a fit at once (a rebuild's float64 rows: about 12 MB)
+FIT_CHUNK = 4096  # entries added to a fit at once when it is built (float64 rows: about 12 MB)
+MAX_CLASSES = 4096  # a scores output longer than this is not fitted (its map would be dim x classes doubles)
 
 
 class _Index:
@@ -64,7 +66,8 @@ class _Index:
         self.graph.set_ef(64)
         self.rows: dict[int, tuple[bytes, str]] = {}
 
-    def add(self, rows: list[Row]) -> None:
+    def add(self, rows: list[Row]) -> list[Row]:
+        """Indexes the rows; returns those that were not indexed yet."""
         fresh = [r for r in rows if r.label not in self.rows]
         needed = self.graph.element_count + len(fresh)
         if needed > self.graph.get_max_elements():  # grow in place; lookups wait a moment, never fail
@@ -73,6 +76,7 @@ class _Index:
             self.graph.add_items(np.stack([r.embedding for r in fresh]), [r.label for r in fresh])
         for row in rows:
             self.rows[row.label] = (row.key, row.answer)
+        return fresh
 
     def remove(self, label: int) -> bool:
         if self.rows.pop(label, None) is None:
@@ -118,7 +122,8 @@ class SemanticTier:
         self._indexes: dict[bytes, _Index] = {}
         # (ns_id, label) -> (the record's header when decoded, embedding, class scores); the owner thread's
         self._memo: OrderedDict[tuple[bytes, int], tuple[bytes, np.ndarray, np.ndarray]] = OrderedDict()
-        self._fits: dict[bytes, Surrogate] = {}  # the owner thread's
+        self._fits: dict[bytes, Surrogate] = {}  # the owner thread's, as is:
+        self._asked: set[bytes] = set()           # namespaces a calibrated search asked a fit of
         self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic")
 
     @property
@@ -211,10 +216,22 @@ class SemanticTier:
         return [n for _, n in found], assessment
 
     def _fitted(self, ns_id: bytes, vector: np.ndarray, labels: list[str]) -> str | None:
+        """What the namespace's fit answers at `vector` (None while it has none, or none ready). The first
+        ask builds it from the indexed entries, as a task of its own after this search."""
+        if ns_id not in self._asked:
+            self._asked.add(ns_id)
+            try:
+                self._owner.submit(self._build_fit, ns_id)
+            except RuntimeError:  # shutting down
+                pass
         fit = self._fits.get(ns_id)
         if fit is None or not fit.ready or fit.classes != len(labels):
             return None
-        return labels[fit.answer(vector)]
+        try:
+            return labels[fit.answer(vector)]
+        except (np.linalg.LinAlgError, ValueError):  # a fit that cannot answer is no fit; a lost match at most
+            self._index_counters["fit_errors"] += 1
+            return None
 
     def _assess(self, ns_id: bytes, index: _Index, raws: dict[bytes, memoryview], vector: np.ndarray,
                 found: list[tuple[int, Neighbor]], labels: list[str]) -> Assessment | None:
@@ -267,33 +284,53 @@ class SemanticTier:
         if len(self._memo) > MEMO_ENTRIES:
             self._memo.popitem(last=False)
 
-    def _learn(self, ns_id: bytes, rows: list[Row], remember: bool = True) -> None:
-        """Adds the entries whose records carry class scores to the namespace's fit, FIT_CHUNK at a time
-        (and, with `remember`, their decoded form to the memo: the first search of them needs it)."""
-        for start in range(0, len(rows), FIT_CHUNK):
+    def _build_fit(self, ns_id: bytes) -> None:
+        index = self._indexes.get(ns_id)
+        if index is None or ns_id in self._fits:
+            return
+        labels = list(index.rows)
+        for start in range(0, len(labels), FIT_CHUNK):
+            chunk = labels[start:start + FIT_CHUNK]
+            embeddings = np.asarray(index.graph.get_items(chunk), dtype=np.float32)
+            self._learn(ns_id, [(label, index.rows[label][0], e) for label, e in zip(chunk, embeddings)],
+                        remember=False)
+
+    def _learn(self, ns_id: bytes, entries: list[tuple[int, bytes, np.ndarray]], remember: bool = True) -> None:
+        """Adds (label, key, embedding) entries whose records carry class scores to the namespace's fit
+        (and, with `remember`, their decoded form to the memo: new entries are searched soon). Any failure
+        drops the fit (the rule goes without it) and never reaches the index's own updates."""
+        try:
             fit = self._fits.get(ns_id)
             classes = fit.classes if fit is not None else None
             embeddings, scores = [], []
             with self.store.begin(buffers=True) as txn:
-                for row in rows[start:start + FIT_CHUNK]:
-                    raw = txn.get(row.key, db=self.store.dbs[DB_RESULTS])
-                    values = None if raw is None else self._scores(raw, row.key)
-                    if values is None or len(values) != (classes := classes or len(values)):
-                        continue  # no scores (another kind of model), or gone since it was written
-                    embedding = np.asarray(row.embedding, dtype=np.float32)
+                for label, key, embedding in entries:
+                    raw = txn.get(key, db=self.store.dbs[DB_RESULTS])
+                    values = None if raw is None else self._scores(raw, key)
+                    if values is None or not 0 < len(values) <= MAX_CLASSES or not np.all(np.isfinite(embedding)):
+                        continue  # no scores (gone since it was written, or another kind of answer)
+                    if classes is None:
+                        classes = len(values)
+                    elif len(values) != classes:
+                        self._index_counters["fit_mismatched"] += 1
+                        continue
                     if remember:
-                        self._remember((ns_id, row.label), raw, embedding, values)
+                        self._remember((ns_id, label), raw, np.asarray(embedding, dtype=np.float32), values)
                     embeddings.append(embedding)
                     scores.append(values)
             if not scores:
-                continue
+                return
             if fit is None:
                 if len(self._fits) >= MAX_FITS:
-                    self._index_counters["fits_refused"] += len(scores)
-                    continue
+                    self._index_counters["fits_refused"] += 1
+                    return
                 fit = self._fits[ns_id] = Surrogate(self.dim, classes)
             fit.add(np.stack(embeddings), np.stack(scores))
             self._index_counters["fit_rows"] += len(scores)
+        except Exception:
+            self._fits.pop(ns_id, None)
+            self._index_counters["fit_errors"] += 1
+            log.exception("semantic fit of %s dropped (its calibrated rule goes without it)", ns_id.hex())
 
     def _apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         try:
@@ -302,14 +339,16 @@ class SemanticTier:
                 self._memo.pop((ns_id, label), None)
                 if ns_id in self._indexes:
                     unindexed += self._indexes[ns_id].remove(label)
-                    if not self._indexes[ns_id].rows:  # emptied (invalidated): what it learnt goes too
+                    if not self._indexes[ns_id].rows:  # emptied: the next calibrated search fits it anew
                         self._fits.pop(ns_id, None)
+                        self._asked.discard(ns_id)
             by_ns: dict[bytes, list[Row]] = {}
             for row in added:
                 by_ns.setdefault(row.ns_id, []).append(row)
             for ns_id, rows in by_ns.items():
-                self._index(ns_id).add(rows)
-                self._learn(ns_id, rows)
+                fresh = self._index(ns_id).add(rows)
+                if ns_id in self._fits:
+                    self._learn(ns_id, [(row.label, row.key, row.embedding) for row in fresh])
             self._index_counters["indexed"] += len(added)
             self._index_counters["unindexed"] += unindexed
         except Exception:  # a failed index update loses matches, never answers
@@ -356,8 +395,6 @@ class SemanticTier:
                 pass  # already marked in the snapshot
         index.add(tail)
         self._indexes[ns_id] = index
-        self._fits.pop(ns_id, None)
-        self._learn(ns_id, rows, remember=False)
         self._index_counters["rebuilt_from_log"] += len(tail)
         self._index_counters["rebuilt_from_snapshot"] += len(rows) - len(tail)
 

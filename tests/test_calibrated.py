@@ -57,7 +57,9 @@ def test_calibrated_decision_needs_coverage_margin_the_fits_agreement_and_an_ent
     assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), 1.0, min_similarity=0.95) is None
     assert policy.decide(neighbors, Assessment("y", 9.0, 0.1, "x"), threshold=1.0) is None       # the fit differs
     assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=1.0).key == b"k2"       # no fit yet
-    assert not policy.covers(neighbors, Assessment("y", 9.0, 0.1, "x"))  # such a miss is no outcome
+    # Such a miss is still an outcome: the threshold bounds the interpolation's own error, which is what
+    # answers in a namespace without a fit.
+    assert policy.covers(neighbors, Assessment("y", 9.0, 0.1, "x"))
 
 
 def test_the_fit_learns_a_class_that_no_entry_answers():
@@ -91,7 +93,7 @@ def test_the_fit_learns_a_class_that_no_entry_answers():
         nearest = np.argsort(-(cached @ query))[:10]
         found = assess(query, cached[nearest], head(cached)[nearest], labels, labels[fit.answer(query)])
         assert found.fitted == "c"
-        assert not CalibratedPolicy(coverage=2.0).covers([Neighbor(0.9, b"k", found.answer)], found)
+        assert CalibratedPolicy(coverage=2.0).decide([Neighbor(0.9, b"k", found.answer)], found, 0.0) is None
         blind += found.answer != "c"
     assert blind >= 30  # the interpolation alone would have answered these from the cache
 
@@ -309,11 +311,32 @@ def test_eval_semantic_replays_held_out_and_novel_rows_and_writes_a_new_file(cal
     assert "heldout" in result.stdout and "novel_streaming" in result.stdout
 
 
+def test_eval_semantic_warms_with_one_file_and_replays_another(calibrated_server, tmp_path):
+    with open(FAQ, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for name, part in (("warm.csv", [r for i, r in enumerate(rows) if i % 3]), ("replay.csv", rows[::3])):
+        with open(tmp_path / name, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["text", "intent"])
+            writer.writeheader()
+            writer.writerows(part)
+    command = [sys.executable, "-m", "server", "eval-semantic", str(tmp_path / "warm.csv"), "--model", "faq",
+               "--label-column", "intent", "--address", calibrated_server.address, "--replay",
+               str(tmp_path / "replay.csv"), "--out", str(tmp_path / "report.json")]
+    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["warm"], report["replay"], report["novel"]) == (len(rows) - len(rows[::3]), len(rows[::3]), 0)
+    assert report["heldout"]["queries"] == len(rows[::3]) and "replay file" in report["split"]
+    both = subprocess.run(command + ["--folds", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+
+
 def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_it_when_emptied(tmp_path):
     """Real LMDB and write-behind: entries of classes a and b, whose stored scores come from a linear head
-    over a, b and c. The tier's fit answers c at a query of c (what the rule needs to refuse it), from
-    the entries as written, again after a restart (rebuilt from the log), and no more once an
-    invalidation empties the namespace."""
+    over a, b and c (and one whose answer has no scores). The first calibrated search of the namespace
+    asks for a fit and goes without it; the next gets c at a query of c (what the rule needs to refuse
+    it). Again after a restart, and no more once an invalidation empties the namespace."""
     from cachestore.env import Store, StoreSettings
     from cachestore.keys import Namespace
     from cachestore import records
@@ -326,7 +349,7 @@ def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_i
     rng = np.random.default_rng(2)
     dim, labels = 16, ["a", "b", "c"]
     centres = rng.standard_normal((3, dim)) * 2
-    cached = np.vstack([centres[c] + rng.standard_normal((30, dim)) for c in (0, 1)]).astype(np.float32)
+    cached = np.vstack([centres[c] + rng.standard_normal((n, dim)) for c, n in ((0, 31), (1, 30))]).astype(np.float32)
     cached /= np.linalg.norm(cached, axis=1, keepdims=True)
     query = (0.5 * centres[0] + centres[2]).astype(np.float32)
     query /= np.linalg.norm(query)
@@ -344,10 +367,11 @@ def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_i
 
     def put(writer, rows):
         for i in rows:
-            payload = pb.InferResponse(outputs=to_tensors({"scores": scores(cached[i]).astype(np.float32)}))
+            stored = scores(cached[i]).astype(np.float32) if i else np.zeros(0, np.float32)  # row 0: none
+            payload = pb.InferResponse(outputs=to_tensors({"scores": stored}))
             writer.put(ns.ns_id + i.to_bytes(16, "big"), ns,
                        records.Record(now_us(), now_us() + 3_600_000_000, payload.SerializeToString()),
-                       semantic=SemanticEntry(ns.ns_id, labels[i // 30], cached[i]))
+                       semantic=SemanticEntry(ns.ns_id, labels[i // 31], cached[i]))
         writer.flush().result(10)
 
     async def run() -> list:
@@ -356,20 +380,20 @@ def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_i
         tier = SemanticTier(store, tmp_path / "snapshots", dim)
         writer = WriteBehind(store, on_semantic=tier.apply)
         await tier.start()
-        put(writer, range(60))
-        seen += [await fitted(tier), tier.counters["fit_rows"]]
+        put(writer, range(61))
+        seen += [await fitted(tier), await fitted(tier), tier.counters["fit_rows"]]
         writer.close()
         await tier.close()
         again = SemanticTier(store, tmp_path / "snapshots", dim)
         writer = WriteBehind(store, on_semantic=again.apply)
         await again.start()
-        seen += [await fitted(again), again.counters["fit_rows"]]
+        seen += [await fitted(again), await fitted(again), again.counters["fit_rows"]]
         writer.invalidate(Selector(tenant="t")).result(10)
-        put(writer, range(8))  # fewer than the dimensions: a fit started over has nothing to say yet
-        seen.append(await fitted(again))
+        put(writer, range(1, 9))  # fewer than the dimensions: a fit started over has nothing to say yet
+        seen += [await fitted(again), await fitted(again), again.counters["fit_errors"]]
         writer.close()
         await again.close()
         store.close()
         return seen
 
-    assert asyncio.run(run()) == ["c", 60, "c", 60, None]
+    assert asyncio.run(run()) == [None, "c", 60, None, "c", 60, None, None, 0]
