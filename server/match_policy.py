@@ -11,11 +11,13 @@ A wrong cached answer is worse than a slow one. Two rules:
   runner-up by a margin that verified outcomes say keeps the error under `max_error`
   (server/calibration.py), and the query must be covered: its distance from the neighbours' hull
   (`residual`) at most `coverage`. A query far from everything cached is a miss whatever its nearest label.
-  And the namespace's cache-wide fit of the model's scores (server/surrogate.py) must rank the same answer
-  first: the interpolation cannot see where the query leaves the neighbours' hull, the fit can, from the
-  scores every entry holds for classes no entry answers. A query of a topic the cache has never stored,
-  beside one it has, is a miss when the fit says the model would answer the new topic. (A namespace with
-  fewer entries than the embedding has dimensions has no fit to ask yet.)
+  And the namespace's cache-wide fit of the model's scores (server/surrogate.py) must not rank another
+  answer first: the interpolation cannot see where the query leaves the neighbours' hull, the fit can,
+  from the scores every entry holds for classes no entry answers. A query of a topic the cache has never
+  stored, beside one it has, is a miss when the fit says the model would answer the new topic. The fit
+  only refuses; outcomes (and so the threshold) are the interpolation's, which is what answers where a
+  namespace has no fit yet (fewer entries than the embedding has dimensions, beyond the worker's
+  MAX_FITS, or scores of another length).
 - **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
   similarity floor and agreement among the nearest neighbours.
 """

@@ -10,24 +10,25 @@ Why the rule needs it (match_policy.py): the neighbours' interpolation only know
 neighbours span. A query of a new topic beside a cached one leaves their hull toward the new topic, and
 the interpolation, blind to that direction, answers the cached topic with confidence. The fit sees that
 direction through the scores of every entry. For a model that is a linear head on the embedder (what
-`train-head` makes) it is the model itself, up to rounding; for others it is an approximation, and the
-rule uses it only to refuse (the calibrated threshold still bounds the error of what it lets through).
-It is consulted once the namespace holds more entries than the embedding has dimensions: before, the
-ridge, not the entries, decides the directions they do not span (on 52 FAQ rows it refused mostly right
-answers), and the rule goes without it.
+`train-head` makes) it is the model itself, up to rounding; for others it is an approximation. The rule
+uses it only to refuse: its threshold is learnt from the interpolation's own outcomes, so it bounds the
+error of what the interpolation answers, with or without the fit's agreement. It is consulted once the
+namespace holds more entries than the embedding has dimensions: before, the ridge, not the entries,
+decides the directions they do not span (on 52 FAQ rows it refused mostly right answers).
 
 Observations are never taken out: an entry evicted or expired was still the model's answer for its
-embedding (a namespace is one model version). A namespace that empties (invalidated) starts over.
-One owner: the semantic tier's thread.
+embedding (a namespace is one model version). A namespace whose index empties (an invalidation, or the
+last entry's expiry or eviction) starts over. Memory: (dim + 1) x (dim + 1 + 2 x classes) doubles, about
+1.7 MB for MiniLM and 77 classes. One owner: the semantic tier's thread.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-FLOOR = 1e-12       # scores are clipped here before the log (as match_policy.assess does)
+FLOOR = 1e-12       # scores are clipped here before the log (match_policy.assess reads them through log_scores too)
 RIDGE = 1e-3        # on the Gram matrix of unit vectors: bounds the map while entries are few
-REFIT_GROWTH = 0.1  # the map is solved again once the entries grew by this share ...
+REFIT_GROWTH = 0.1  # the map is solved again (at a search: a few ms) once the entries grew by this share ...
 REFIT_MIN = 16      # ... and by at least this many
 FOLD_ROWS = 256     # entries added are summed this many at a time (or at a solve)
 
