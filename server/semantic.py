@@ -46,7 +46,7 @@ HISTOGRAM_EDGES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
 # 2 KB each for MiniLM and 77 classes): reading them from hnswlib and the store each time cost about
 # 0.4 ms of every calibrated lookup.
 MEMO_ENTRIES = 16384
-# Namespaces with a fit of the model's scores (about 1.4 MB each for MiniLM and 77 classes); the rule goes
+# Namespaces with a fit of the model's scores (about 1.7 MB each for MiniLM and 77 classes); the rule goes
 # without the fit's agreement in a namespace beyond them (counted: fits_refused).
 MAX_FITS = 64
 FIT_CHUNK = 4096  # entries added to a fit at once when it is built (float64 rows: about 12 MB)
