@@ -127,6 +127,7 @@ class Batcher:
         self._incoming: deque[_Request] = deque()
         self._pending: dict[int, deque[_Request]] = {b: deque() for b in buckets}
         self._waiting = 0                   # admitted, not yet cut into a batch
+        self._refused = (0.0, 0.0)          # (expected wait, loop time) of the last request refused for it
         self._running: set[asyncio.Task] = set()
         self._wakeup = asyncio.Event()
         self._became_idle = asyncio.Event()  # set when the last batch ends with nothing waiting
@@ -193,6 +194,15 @@ class Batcher:
             batch_s = max(batch_s, modelled * self.speed / batches)
         return batches / self.concurrency * batch_s
 
+    def told_wait(self) -> float:
+        """What the frontends are told a new request would wait (their admission control): the expected
+        wait, or the wait of the last request refused for it, discounted since, if longer. Without the
+        second, a frontend would refuse almost nothing itself: the worker keeps its queue just under the
+        bound both use, so the wait it tells is under the bound as well, and every request of a burst
+        would be sent to be refused here."""
+        now = asyncio.get_running_loop().time()
+        return max(self.expected_wait(now), discounted(*self._refused, now))
+
     def _row_cost(self, bucket: int) -> float:
         return self.row_s * bucket / self.buckets[-1]
 
@@ -205,6 +215,7 @@ class Batcher:
         bound = wait_bound(self.max_wait_s, None if deadline is None else deadline - now)
         if not admits(expected, bound):
             self.counters["rejected_wait"] += 1
+            self._refused = (expected, now)
             raise Overloaded(f"{self.name} would answer this in about {expected:.2f} s ({self._waiting} waiting, "
                              f"{self._batch_estimate(now) * 1000:.1f} ms per batch), past {over(bound)}; retry later")
 

@@ -512,7 +512,7 @@ class WorkerCore:
         """(model, version, seconds to answer a new item) of each model version with a queue (admission
         in the frontends: worker.proto QueueWait)."""
         for (model, version), runtime in self.runtimes.items():
-            if seconds := runtime.batcher.expected_wait():
+            if seconds := runtime.batcher.told_wait():
                 yield model, version, seconds
 
     def stat_groups(self) -> list[tuple[str, dict]]:

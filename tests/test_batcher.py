@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from server.batcher import Batcher
+from server.batcher import ADMIT_HEADROOM, Batcher
 from server.engines.onnxruntime import OrtEngine
 from server.errors import DeadlineExceeded, Overloaded
 from server.tokenization import TextEncoder, pad_batch
@@ -167,6 +167,31 @@ def test_admission_refuses_what_cannot_finish_before_the_deadline():
     assert all(r == 3 for r in results), [r for r in results if r != 3][:3]  # every admitted one ran in time
     assert batcher.counters["rejected_wait"] == 348 and "dropped_expired" not in batcher.counters
     assert 0.0 < batcher.batch_s < 0.05  # the estimate moved toward the real batches
+
+
+def test_the_wait_told_to_frontends_is_that_of_the_last_refusal_until_it_has_passed():
+    """The worker keeps its queue under the bound, and once batches are cut from it its expected wait
+    falls back under the bound too: told that alone, a frontend would send the next requests of a burst
+    to be refused here. So the frontends are told the last refused request's wait, as it drains."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(_sleeping(0.005), buckets=(16,), max_batch=4, max_delay_s=0.0, max_queue=10_000)
+        batcher.seed_timing(0.05)
+        before = batcher.told_wait()
+        deadline = loop.time() + 1.025
+        admitted, refused = _flood(batcher, 60, deadline)
+        await asyncio.sleep(0.02)  # a few batches cut and run
+        queued, told, bound = batcher.expected_wait(), batcher.told_wait(), deadline - loop.time()
+        await asyncio.gather(*admitted)
+        await asyncio.sleep(told + 0.05)
+        after = batcher.told_wait()
+        await batcher.close()
+        return before, refused, queued, told, bound, after
+
+    before, refused, queued, told, bound, after = asyncio.run(run())
+    assert before == 0.0 and refused == 8
+    assert queued * ADMIT_HEADROOM <= bound < told * ADMIT_HEADROOM  # the queue alone would admit; the frontend refuses
+    assert after == 0.0  # passed: an idle batcher tells no wait
 
 
 def test_a_slowdown_refuses_queued_requests_that_can_no_longer_finish_in_time():
