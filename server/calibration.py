@@ -4,7 +4,11 @@ Outcomes come from two places, both the model's own answer beside what the rule 
 - every covered miss (the neighbours were searched, the rule did not answer, the model computed);
 - shadow verification of semantic hits (server/shadow.py), recomputed in the background.
 
-They are counted by the assessment's margin, in bins. The threshold is the lowest bin edge at which the
+They are counted by the assessment's margin, in bins, in two sets: every outcome (the interpolation's own),
+and those where the namespace's fit (server/surrogate.py) agreed with the answer. A hit decided with a fit
+uses the second set's threshold; one decided without (a namespace too small for a fit) the first's, which
+bounds the interpolation alone. One pool for both let outcomes the fit had filtered teach a near-zero
+threshold to namespaces that have no fit to filter with. The threshold is the lowest bin edge at which the
 one-sided 95% upper bound (Wilson) of the error rate among every outcome at or above it is at most
 `max_error`: with no outcomes there is no threshold (no semantic hits), and a few lucky ones do not make
 one (0 errors in n bound the error by about 2.7/n, so 0.01 needs some 270 outcomes above the edge).
@@ -62,9 +66,9 @@ class Calibration:
     def __init__(self, max_error: float, rule: str = "") -> None:
         self.max_error = max_error
         self.rule = rule
-        self.n = np.zeros(len(EDGES))
-        self.errors = np.zeros(len(EDGES))
-        self._base = math.inf    # from the outcomes (read through `threshold`)
+        self.n = np.zeros((2, len(EDGES)))       # [every outcome, those the fit agreed with] x bins
+        self.errors = np.zeros((2, len(EDGES)))
+        self._base = np.full(2, math.inf)        # from the outcomes (read through `threshold_for`)
         self.tightened = 0       # guard steps in force
         self.verified = 0        # shadow-verified hits (since the first start), and their weighted agreement
         self.disagreed = 0
@@ -79,35 +83,43 @@ class Calibration:
 
     @property
     def threshold(self) -> float:
+        """The threshold of a hit decided without a fit."""
+        return self.threshold_for(False)
+
+    def threshold_for(self, fitted: bool) -> float:
+        """The threshold of a hit decided with the namespace's fit consulted (True) or without (False)."""
         if self._stale:
             self._rebase()
-        return self._base + GUARD_STEP * self.tightened
+        return float(self._base[int(fitted)]) + GUARD_STEP * self.tightened
 
     @property
     def fidelity(self) -> float | None:
         """Fidelity of every semantic hit served since the first start (None before one was verified)."""
         return self._agreed_weight / self._weight if self._weight else None
 
-    def record(self, margin: float, agreed: bool) -> None:
-        """An outcome at an assessment's margin: did the rule's answer equal the model's?"""
+    def record(self, margin: float, agreed: bool, fit_agreed: bool = False) -> None:
+        """An outcome at an assessment's margin: did the rule's answer equal the model's? `fit_agreed`:
+        the namespace's fit ranked that answer first too (the outcome also counts for hits with a fit)."""
         if not math.isfinite(margin):
             return
         b = min(len(EDGES) - 1, max(0, int(np.searchsorted(EDGES, margin, side="right")) - 1))
-        self.n[b] += 1
-        self.errors[b] += not agreed
+        sets = [0, 1] if fit_agreed else [0]
+        self.n[sets, b] += 1
+        self.errors[sets, b] += not agreed
         self._stale = True  # worked out when next read: under load many outcomes come between decisions
 
     def _rebase(self) -> None:
         self._stale = False
-        bounds = wilson_upper(np.cumsum(self.errors[::-1])[::-1], np.cumsum(self.n[::-1])[::-1])  # at or above each edge
-        passing = np.flatnonzero(bounds <= self.max_error)
-        self._base = float(EDGES[passing[0]]) if len(passing) else math.inf
+        for s in (0, 1):
+            bounds = wilson_upper(np.cumsum(self.errors[s, ::-1])[::-1], np.cumsum(self.n[s, ::-1])[::-1])  # at or above each edge
+            passing = np.flatnonzero(bounds <= self.max_error)
+            self._base[s] = float(EDGES[passing[0]]) if len(passing) else math.inf
 
-    def verified_hit(self, margin: float, agreed: bool, chance: float) -> None:
+    def verified_hit(self, margin: float, agreed: bool, chance: float, fit_agreed: bool = False) -> None:
         """A shadow-verified hit, which was verified with probability `chance`. It counts once among the
         outcomes (the checked hits over-represent those answered by unproven entries), and 1/chance
         times in the live fidelity, which estimates the fidelity of all hits served."""
-        self.record(margin, agreed)
+        self.record(margin, agreed, fit_agreed)
         self.verified += 1
         self.disagreed += not agreed
         weight = 1.0 / chance
@@ -132,12 +144,13 @@ class Calibration:
     def stats(self) -> dict[str, int]:
         """GetStats figures (integers: thousandths and parts per million)."""
         out = {"verified": self.verified, "verified_disagreed": self.disagreed, "guard_steps": self.tightened,
-               "outcomes": int(self.n.sum()),
+               "outcomes": int(self.n[0].sum()), "outcomes_fit": int(self.n[1].sum()),
                # the weighted sums behind the fidelity, so a reader can take it over an interval
                "verified_weight_milli": int(round(self._weight * 1000)),
                "agreed_weight_milli": int(round(self._agreed_weight * 1000))}
-        if math.isfinite(self.threshold):
-            out["threshold_milli"] = int(round(self.threshold * 1000))
+        for name, fitted in (("threshold_milli", False), ("threshold_fit_milli", True)):
+            if math.isfinite(threshold := self.threshold_for(fitted)):
+                out[name] = int(round(threshold * 1000))
         if self.fidelity is not None:
             out["fidelity_ppm"] = int(round(self.fidelity * 1_000_000))
         return out

@@ -393,7 +393,8 @@ class WorkerCore:
                 if item.cached_ok:
                     if policy.calibrated:
                         calibration = self._calibration(runtime)
-                        chosen = policy.decide(neighbors, assessment, calibration.threshold, floor)
+                        fitted = assessment is not None and assessment.fitted is not None
+                        chosen = policy.decide(neighbors, assessment, calibration.threshold_for(fitted), floor)
                         if chosen is not None and self.shadow.contested(chosen.key):
                             chosen = None  # a check found this entry answering wrongly: it answers no more
                     else:
@@ -408,7 +409,8 @@ class WorkerCore:
             return _Outcome(runtime.payload(outputs, item.key))
         response = runtime.response(outputs, item.key)
         if assessment is not None and policy.covers(neighbors, assessment):  # what the rule would have said
-            self._calibration(runtime).record(assessment.margin, assessment.answer == response.classification.label)
+            self._calibration(runtime).record(assessment.margin, assessment.answer == response.classification.label,
+                                              fit_agreed=assessment.fitted == assessment.answer)
         stored = response.SerializeToString()
         payload = stored
         if self._explain(response, item, neighbors):
@@ -443,7 +445,7 @@ class WorkerCore:
             return
         model_input = token_ids(item.ids) if feature is None else feature
         self.shadow.offer(Check(runtime, calibration, item, model_input, embedding, chosen.answer,
-                                assessment.margin, chosen.key, chance, now_us()))
+                                assessment.margin, chosen.key, chance, now_us(), assessment.fitted is not None))
 
     def _checked(self, check: Check, outputs: dict, agreed: bool) -> None:
         """A verified hit: the model's answer replaces the alias the hit wrote (when its request stored

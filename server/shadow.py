@@ -44,6 +44,7 @@ class Check:
     entry: bytes               # the key of the entry that answered
     chance: float              # the probability this hit was verified
     created_us: int            # when the hit was served
+    fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/calibration.py)
 
 
 class ShadowVerifier:
@@ -98,7 +99,7 @@ class ShadowVerifier:
     def _settle(self, check: Check, outputs: dict) -> None:
         answer = check.runtime.labels[int(np.argmax(outputs["scores"]))]
         agreed = answer == check.served
-        check.calibration.verified_hit(check.margin, agreed, check.chance)
+        check.calibration.verified_hit(check.margin, agreed, check.chance, check.fitted)
         self.counters["shadow_agreed" if agreed else "shadow_disagreed"] += 1
         if agreed:
             if len(self._proven) >= PROVEN_CAPACITY:

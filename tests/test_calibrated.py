@@ -121,6 +121,26 @@ def test_threshold_is_the_lowest_margin_whose_error_bound_holds_and_the_guard_ti
     assert calibration.stats()["verified"] == 445 and calibration.stats()["verified_disagreed"] == 5
 
 
+def test_hits_with_a_fit_and_without_have_thresholds_of_their_own():
+    """Outcomes the fit agreed with teach the threshold of hits decided with a fit; every outcome teaches
+    that of hits decided without one (a namespace too small for a fit), so the errors the fit filters out
+    still keep the threshold up where no fit filters them."""
+    calibration = Calibration(max_error=0.05)
+    for _ in range(300):
+        calibration.record(0.2, agreed=True, fit_agreed=True)
+    for _ in range(60):
+        calibration.record(0.2, agreed=False)  # wrong, and the fit said so
+    for _ in range(300):
+        calibration.record(2.0, agreed=True, fit_agreed=True)
+    assert calibration.threshold_for(True) == 0.0 < EDGES[1] < calibration.threshold_for(False) <= 2.0
+    assert calibration.threshold == calibration.threshold_for(False)
+    stats = calibration.stats()
+    assert (stats["outcomes"], stats["outcomes_fit"]) == (660, 600)
+    assert stats["threshold_fit_milli"] == 0 and stats["threshold_milli"] > 0
+    calibration.verified_hit(0.2, agreed=False, chance=1.0, fit_agreed=True)
+    assert calibration.n[1].sum() == 601 and calibration.errors[1].sum() == 1
+
+
 def test_config_chooses_the_rule():
     assert isinstance(policy_from_config({"enabled": True}), CalibratedPolicy)
     with pytest.raises(ValueError, match="consensus"):
