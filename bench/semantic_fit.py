@@ -94,16 +94,17 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool) -> 
         fitted = labels[fit.answer(x[i])] if with_fit and fit.ready else None
         found = assess(x[i], x[nearest], scores[nearest], labels, fitted)
         neighbors = [Neighbor(float(x[j] @ x[i]), b"", labels[model[j]]) for j in nearest]
-        hit = policy.decide(neighbors, found, calibration.threshold) is not None
+        hit = policy.decide(neighbors, found, calibration.threshold_for(fitted is not None)) is not None
         if learn and policy.covers(neighbors, found):
-            calibration.record(found.margin, found.answer == labels[model[i]])
+            calibration.record(found.margin, found.answer == labels[model[i]], fit_agreed=fitted == found.answer)
         return hit and found.answer == labels[model[i]], hit
 
     for i in warm:
         if not decide(i, learn=True)[1]:
             cached.append(i)
             fit.add(x[i:i + 1], scores[i:i + 1])
-    out: dict = {"cached": len(cached), "threshold": calibration.threshold}
+    out: dict = {"cached": len(cached), "threshold": calibration.threshold,
+                 "threshold_with_fit": calibration.threshold_for(True)}
     for name, rows in (("heldout", [i for i in range(len(x)) if i % HOLDOUT == 0 and y[i] not in novel]),
                        ("novel", [i for i in range(len(x)) if y[i] in novel])):
         decided = [decide(i, learn=False) for i in rows]
@@ -130,7 +131,7 @@ def main() -> None:
             r = report[name][rule] = replay(x, y, logits, with_fit)
             print(f"{name:<6} {rule:<13} held-out hits {r['heldout']['hit_rate']:.1%} ({r['heldout']['differ']} differ); "
                   f"novel answered {r['novel']['hit_rate']:.1%} ({r['novel']['differ']} of {r['novel']['hits']} "
-                  f"differ); threshold {r['threshold']}", flush=True)
+                  f"differ); thresholds {r['threshold']} / with the fit {r['threshold_with_fit']}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
 
