@@ -23,8 +23,8 @@ rows of bucket b takes fixed + n x row x b / (longest bucket), summed over the r
 how recent batches compared with the model (its `speed`, which starts from the slots sharing the cores;
 the queue is re-checked after every batch). A GPU, where a row adds next to nothing, keeps the batch
 estimate; short texts cost a proportionally small share of a row. The
-frontends read the same estimate (`expected_wait`) from every answer frame and refuse before sending,
-against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
+frontends read the estimate from every answer frame (`told_wait`: held at the last refused request's wait
+while work remains) and refuse before sending, against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
 before they reach the engine.
 """
 
@@ -196,12 +196,17 @@ class Batcher:
 
     def told_wait(self) -> float:
         """What the frontends are told a new request would wait (their admission control): the expected
-        wait, or the wait of the last request refused for it, discounted since, if longer. Without the
-        second, a frontend would refuse almost nothing itself: the worker keeps its queue just under the
-        bound both use, so the wait it tells is under the bound as well, and every request of a burst
-        would be sent to be refused here."""
+        wait, or the wait of the last request refused for it, discounted since, if longer, but at most a
+        batch longer (the queue may have drained faster than the estimate, or been cancelled), and
+        nothing once idle. Without the second, a frontend would refuse almost nothing itself: the worker
+        keeps its queue just under the bound both use, its expected wait falls under it again at each
+        cut, and every request of a burst would be sent to be refused here."""
         now = asyncio.get_running_loop().time()
-        return max(self.expected_wait(now), discounted(*self._refused, now))
+        if self.idle:
+            self._refused = (0.0, 0.0)
+            return 0.0
+        expected = self.expected_wait(now)
+        return max(expected, min(discounted(*self._refused, now), expected + self._batch_estimate(now)))
 
     def _row_cost(self, bucket: int) -> float:
         return self.row_s * bucket / self.buckets[-1]
@@ -215,7 +220,7 @@ class Batcher:
         bound = wait_bound(self.max_wait_s, None if deadline is None else deadline - now)
         if not admits(expected, bound):
             self.counters["rejected_wait"] += 1
-            self._refused = (expected, now)
+            self._refused = (self.expected_wait(now), now)  # (without this request's own length)
             raise Overloaded(f"{self.name} would answer this in about {expected:.2f} s ({self._waiting} waiting, "
                              f"{self._batch_estimate(now) * 1000:.1f} ms per batch), past {over(bound)}; retry later")
 

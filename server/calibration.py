@@ -6,16 +6,17 @@ Outcomes come from two places, both the model's own answer beside what the rule 
 
 They are counted by the assessment's margin, in bins, in two sets: every outcome (the interpolation's own),
 and those where the namespace's fit (server/surrogate.py) agreed with the answer. A hit decided with a fit
-uses the second set's threshold; one decided without (a namespace too small for a fit) the first's, which
-bounds the interpolation alone. One pool for both let outcomes the fit had filtered teach a near-zero
-threshold to namespaces that have no fit to filter with. The threshold is the lowest bin edge at which the
-one-sided 95% upper bound (Wilson) of the error rate among every outcome at or above it is at most
+uses the second set's threshold (or the first's, if lower); one decided without (no fit ready, beyond the
+worker's fits, scores of another length, a fit dropped on an error) the first's, which bounds the
+interpolation alone. One pool for both let outcomes the fit had filtered teach a near-zero threshold to
+namespaces that have no fit to filter with. A set's threshold is the lowest bin edge at which the
+one-sided 95% upper bound (Wilson) of the error rate among that set's outcomes at or above it is at most
 `max_error`: with no outcomes there is no threshold (no semantic hits), and a few lucky ones do not make
 one (0 errors in n bound the error by about 2.7/n, so 0.01 needs some 270 outcomes above the edge).
 
 The guard: the live fidelity of the recent verified hits (weighted by the inverse of each one's chance of
-being verified) below 1 - max_error raises the threshold by a step per disagreement, until the recent
-hits agree again. Live fidelity is reported in GetStats and /metrics.
+being verified) below 1 - max_error raises both thresholds by a step per disagreement, until the recent
+hits agree again (one guard over all hits: it protects the fidelity of what is served, not of each set). Live fidelity is reported in GetStats and /metrics.
 
 The outcomes describe the cached entries, which outlive a restart: a worker that stops cleanly writes
 them beside its semantic index snapshots (counts only, no text), with the rule's settings, and the
@@ -87,10 +88,13 @@ class Calibration:
         return self.threshold_for(False)
 
     def threshold_for(self, fitted: bool) -> float:
-        """The threshold of a hit decided with the namespace's fit consulted (True) or without (False)."""
+        """The threshold of a hit decided with the namespace's fit consulted (True) or without (False).
+        With: the lower of the two (a hit the fit agrees with also passes the rule without it; so a
+        namespace whose fit becomes ready does not stop answering while outcomes with a fit gather)."""
         if self._stale:
             self._rebase()
-        return float(self._base[int(fitted)]) + GUARD_STEP * self.tightened
+        base = float(self._base.min() if fitted else self._base[0])
+        return base + GUARD_STEP * self.tightened
 
     @property
     def fidelity(self) -> float | None:

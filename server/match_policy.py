@@ -14,10 +14,10 @@ A wrong cached answer is worse than a slow one. Two rules:
   And the namespace's cache-wide fit of the model's scores (server/surrogate.py) must not rank another
   answer first: the interpolation cannot see where the query leaves the neighbours' hull, the fit can,
   from the scores every entry holds for classes no entry answers. A query of a topic the cache has never
-  stored, beside one it has, is a miss when the fit says the model would answer the new topic. The fit
-  only refuses; outcomes (and so the threshold) are the interpolation's, which is what answers where a
-  namespace has no fit yet (fewer entries than the embedding has dimensions, beyond the worker's
-  MAX_FITS, or scores of another length).
+  stored, beside one it has, is a miss when the fit says the model would answer the new topic. A hit
+  decided with the fit has a threshold of its own, learnt from the outcomes the fit agreed with; one
+  decided without (a namespace with fewer entries than the embedding has dimensions, beyond the worker's
+  MAX_FITS, or with scores of another length) uses the threshold of every outcome (server/calibration.py).
 - **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
   similarity floor and agreement among the nearest neighbours.
 """
@@ -91,7 +91,7 @@ class CalibratedPolicy:
             return None
         if not assessment.margin >= threshold or not self.covers(neighbors, assessment):  # (NaN: no)
             return None
-        if assessment.fitted not in (None, assessment.answer):  # the fit refuses (it is no outcome's filter)
+        if assessment.fitted not in (None, assessment.answer):  # the fit refuses
             return None
         return next(n for n in neighbors if n.answer == assessment.answer)
 
@@ -103,8 +103,7 @@ class CalibratedPolicy:
     def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
         """The query is near enough to what is cached and an entry holds the predicted answer: the
         interpolation would answer at a low enough threshold, so such a miss is an outcome to calibrate
-        on. The fit's agreement is left out on purpose: the threshold then bounds the interpolation's own
-        error, which holds in a namespace without a fit (a small one), and the fit only removes hits."""
+        on (for hits with a fit too when the fit agreed: server/calibration.py)."""
         return assessment.residual <= self.coverage and any(n.answer == assessment.answer for n in neighbors)
 
 

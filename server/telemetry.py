@@ -70,7 +70,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "gauge", "Live fidelity of the semantic hits served (shadow verification, weighted by each check's "
         "chance); absent before the first check.", ("model", "version", "worker"), ()),
     "infercache_semantic_threshold": (
-        "gauge", "The calibrated rule's margin threshold in force (absent while outcomes support none).",
+        "gauge", "The calibrated rule's margin threshold in force for hits decided without a fit (absent while outcomes support none).",
         ("model", "version", "worker"), ()),
     "infercache_engines_built_total": (
         "counter", "Engines built when the server started (not found in the engine store): a cold start.",

@@ -212,10 +212,11 @@ class WorkerPool:
 
     def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
         """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
-        that new items of this model version would wait longer than the worker itself would allow (with
-        the same headroom: batcher.admits): the budget the items carry (the caller's deadline, at most
-        worker_timeout_s) or server.max_queue_wait_s. The worker checks again when the items arrive (its
-        queue may have grown)."""
+        that new items of this model version would wait longer than allowed (with the worker's own
+        headroom: batcher.admits): the budget the items carry (the caller's deadline, at most
+        worker_timeout_s) or server.max_queue_wait_s. What the worker tells is held at its last refusal's
+        wait while work remains (Batcher.told_wait), so a burst is refused here, not sent to be refused
+        there. The worker checks again when the items arrive (its queue may have grown)."""
         bound = wait_bound(self.max_queue_wait_s, self._budget(time_remaining))
         now = asyncio.get_running_loop().time()
         n = len(self.links)
