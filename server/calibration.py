@@ -16,7 +16,8 @@ one (0 errors in n bound the error by about 2.7/n, so 0.01 needs some 270 outcom
 
 The guard: the live fidelity of the recent verified hits (weighted by the inverse of each one's chance of
 being verified) below 1 - max_error raises both thresholds by a step per disagreement, until the recent
-hits agree again (one guard over all hits: it protects the fidelity of what is served, not of each set). Live fidelity is reported in GetStats and /metrics.
+hits agree again (one guard over all hits: it protects the fidelity of what is served, not of each set).
+Live fidelity is reported in GetStats and /metrics.
 
 The outcomes describe the cached entries, which outlive a restart: a worker that stops cleanly writes
 them beside its semantic index snapshots (counts only, no text), with the rule's settings, and the
