@@ -22,10 +22,10 @@ warmup also times four rows, and the estimate is at least what that row model gi
 rows of bucket b takes fixed + n x row x b / (longest bucket), summed over the rows admitted, scaled by
 how recent batches compared with the model (its `speed`, which starts from the slots sharing the cores;
 the queue is re-checked after every batch). A GPU, where a row adds next to nothing, keeps the batch
-estimate; short texts cost a proportionally small share of a row. The
-frontends read the estimate from every answer frame (`told_wait`: held at the last refused request's wait
-while work remains) and refuse before sending, against the same bound (`wait_bound`). Cancelled and expired requests are dropped when the batch is cut,
-before they reach the engine.
+estimate; short texts cost a proportionally small share of a row. The frontends read the estimate from
+every answer frame (`told_wait`: held at the last refused request's wait while work remains) and refuse
+before sending, against the same bound (`wait_bound`). Cancelled and expired requests are dropped when
+the batch is cut, before they reach the engine.
 """
 
 from __future__ import annotations

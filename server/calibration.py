@@ -116,7 +116,8 @@ class Calibration:
     def _rebase(self) -> None:
         self._stale = False
         for s in (0, 1):
-            bounds = wilson_upper(np.cumsum(self.errors[s, ::-1])[::-1], np.cumsum(self.n[s, ::-1])[::-1])  # at or above each edge
+            at_or_above = np.cumsum(self.errors[s, ::-1])[::-1], np.cumsum(self.n[s, ::-1])[::-1]  # each edge
+            bounds = wilson_upper(*at_or_above)
             passing = np.flatnonzero(bounds <= self.max_error)
             self._base[s] = float(EDGES[passing[0]]) if len(passing) else math.inf
 
