@@ -305,6 +305,7 @@ class SemanticTier:
             embeddings, scores = [], []
             with self.store.begin(buffers=True) as txn:
                 for label, key, embedding in entries:
+                    embedding = np.asarray(embedding, dtype=np.float32)
                     raw = txn.get(key, db=self.store.dbs[DB_RESULTS])
                     values = None if raw is None else self._scores(raw, key)
                     if values is None or not 0 < len(values) <= MAX_CLASSES or not np.all(np.isfinite(embedding)):
@@ -315,7 +316,7 @@ class SemanticTier:
                         self._index_counters["fit_mismatched"] += 1
                         continue
                     if remember:
-                        self._remember((ns_id, label), raw, np.asarray(embedding, dtype=np.float32), values)
+                        self._remember((ns_id, label), raw, embedding, values)
                     embeddings.append(embedding)
                     scores.append(values)
             if not scores:
