@@ -144,7 +144,10 @@ class WorkerCore:
         self._inflight: dict[bytes, _Flight] = {}
         # The calibrated semantic rule: outcomes per model version, and the hits' background checks.
         self.calibrations: dict[tuple[str, str], Calibration] = {}
-        self.shadow = ShadowVerifier(self._checked) if semantic is not None else None
+        self.shadow = ShadowVerifier(self._checked, self._batchers) if semantic is not None else None
+
+    def _batchers(self):
+        return (runtime.batcher for runtime in self.runtimes.values())
 
     def runtime(self, model: str, version: str) -> ModelRuntime:
         runtime = self.runtimes.get((model, version))
@@ -528,9 +531,7 @@ class WorkerCore:
         if self.writer is not None:
             groups.append(("writer", self.writer.counters))
         if self.semantic is not None:
-            counters = self.semantic.counters
-            counters.update(self.shadow.counters)
-            groups.append(("semantic", counters))
+            groups.append(("semantic", {**self.semantic.counters, **self.shadow.stats()}))
             for (model, version), calibration in self.calibrations.items():
                 groups.append((f"semantic.{model}.{version}", calibration.stats()))
         if self.features is not None:

@@ -227,28 +227,31 @@ def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(
     assert 0 < counters["semantic.faq.1.fidelity_ppm"] <= 1_000_000
 
 
-def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
-    """A real batcher whose engine echoes its input as the model's scores. Checks offered while a
-    foreground batch runs wait for the batcher to be idle: a foreground text queued after them runs first.
-    A check whose model answer differs from the hit's contests the entry that answered."""
+def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreements():
+    """Real batchers whose engines echo their input as the model's scores. Checks offered while a
+    foreground batch runs on the model's batcher, and then on another batcher of the worker (an encoder),
+    wait for both to be idle: a foreground text queued after them runs first. Then the waiting checks go
+    in one batch. A check whose model answer differs from the hit's contests the entry that answered."""
     from server.batcher import Batcher
     from server.shadow import Check, ShadowVerifier
 
     class Model:  # what a check needs of a runtime: its batcher and labels
         labels = ["a", "b"]
 
-    order: list[str] = []
+    batches: list[list[str]] = []
 
     def engine(batch):
-        order.extend("foreground" if len(x) == 3 else "check" for x in batch)
+        batches.append(["foreground" if len(x) == 3 else "check" for x in batch])
         time.sleep(0.2 if len(batch[0]) == 3 else 0)
         return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
 
     async def scenario():
-        model = Model()
+        model, encoder = Model(), Model()
         model.batcher = Batcher(engine, buckets=(8,), max_batch=4, max_delay_s=0.0, max_queue=16)
+        encoder.batcher = Batcher(engine, buckets=(8,), max_batch=4, max_delay_s=0.0, max_queue=16)
         checked = []
-        verifier = ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed))
+        verifier = ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
+                                  lambda: [model.batcher, encoder.batcher])
         calibration = Calibration(max_error=0.05)
         first = model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
         await asyncio.sleep(0.05)  # the first foreground batch is running
@@ -257,22 +260,78 @@ def test_shadow_checks_wait_for_an_idle_batcher_and_report_disagreements():
                                  now_us()))
         await asyncio.sleep(0.01)
         second = model.batcher.enqueue(np.array([0.3, 0.2, 0.1]), None)  # queued after the checks
-        await asyncio.gather(first, second)
+        await first
+        encoded = encoder.batcher.enqueue(np.array([0.5, 0.5, 0.5]), None)  # starts as `second` runs
+        await asyncio.gather(second, encoded)
         for _ in range(100):
             if len(checked) == 2:
                 break
             await asyncio.sleep(0.01)
         await verifier.close()
         await model.batcher.close()
+        await encoder.batcher.close()
         return checked, calibration, verifier
 
     checked, calibration, verifier = asyncio.run(scenario())
-    assert order == ["foreground", "foreground", "check", "check"]
+    assert batches == [["foreground"], ["foreground"], ["foreground"], ["check", "check"]]
     assert checked == [True, False]
     assert calibration.verified == 2 and calibration.disagreed == 1 and calibration.fidelity == 0.5
     assert verifier.chance(b"a1", 0.1) == 0.1 and not verifier.contested(b"a1")  # proven by the agreement
     assert verifier.contested(b"a2") and verifier.chance(b"a2", 0.1) == 1.0
     assert verifier.chance(b"never", 0.1) == 1.0
+    assert verifier.counters["shadow_unidle"] == 0
+
+
+def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
+    """A batcher kept busy without a pause: after MAX_DEFER_S one batch of the waiting checks runs
+    between its batches (counted), so verification goes on under sustained load."""
+    from server import shadow
+    from server.batcher import Batcher
+
+    monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.2)
+
+    class Model:
+        labels = ["a", "b"]
+
+    checks_in: list[int] = []  # checks in each batch the engine ran
+
+    def engine(batch):
+        checks_in.append(sum(len(x) == 2 for x in batch))
+        time.sleep(0.02)
+        return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
+
+    async def scenario():
+        model = Model()
+        model.batcher = Batcher(engine, buckets=(8,), max_batch=8, max_delay_s=0.0, max_queue=64)
+        checked = []
+        verifier = shadow.ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
+                                         lambda: [model.batcher])
+        calibration = Calibration(max_error=0.05)
+        busy = True
+
+        async def foreground():  # two callers: one of them always has a text queued
+            while busy:
+                await model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
+
+        callers = [asyncio.ensure_future(foreground()) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        for n in range(3):
+            verifier.offer(shadow.Check(model, calibration, None, np.array([0.9, 0.1]), np.zeros(2), "a", 2.0,
+                                        b"e%d" % n, 1.0, now_us()))
+        for _ in range(100):
+            if len(checked) == 3:
+                break
+            await asyncio.sleep(0.01)
+        busy = False
+        await asyncio.gather(*callers)
+        await verifier.close()
+        await model.batcher.close()
+        return checked, verifier
+
+    checked, verifier = asyncio.run(scenario())
+    assert checked == [True, True, True]
+    assert verifier.counters["shadow_unidle"] == 1
+    assert 3 in checks_in, checks_in  # the three checks, in one batch
 
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["clear", "encrypted"])
