@@ -50,6 +50,8 @@ class ServerSection:
     max_pending_calls: int = 20000     # calls a frontend's gRPC holds before its handlers take them up; past
                                        # it gRPC itself cancels new ones (CANCELLED), so keep it above bursts
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
+    cpu_worker_nice: int = 5           # a CPU worker's niceness above the frontends': on shared cores hits and
+                                       # refusals go before engine batches; 0 = the same priority
     log_level: str = "INFO"
     metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (calls record no figures)
     metrics_host: str = "127.0.0.1"    # its bind address (0.0.0.0 for a scraper outside the pod)
@@ -267,6 +269,8 @@ def validate(config: Config) -> None:
         raise ConfigError("server.max_queue must be >= 1")
     if config.server.max_pending_calls < 1:
         raise ConfigError("server.max_pending_calls must be >= 1")
+    if not 0 <= config.server.cpu_worker_nice <= 19:
+        raise ConfigError(f"server.cpu_worker_nice must be within 0..19, got {config.server.cpu_worker_nice}")
     if config.engines.runtime not in RUNTIMES:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.cache.max_ttl_s < 0:

@@ -34,6 +34,22 @@ def settle_gc() -> None:
     gc.set_threshold(GC_YOUNG, 10, 10)
 
 
+def lower_priority(by: int) -> None:
+    """This process `by` steps nicer than it is, every thread of it: niceness is a thread's on Linux,
+    and threads started at import (a BLAS pool) would keep the old one. Threads started later, and
+    child processes (the worker's writers), inherit it."""
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + by)
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread only (os.nice), which those started later inherit
+        threads = [0]
+    for thread in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread, target)
+        except OSError:  # a thread that has ended since
+            pass
+
+
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Runs main(stop) on uvloop (when installed); SIGTERM/SIGINT set `stop` so main can drain."""
     try:

@@ -385,6 +385,10 @@ def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_pa
         # by that position, not by the id (server/mps.py).
         through_mps = bool(os.environ.get(mps.PIPE_ENV))
         os.environ["CUDA_VISIBLE_DEVICES"] = str(placement.ordinal) if through_mps else placement.gpu
+    elif config.server.cpu_worker_nice:
+        # The engine's batches take the shared cores for milliseconds; a frontend's hit or refusal needs
+        # them for microseconds and should not wait behind them.
+        process.lower_priority(config.server.cpu_worker_nice)
     process.setup_logging(config.server.log_level, f"worker-{placement.index}")
     process.run(lambda stop: _serve(config, placement, cpu_workers, Path(socket_path), ready, stop,
                                     Path(metrics_dir) if metrics_dir else None))

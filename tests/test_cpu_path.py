@@ -85,6 +85,24 @@ def test_server_processes_run_numpy_on_one_blas_thread(start_server):
         assert environ.get("OPENBLAS_NUM_THREADS") == wanted, (pid, Path(f"/proc/{pid}/cmdline").read_text())
 
 
+@pytest.mark.parametrize("nice", [5, 0])
+def test_cpu_workers_run_nicer_than_the_frontends(start_server, nice):
+    """server.cpu_worker_nice: on shared cores a frontend's hit or refusal goes before the engine's batch.
+    Every thread of the worker has it (also any started at import), the frontends have the supervisor's."""
+    if visible_gpus():
+        pytest.skip("a GPU is visible: auto picks a GPU runtime here, whose workers keep the frontends' priority")
+    server = start_server(settings=(f"server.cpu_worker_nice={nice}",))
+    with server.client() as client:
+        assert client.infer(MODEL, unique("nice")).source == "MISS"  # the engine's threads are running
+        stats = client.stats()
+    base = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+    assert os.getpriority(os.PRIO_PROCESS, stats.frontend.pid) == base
+    for worker in stats.workers:
+        threads = [int(t) for t in os.listdir(f"/proc/{worker.pid}/task")]
+        assert len(threads) > 1
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {min(19, base + nice)}
+
+
 def test_importing_and_planning_does_not_import_torch():
     code = ("import sys; from server import devices; "
             "devices.plan_workers('auto', 0, devices.visible_gpus()); devices.resolve_runtime('auto', ['0']); "
