@@ -194,6 +194,14 @@ class Batcher:
             batch_s = max(batch_s, modelled * self.speed / batches)
         return batches / self.concurrency * batch_s
 
+    def has_room(self, rows: int) -> bool:
+        """Whether `rows` more requests without a deadline would be admitted now; nothing is counted or
+        told (low-priority work asks before it adds to a busy queue: server/shadow.py)."""
+        if self._waiting + rows > self.max_queue:
+            return False
+        expected = self.expected_wait()
+        return not expected or admits(expected, wait_bound(self.max_wait_s, None))
+
     def told_wait(self) -> float:
         """What the frontends are told a new request would wait (their admission control): the expected
         wait, or the wait of the last request refused for it, discounted since, if longer, but at most a

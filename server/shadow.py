@@ -4,16 +4,18 @@ A share of the semantic hits served (`semantic.verify_fraction`), and every hit 
 verification has proven yet, is recomputed by the model in the background and compared with the answer
 served. Checks run at low priority: only while every batcher of the worker is idle (nothing queued, no
 batch running: on one CPU or one GPU the encoder's batches and the heads' compete for the same device,
-so an idle head batcher beside a busy encoder is no idle capacity). Where no such moment comes within
-MAX_DEFER_S, one batch of checks goes anyway, so verification goes on, slowly, under sustained load.
-Waiting checks go together, as many in one batch as add at most a batch's own cost (the batcher's row
-model, a CPU's), or up to its max_batch where a row costs next to nothing (a GPU, a head), so a foreground
-miss that arrives meanwhile waits for at most one such batch. When checks come faster than that, the oldest
-are dropped, and so is one that waited over a minute (both counted). Each outcome feeds the model
-version's calibration (threshold, live fidelity, guard: server/calibration.py). An agreement proves the
-entry; a disagreement contests it: it answers no near-duplicate again. Either way the model's answer
-goes to `on_checked` (the worker stores it under the query's key, replacing the alias the hit wrote, and
-indexes it: a verified answer is an entry of its own). One owner: the worker's event loop.
+so an idle head batcher beside a busy encoder is no idle capacity). Waiting checks of one model and
+bucket go together: up to the batcher's max_batch where a row costs next to nothing (a head, a GPU), one
+at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a foreground miss
+that arrives meanwhile waits for at most one such batch. Where no idle moment comes within MAX_DEFER_S,
+one batch of checks goes anyway, so verification goes on, slowly, under sustained load; but never into a
+queue that would refuse it (that would count as a user's refusal and raise the wait the frontends are
+told), nor beyond half of its room (QUEUE_SHARE): then it waits on. When checks come faster than that, the oldest are dropped, and so is one that
+waited over a minute (all counted). Each outcome feeds the model version's calibration (threshold, live
+fidelity, guard: server/calibration.py). An agreement proves the entry; a disagreement contests it: it
+answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the worker stores
+it under the query's key, replacing the alias the hit wrote, and indexes it: a verified answer is an
+entry of its own). One owner: the worker's event loop.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ log = logging.getLogger("infercache.shadow")
 CAPACITY = 1024              # checks waiting; beyond it the oldest are dropped
 MAX_AGE_S = 60.0             # checks waiting longer are dropped (well inside the writer's 120 s fences)
 PROVEN_CAPACITY = 1_000_000  # entries remembered as proven or contested (forgotten together when full)
-MAX_DEFER_S = 1.0            # a batch of checks waits at most this long for an idle worker, then goes anyway
+MAX_DEFER_S = 1.0            # a batch of checks waits at most this long for an idle worker, then goes if it fits
+QUEUE_SHARE = 0.5            # checks never fill more of a batcher's queue: requests after them find the rest
 
 
 @dataclass
@@ -65,6 +68,7 @@ class ShadowVerifier:
         self._running = 0  # checks taken into the batch now running
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="shadow-verifier")
+        self._task.add_done_callback(_ended)
 
     def contested(self, entry: bytes) -> bool:
         """A check found a hit of this entry wrong: near-duplicates no longer take its answer."""
@@ -93,54 +97,77 @@ class ShadowVerifier:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending:
+            while self._drop_stale():
+                idle = True
                 try:
-                    await asyncio.wait_for(self._idle(), MAX_DEFER_S)
-                except TimeoutError:  # no idle moment: one batch of checks goes anyway
+                    async with asyncio.timeout(MAX_DEFER_S):  # (in this task: a close's cancel is never lost)
+                        await self._idle()
+                except TimeoutError:
+                    idle = False
+                if not self._drop_stale():
+                    break
+                checks = self._take()
+                if not idle:
+                    if not _fits(checks[0].runtime.batcher, len(checks)):
+                        self._pending.extendleft(reversed(checks))  # a check may wait; a refusal would
+                        self.counters["shadow_deferred"] += 1       # count as a user's and raise the told wait
+                        continue
                     self.counters["shadow_unidle"] += 1
-                if checks := self._take():
-                    self._running = len(checks)
-                    try:
-                        await self._check(checks)
-                    finally:
-                        self._running = 0
+                self._running = len(checks)
+                try:
+                    await self._check(checks)
+                finally:
+                    self._running = 0
 
     async def _idle(self) -> None:
         """Returns once every batcher of the worker is idle at the same moment."""
         while (busy := next((b for b in self.batchers() if not b.idle), None)) is not None:
             await busy.wait_idle()
 
+    def _drop_stale(self) -> bool:
+        """Drops the checks that waited past MAX_AGE_S (the oldest are first); whether any is left."""
+        oldest = now_us() - MAX_AGE_S * 1_000_000
+        while self._pending and self._pending[0].created_us < oldest:
+            self._pending.popleft()
+            self.counters["shadow_stale"] += 1  # its answer may be invalidated past the writer's fences
+        return bool(self._pending)
+
     def _take(self) -> list[Check]:
-        """The oldest waiting check and those of the same model after it, as many as one batch of
-        checks takes (`chunk`); stale ones are dropped on the way."""
-        runtime = self._pending[0].runtime
-        room, taken, others = chunk(runtime.batcher), [], []
+        """The oldest waiting check and those after it that go in the same batch (same model and
+        bucket), as many as one batch of checks takes: one where rows add to a batch's time (the
+        batcher's row model, a CPU: there a row costs more than a batch's own cost), else max_batch."""
+        first = self._pending[0]
+        batcher = first.runtime.batcher
+        bucket = batcher.bucket_of(len(first.model_input))
+        room = 1 if batcher.row_s else min(batcher.max_batch, _share(batcher))
+        taken, others = [], []
         while self._pending and len(taken) < room:
             check = self._pending.popleft()
-            if check.runtime is not runtime:
-                others.append(check)
-            elif now_us() - check.created_us > MAX_AGE_S * 1_000_000:
-                self.counters["shadow_stale"] += 1  # its answer may be invalidated past the writer's fences
-            else:
-                taken.append(check)
+            same = check.runtime is first.runtime and batcher.bucket_of(len(check.model_input)) == bucket
+            (taken if same else others).append(check)
         self._pending.extendleft(reversed(others))
         return taken
 
     async def _check(self, checks: list[Check]) -> None:
         batcher = checks[0].runtime.batcher
-        # Enqueued in one go: the batcher cuts them into one batch (server/batcher.py).
-        outcomes = await asyncio.gather(*(batcher.submit(c.model_input, None) for c in checks),
-                                        return_exceptions=True)
-        for check, outputs in zip(checks, outcomes):
-            if isinstance(outputs, BaseException):  # a check lost is a sample lost, never an answer
-                self.counters["shadow_failed"] += 1
-                log.warning("shadow verification failed: %r", outputs)
+        enqueued, failed = [], []
+        for check in checks:  # with no await between: the batcher cuts them into one batch
+            try:
+                enqueued.append((check, batcher.enqueue(check.model_input, None)))
+            except Exception as exc:
+                failed.append(exc)
+        outcomes = await asyncio.gather(*(future for _, future in enqueued), return_exceptions=True)
+        for (check, _), outputs in zip(enqueued, outcomes):
+            if isinstance(outputs, BaseException):
+                failed.append(outputs)
                 continue
             try:
                 self._settle(check, outputs)
-            except Exception:
-                self.counters["shadow_failed"] += 1
-                log.exception("shadow verification failed")
+            except Exception as exc:
+                failed.append(exc)
+        if failed:  # a check lost is a sample lost, never an answer
+            self.counters["shadow_failed"] += len(failed)
+            log.warning("%d of %d shadow checks failed", len(failed), len(checks), exc_info=failed[0])
 
     def _settle(self, check: Check, outputs: dict) -> None:
         answer = check.runtime.labels[int(np.argmax(outputs["scores"]))]
@@ -159,9 +186,16 @@ class ShadowVerifier:
         self.on_checked(check, outputs, agreed)
 
 
-def chunk(batcher) -> int:
-    """How many checks go in one batch: where each row adds to a batch's time (the batcher's row model),
-    as many as add at most a batch's own cost; else up to max_batch."""
-    if not batcher.row_s:
-        return batcher.max_batch
-    return max(1, min(batcher.max_batch, int(batcher.fixed_s / batcher.row_s)))
+
+def _share(batcher) -> int:
+    return max(1, int(batcher.max_queue * QUEUE_SHARE))
+
+
+def _fits(batcher, checks: int) -> bool:
+    """Whether `checks` more go into this busy batcher's queue within their share, and it admits them."""
+    return batcher.depth + checks <= _share(batcher) and batcher.has_room(checks)
+
+
+def _ended(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("shadow verification stopped", exc_info=task.exception())

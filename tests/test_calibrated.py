@@ -227,46 +227,70 @@ def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(
     assert 0 < counters["semantic.faq.1.fidelity_ppm"] <= 1_000_000
 
 
-def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreements():
-    """Real batchers whose engines echo their input as the model's scores. Checks offered while a
-    foreground batch runs on the model's batcher, and then on another batcher of the worker (an encoder),
-    wait for both to be idle: a foreground text queued after them runs first. Then the waiting checks go
-    in one batch. A check whose model answer differs from the hit's contests the entry that answered."""
-    from server.batcher import Batcher
-    from server.shadow import Check, ShadowVerifier
+class _Echo:
+    """What a check needs of a runtime (its batcher and labels): a real Batcher whose engine echoes
+    each input as the model's scores. Foreground texts have 3 values and take `foreground_s`; checks have
+    2 and take nothing. `batches` gets, for each batch the engine ran, its rows' kinds."""
+    labels = ["a", "b"]
 
-    class Model:  # what a check needs of a runtime: its batcher and labels
-        labels = ["a", "b"]
+    def __init__(self, batches: list, foreground_s: float, **settings) -> None:
+        from server.batcher import Batcher
+
+        def engine(batch):
+            batches.append(["foreground" if len(x) == 3 else "check" for x in batch])
+            time.sleep(foreground_s if len(batch[0]) == 3 else 0)
+            return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
+
+        self.batcher = Batcher(engine, buckets=(8,), max_delay_s=0.0, **{"max_batch": 8, "max_queue": 64, **settings})
+
+    def foreground(self):
+        return self.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
+
+
+def _check(model: _Echo, calibration: Calibration, entry: bytes, scores=(0.9, 0.1)):
+    """A hit that answered "a", from `entry`, offered for its check."""
+    from server.shadow import Check
+
+    return Check(model, calibration, None, np.array(scores), np.zeros(2), "a", 2.0, entry, 1.0, now_us())
+
+
+def _with_repo_path() -> dict:
+    """This process's environment with the repository first on PYTHONPATH (kept: the device's wheels)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+
+
+async def _until(condition, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreements():
+    """Checks offered while a foreground batch runs on the model's batcher, and then on another batcher
+    of the worker (an encoder), wait for both to be idle: a foreground text queued after them runs first.
+    Then the waiting checks go in one batch. A check whose model answer differs from the hit's contests
+    the entry that answered."""
+    from server.shadow import ShadowVerifier
 
     batches: list[list[str]] = []
 
-    def engine(batch):
-        batches.append(["foreground" if len(x) == 3 else "check" for x in batch])
-        time.sleep(0.2 if len(batch[0]) == 3 else 0)
-        return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
-
     async def scenario():
-        model, encoder = Model(), Model()
-        model.batcher = Batcher(engine, buckets=(8,), max_batch=4, max_delay_s=0.0, max_queue=16)
-        encoder.batcher = Batcher(engine, buckets=(8,), max_batch=4, max_delay_s=0.0, max_queue=16)
+        model, encoder = _Echo(batches, 0.2), _Echo(batches, 0.2)
         checked = []
         verifier = ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
                                   lambda: [model.batcher, encoder.batcher])
         calibration = Calibration(max_error=0.05)
-        first = model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
+        first = model.foreground()
         await asyncio.sleep(0.05)  # the first foreground batch is running
-        for entry, scores in ((b"a1", [0.9, 0.1]), (b"a2", [0.2, 0.8])):  # the hits answered "a"
-            verifier.offer(Check(model, calibration, None, np.array(scores), np.zeros(2), "a", 2.0, entry, 1.0,
-                                 now_us()))
+        verifier.offer(_check(model, calibration, b"a1", (0.9, 0.1)))
+        verifier.offer(_check(model, calibration, b"a2", (0.2, 0.8)))  # the model says "b"
         await asyncio.sleep(0.01)
-        second = model.batcher.enqueue(np.array([0.3, 0.2, 0.1]), None)  # queued after the checks
+        second = model.foreground()  # queued after the checks
         await first
-        encoded = encoder.batcher.enqueue(np.array([0.5, 0.5, 0.5]), None)  # starts as `second` runs
+        encoded = encoder.foreground()  # starts as `second` runs
         await asyncio.gather(second, encoded)
-        for _ in range(100):
-            if len(checked) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: len(checked) == 2)
         await verifier.close()
         await model.batcher.close()
         await encoder.batcher.close()
@@ -279,49 +303,61 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
     assert verifier.chance(b"a1", 0.1) == 0.1 and not verifier.contested(b"a1")  # proven by the agreement
     assert verifier.contested(b"a2") and verifier.chance(b"a2", 0.1) == 1.0
     assert verifier.chance(b"never", 0.1) == 1.0
-    assert verifier.counters["shadow_unidle"] == 0
+    assert verifier.counters["shadow_unidle"] == 0 and verifier.stats()["shadow_pending"] == 0
+
+
+def test_shadow_checks_of_two_models_go_in_a_batch_each_oldest_model_first():
+    from server.shadow import ShadowVerifier
+
+    batches: list[list[str]] = []
+
+    async def scenario():
+        one, two = _Echo(batches, 0.1), _Echo(batches, 0.1)
+        settled = []
+        verifier = ShadowVerifier(lambda check, outputs, agreed: settled.append(check.entry),
+                                  lambda: [one.batcher, two.batcher])
+        calibration = Calibration(max_error=0.05)
+        running = one.foreground()
+        await asyncio.sleep(0.02)
+        for model, entry in ((one, b"1a"), (two, b"2a"), (one, b"1b"), (two, b"2b")):
+            verifier.offer(_check(model, calibration, entry))
+        assert verifier.stats()["shadow_pending"] == 4
+        await running
+        await _until(lambda: len(settled) == 4)
+        await verifier.close()
+        await one.batcher.close()
+        await two.batcher.close()
+        return settled
+
+    assert asyncio.run(scenario()) == [b"1a", b"1b", b"2a", b"2b"]
+    assert batches == [["foreground"], ["check", "check"], ["check", "check"]]
 
 
 def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
-    """A batcher kept busy without a pause: after MAX_DEFER_S one batch of the waiting checks runs
-    between its batches (counted), so verification goes on under sustained load."""
+    """A batcher kept busy without a pause by two callers: after MAX_DEFER_S one batch of the waiting
+    checks runs between its batches (counted), so verification goes on under sustained load."""
     from server import shadow
-    from server.batcher import Batcher
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.2)
-
-    class Model:
-        labels = ["a", "b"]
-
-    checks_in: list[int] = []  # checks in each batch the engine ran
-
-    def engine(batch):
-        checks_in.append(sum(len(x) == 2 for x in batch))
-        time.sleep(0.02)
-        return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
+    batches: list[list[str]] = []
 
     async def scenario():
-        model = Model()
-        model.batcher = Batcher(engine, buckets=(8,), max_batch=8, max_delay_s=0.0, max_queue=64)
+        model = _Echo(batches, 0.02)
         checked = []
         verifier = shadow.ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
                                          lambda: [model.batcher])
         calibration = Calibration(max_error=0.05)
         busy = True
 
-        async def foreground():  # two callers: one of them always has a text queued
+        async def caller():  # two of them: one always has a text queued
             while busy:
-                await model.batcher.enqueue(np.array([0.1, 0.2, 0.3]), None)
+                await model.foreground()
 
-        callers = [asyncio.ensure_future(foreground()) for _ in range(2)]
+        callers = [asyncio.ensure_future(caller()) for _ in range(2)]
         await asyncio.sleep(0.05)
         for n in range(3):
-            verifier.offer(shadow.Check(model, calibration, None, np.array([0.9, 0.1]), np.zeros(2), "a", 2.0,
-                                        b"e%d" % n, 1.0, now_us()))
-        for _ in range(100):
-            if len(checked) == 3:
-                break
-            await asyncio.sleep(0.01)
+            verifier.offer(_check(model, calibration, b"e%d" % n))
+        await _until(lambda: len(checked) == 3)
         busy = False
         await asyncio.gather(*callers)
         await verifier.close()
@@ -329,9 +365,46 @@ def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
         return checked, verifier
 
     checked, verifier = asyncio.run(scenario())
-    assert checked == [True, True, True]
-    assert verifier.counters["shadow_unidle"] == 1
-    assert 3 in checks_in, checks_in  # the three checks, in one batch
+    assert checked == [True, True, True] and verifier.counters["shadow_unidle"] == 1
+    assert [n for batch in batches if (n := batch.count("check"))] == [3]  # in one batch
+
+
+def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
+    """A batch that runs past MAX_DEFER_S with half of the queue waiting behind it: the checks are not
+    added to it (counted), none is refused (which would count as a user's refusal), and they run once
+    the queue has drained."""
+    import threading
+
+    from server import shadow
+
+    monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.1)
+    release = threading.Event()
+    batches: list[list[str]] = []
+
+    async def scenario():
+        model = _Echo(batches, 0.0, max_batch=1, max_queue=4)
+        engine = model.batcher.run_batch
+        model.batcher.run_batch = lambda batch: (release.wait(5), engine(batch))[1]
+        checked = []
+        verifier = shadow.ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
+                                         lambda: [model.batcher])
+        calibration = Calibration(max_error=0.05)
+        foreground = [model.foreground() for _ in range(3)]  # one runs, two wait: half of the queue
+        await asyncio.sleep(0.05)
+        verifier.offer(_check(model, calibration, b"e0"))
+        await asyncio.sleep(0.35)  # three deferrals' worth
+        during = len(checked), verifier.counters["shadow_deferred"], model.batcher.depth
+        release.set()
+        await asyncio.gather(*foreground)
+        await _until(lambda: len(checked) == 1)
+        await verifier.close()
+        await model.batcher.close()
+        return during, checked, verifier, model.batcher.counters
+
+    (checked_during, deferred, depth), checked, verifier, counters = asyncio.run(scenario())
+    assert checked_during == 0 and deferred >= 2 and depth == 2
+    assert checked == [True] and not verifier.counters["shadow_unidle"]
+    assert not counters["rejected_full"] and not counters["rejected_wait"]
 
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["clear", "encrypted"])
@@ -375,7 +448,7 @@ def test_eval_semantic_replays_held_out_and_novel_rows_and_writes_a_new_file(cal
     result = subprocess.run(
         [sys.executable, "-m", "server", "eval-semantic", str(FAQ), "--model", "faq", "--label-column", "intent",
          "--address", calibrated_server.address, "--holdout", "3", "--leave-out-labels", "4"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path, env=_with_repo_path(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     written = list(tmp_path.glob("eval-semantic-faq-*.json"))  # where it runs, under a new name
     assert len(written) == 1, result.stdout
@@ -401,7 +474,7 @@ def test_eval_semantic_warms_with_one_file_and_replays_another(calibrated_server
     command = [sys.executable, "-m", "server", "eval-semantic", str(tmp_path / "warm.csv"), "--model", "faq",
                "--label-column", "intent", "--address", calibrated_server.address, "--replay",
                str(tmp_path / "replay.csv"), "--out", str(tmp_path / "report.json")]
-    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+    result = subprocess.run(command, cwd=REPO, env=_with_repo_path(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())

@@ -57,19 +57,20 @@ def split(rows: list[tuple[str, str]], holdout: int, leave_out: int,
     return warm, replay, [r for r in rows if r[1] in novel]
 
 
-async def _figures(stub, model: str) -> dict[str, int]:
+async def _figures(stub, model: str) -> tuple[dict[str, int], int]:
+    """The model's semantic figures and the index's size; and the shadow checks not settled yet."""
     counters = (await stub.GetStats(pb.GetStatsRequest(), timeout=10)).worker.counters
     prefix = f"semantic.{model}."  # then the version, then the figure's name
-    return {k.rsplit(".", 1)[1]: v for k, v in counters.items() if k.startswith(prefix)} | {
-        "indexed": counters["semantic.indexed"]}
+    figures = {k.rsplit(".", 1)[1]: v for k, v in counters.items() if k.startswith(prefix)}
+    return figures | {"indexed": counters["semantic.indexed"]}, counters.get("semantic.shadow_pending", 0)
 
 
 async def _settle(stub, model: str, timeout: float = 120) -> dict[str, int]:
     """Waits until the index and the shadow checks stop moving (write-behind and background work done)."""
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        now = await _figures(stub, model)
-        if now == last:
+        now, pending = await _figures(stub, model)
+        if now == last and not pending:
             return now
         last = now
         await asyncio.sleep(0.5)
