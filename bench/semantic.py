@@ -48,7 +48,7 @@ def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | Non
     (what served semantic hits before), each beside the same texts computed in the same server;
     rounds alternate the order. Each server is warmed with 80% of the rows first."""
     from server.tools.labelled_csv import read_labelled_csv
-    from server.tools.semantic_heldout import LATENCY_SAMPLE, one_at_a_time
+    from server.tools.semantic_heldout import LATENCY_SAMPLE, one_at_a_time, settle
     from server.tools.semantic_eval import send_all
     from server.tools.train_head import with_consensus
 
@@ -67,7 +67,7 @@ def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | Non
         async with grpc.aio.insecure_channel(address) as channel:
             stub = infercache_pb2_grpc.InferenceCacheStub(channel)
             await send_all(stub, warm, 16)
-            await asyncio.sleep(2)  # the last entries indexed, the background checks done
+            await settle(stub, "banking77")  # the last entries indexed, the warm-up's checks done (as the eval does)
             return await one_at_a_time(stub, "banking77", "", "computed", replay)
 
     for n in range(rounds):

@@ -65,7 +65,7 @@ async def _figures(stub, model: str) -> tuple[dict[str, int], int]:
     return figures | {"indexed": counters["semantic.indexed"]}, counters.get("semantic.shadow_pending", 0)
 
 
-async def _settle(stub, model: str, timeout: float = 120) -> dict[str, int]:
+async def settle(stub, model: str, timeout: float = 120) -> dict[str, int]:
     """Waits until the index and the shadow checks stop moving (write-behind and background work done)."""
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
@@ -138,11 +138,11 @@ async def run(address: str, model: str, rows: list[tuple[str, str]], *, holdout:
         responses = await send_all(stub, [pb.InferRequest(model=model, tenant=tenant, text=t) for t, _ in warm],
                                     concurrency)
         result["warm_semantic_hits"] = sum(r.cache.source == SEMANTIC for r in responses)
-        before = await _settle(stub, model)
+        before = await settle(stub, model)
         progress(f"  warmed {len(warm)} in {time.monotonic() - started:.0f} s; threshold "
                  f"{before.get('threshold_milli', 'none')} (thousandths), {before.get('outcomes', 0)} outcomes")
         result["heldout"] = await _replay(stub, model, tenant, oracle, replay, pb.CachePolicy.NO_STORE, concurrency)
-        after = await _settle(stub, model)
+        after = await settle(stub, model)
         weight = after.get("verified_weight_milli", 0) - before.get("verified_weight_milli", 0)
         agreed = after.get("agreed_weight_milli", 0) - before.get("agreed_weight_milli", 0)
         result["heldout"]["live_fidelity"] = agreed / weight if weight else None
