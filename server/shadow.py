@@ -10,12 +10,12 @@ at a time where each row adds to a batch's time (the batcher's row model, a CPU)
 that arrives meanwhile waits for at most one such batch. Where no idle moment comes within MAX_DEFER_S,
 one batch of checks goes anyway, so verification goes on, slowly, under sustained load; but never into a
 queue that would refuse it (that would count as a user's refusal and raise the wait the frontends are
-told), nor beyond half of its room (QUEUE_SHARE): then it waits on. When checks come faster than that, the oldest are dropped, and so is one that
-waited over a minute (all counted). Each outcome feeds the model version's calibration (threshold, live
-fidelity, guard: server/calibration.py). An agreement proves the entry; a disagreement contests it: it
-answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the worker stores
-it under the query's key, replacing the alias the hit wrote, and indexes it: a verified answer is an
-entry of its own). One owner: the worker's event loop.
+told), nor beyond half of its room (QUEUE_SHARE): then it waits on. When checks come faster than that,
+the oldest are dropped, and so is one that waited over a minute (all counted). Each outcome feeds the
+model version's calibration (threshold, live fidelity, guard: server/calibration.py). An agreement
+proves the entry; a disagreement contests it: it answers no near-duplicate again. Either way the model's
+answer goes to `on_checked` (the worker stores it under the query's key, replacing the alias the hit
+wrote, and indexes it: a verified answer is an entry of its own). One owner: the worker's event loop.
 """
 
 from __future__ import annotations
@@ -184,7 +184,6 @@ class ShadowVerifier:
             self._contested.add(check.entry)
             self._proven.discard(check.entry)
         self.on_checked(check, outputs, agreed)
-
 
 
 def _share(batcher) -> int:
