@@ -155,9 +155,11 @@ class Batcher:
     def bucket_of(self, length: int) -> int:
         return bucket_of(self.buckets, length)
 
-    def enqueue(self, ids, deadline: float | None) -> asyncio.Future:
+    def enqueue(self, ids, deadline: float | None, waits: bool = False) -> asyncio.Future:
         """Admits one sequence; its future gets the engine's result for it. Cancelling the future
-        drops the sequence before it reaches the engine. Raises Overloaded when the queue is full."""
+        drops the sequence before it reaches the engine. Raises Overloaded when the queue is full.
+        `waits`: low-priority work with no deadline that may wait however long (server/shadow.py): no
+        bound on its wait applies (max_wait_s is for callers), only max_queue."""
         if self._closed:
             raise WorkerUnavailable("inference worker is shutting down")
         if self._waiting >= self.max_queue:
@@ -166,7 +168,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         bucket = self.bucket_of(len(ids))  # here, not in the owner task: a bad item fails its caller only
-        self._admit(now, deadline, bucket)
+        if not waits:
+            self._admit(now, deadline, bucket)
         request = _Request(ids, bucket, deadline, now, loop.create_future())
         self._waiting += 1
         self._rows[bucket] += 1
@@ -193,14 +196,6 @@ class Batcher:
             modelled += 0.0 if bucket is None else self._row_cost(bucket)
             batch_s = max(batch_s, modelled * self.speed / batches)
         return batches / self.concurrency * batch_s
-
-    def has_room(self, rows: int) -> bool:
-        """Whether `rows` more requests without a deadline would be admitted now; nothing is counted or
-        told (low-priority work asks before it adds to a busy queue: server/shadow.py)."""
-        if self._waiting + rows > self.max_queue:
-            return False
-        expected = self.expected_wait()
-        return not expected or admits(expected, wait_bound(self.max_wait_s, None))
 
     def told_wait(self) -> float:
         """What the frontends are told a new request would wait (their admission control): the expected

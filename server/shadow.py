@@ -8,9 +8,10 @@ so an idle head batcher beside a busy encoder is no idle capacity). Waiting chec
 bucket go together: up to the batcher's max_batch where a row costs next to nothing (a head, a GPU), one
 at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a foreground miss
 that arrives meanwhile waits for at most one such batch. Where no idle moment comes within MAX_DEFER_S,
-one batch of checks goes anyway, so verification goes on, slowly, under sustained load; but never into a
-queue that would refuse it (that would count as a user's refusal and raise the wait the frontends are
-told), nor beyond half of its room (QUEUE_SHARE): then it waits on. When checks come faster than that,
+one batch of checks goes anyway, so verification goes on, slowly, under sustained load, where the queue
+has room for it within half of max_queue (QUEUE_SHARE; else it waits on, counted in shadow_deferred once
+per MAX_DEFER_S): a check is never refused, which would count as a user's refusal and raise the wait
+the frontends are told, and no wait bound applies to it (it has no deadline). When checks come faster than that,
 the oldest are dropped, and so is one that waited over a minute (all counted). Each outcome feeds the
 model version's calibration (threshold, live fidelity, guard: server/calibration.py). An agreement
 proves the entry; a disagreement contests it: it answers no near-duplicate again. Either way the model's
@@ -109,8 +110,8 @@ class ShadowVerifier:
                 checks = self._take()
                 if not idle:
                     if not _fits(checks[0].runtime.batcher, len(checks)):
-                        self._pending.extendleft(reversed(checks))  # a check may wait; a refusal would
-                        self.counters["shadow_deferred"] += 1       # count as a user's and raise the told wait
+                        self._pending.extendleft(reversed(checks))  # no room within their share: they wait on
+                        self.counters["shadow_deferred"] += 1
                         continue
                     self.counters["shadow_unidle"] += 1
                 self._running = len(checks)
@@ -153,7 +154,7 @@ class ShadowVerifier:
         enqueued, failed = [], []
         for check in checks:  # with no await between: the batcher cuts them into one batch
             try:
-                enqueued.append((check, batcher.enqueue(check.model_input, None)))
+                enqueued.append((check, batcher.enqueue(check.model_input, None, waits=True)))
             except Exception as exc:
                 failed.append(exc)
         outcomes = await asyncio.gather(*(future for _, future in enqueued), return_exceptions=True)
@@ -191,8 +192,9 @@ def _share(batcher) -> int:
 
 
 def _fits(batcher, checks: int) -> bool:
-    """Whether `checks` more go into this busy batcher's queue within their share, and it admits them."""
-    return batcher.depth + checks <= _share(batcher) and batcher.has_room(checks)
+    """Whether `checks` more go into this busy batcher's queue within their share (then max_queue cannot
+    refuse them, and no wait bound applies to them: Batcher.enqueue's `waits`)."""
+    return batcher.depth + checks <= _share(batcher)
 
 
 def _ended(task: asyncio.Task) -> None:
