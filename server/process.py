@@ -46,8 +46,11 @@ def lower_priority(by: int) -> None:
     for thread in threads:
         try:
             os.setpriority(os.PRIO_PROCESS, thread, target)
-        except OSError:  # a thread that has ended since
+        except ProcessLookupError:  # a thread that has ended since
             pass
+        except OSError as exc:  # (a sandbox that refuses it): the process runs on at its priority
+            logging.getLogger("infercache.process").warning("could not lower this process's priority: %s", exc)
+            return
 
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
