@@ -230,15 +230,20 @@ def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(
 class _Echo:
     """What a check needs of a runtime (its batcher and labels): a real Batcher whose engine echoes
     each input as the model's scores. Foreground texts have 3 values and take `foreground_s`; checks have
-    2 and take nothing. `batches` gets, for each batch the engine ran, its rows' kinds."""
+    2 and take nothing. `batches` gets, for each batch the engine ran, its rows' kinds as it starts;
+    `spans`, (kinds, started, ended) as it ends (time.monotonic)."""
     labels = ["a", "b"]
 
     def __init__(self, batches: list, foreground_s: float, **settings) -> None:
         from server.batcher import Batcher
 
+        self.spans: list[tuple[list[str], float, float]] = []
+
         def engine(batch):
-            batches.append(["foreground" if len(x) == 3 else "check" for x in batch])
+            kinds, started = ["foreground" if len(x) == 3 else "check" for x in batch], time.monotonic()
+            batches.append(kinds)
             time.sleep(foreground_s if len(batch[0]) == 3 else 0)
+            self.spans.append((kinds, started, time.monotonic()))
             return [{"scores": np.asarray(x, dtype=np.float32)} for x in batch]
 
         self.batcher = Batcher(engine, buckets=(8,), max_delay_s=0.0, **{"max_batch": 8, "max_queue": 64, **settings})
@@ -276,7 +281,7 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
     batches: list[list[str]] = []
 
     async def scenario():
-        model, encoder = _Echo(batches, 0.2), _Echo(batches, 0.2)
+        model, encoder = _Echo(batches, 0.2), _Echo(batches, 0.4)
         checked = []
         verifier = ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
                                   lambda: [model.batcher, encoder.batcher])
@@ -294,10 +299,11 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
         await verifier.close()
         await model.batcher.close()
         await encoder.batcher.close()
-        return checked, calibration, verifier
+        return checked, calibration, verifier, model.spans, encoder.spans
 
-    checked, calibration, verifier = asyncio.run(scenario())
+    checked, calibration, verifier, spans, encoded = asyncio.run(scenario())
     assert batches == [["foreground"], ["foreground"], ["foreground"], ["check", "check"]]
+    assert spans[-1][0] == ["check", "check"] and spans[-1][1] >= encoded[0][2]  # after the encoder's batch ended
     assert checked == [True, False]
     assert calibration.verified == 2 and calibration.disagreed == 1 and calibration.fidelity == 0.5
     assert verifier.chance(b"a1", 0.1) == 0.1 and not verifier.contested(b"a1")  # proven by the agreement
@@ -334,22 +340,23 @@ def test_shadow_checks_of_two_models_go_in_a_batch_each_oldest_model_first():
 
 
 def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
-    """A batcher kept busy without a pause by two callers: after MAX_DEFER_S one batch of the waiting
-    checks runs between its batches (counted), so verification goes on under sustained load."""
+    """A batcher kept busy without a pause by two callers (one text per batch: while one runs, the other
+    waits): every MAX_DEFER_S one check runs between its batches (counted), so verification goes on
+    under sustained load."""
     from server import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.2)
     batches: list[list[str]] = []
 
     async def scenario():
-        model = _Echo(batches, 0.02)
+        model = _Echo(batches, 0.02, max_batch=1)
         checked = []
         verifier = shadow.ShadowVerifier(lambda check, outputs, agreed: checked.append(agreed),
                                          lambda: [model.batcher])
         calibration = Calibration(max_error=0.05)
         busy = True
 
-        async def caller():  # two of them: one always has a text queued
+        async def caller():
             while busy:
                 await model.foreground()
 
@@ -357,7 +364,7 @@ def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
         await asyncio.sleep(0.05)
         for n in range(3):
             verifier.offer(_check(model, calibration, b"e%d" % n))
-        await _until(lambda: len(checked) == 3)
+        await _until(lambda: len(checked) == 3, timeout_s=10)
         busy = False
         await asyncio.gather(*callers)
         await verifier.close()
@@ -365,8 +372,8 @@ def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
         return checked, verifier
 
     checked, verifier = asyncio.run(scenario())
-    assert checked == [True, True, True] and verifier.counters["shadow_unidle"] == 1
-    assert [n for batch in batches if (n := batch.count("check"))] == [3]  # in one batch
+    assert checked == [True, True, True] and verifier.counters["shadow_unidle"] == 3
+    assert [n for batch in batches if (n := batch.count("check"))] == [1, 1, 1]  # max_batch 1
 
 
 def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
@@ -392,8 +399,8 @@ def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
         foreground = [model.foreground() for _ in range(3)]  # one runs, two wait: half of the queue
         await asyncio.sleep(0.05)
         verifier.offer(_check(model, calibration, b"e0"))
-        await asyncio.sleep(0.35)  # three deferrals' worth
-        during = len(checked), verifier.counters["shadow_deferred"], model.batcher.depth
+        await _until(lambda: verifier.counters["shadow_deferred"] >= 2)
+        during = len(checked), verifier.counters["shadow_unidle"], model.batcher.depth
         release.set()
         await asyncio.gather(*foreground)
         await _until(lambda: len(checked) == 1)
@@ -401,9 +408,9 @@ def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
         await model.batcher.close()
         return during, checked, verifier, model.batcher.counters
 
-    (checked_during, deferred, depth), checked, verifier, counters = asyncio.run(scenario())
-    assert checked_during == 0 and deferred >= 2 and depth == 2
-    assert checked == [True] and not verifier.counters["shadow_unidle"]
+    (checked_during, unidle_during, depth), checked, verifier, counters = asyncio.run(scenario())
+    assert checked_during == 0 and unidle_during == 0 and depth == 2
+    assert checked == [True]
     assert not counters["rejected_full"] and not counters["rejected_wait"]
 
 
