@@ -213,9 +213,9 @@ def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
     answered OK or RESOURCE_EXHAUSTED (refused by the expected wait, not by a full queue), never a
     deadline, UNAVAILABLE or CANCELLED. The worker tells the frontend its queue wait with every answer
     frame, so once the first refusals came back the frontend refuses without sending."""
-    # At the frontends' priority: with the CPU worker niced below it (the default), a frontend on 2 cores
-    # forwards a whole wave before the worker's first answer frames come back, and the worker refuses
-    # every call itself (as fast or faster overall: bench/priority.py); this test is of the frontend's part.
+    # At the frontends' priority: this test is of the frontend's part of admission, not of the worker's
+    # priority (bench/priority.py measures that). It fell short of a frontend refusal in six waves at
+    # both settings alike (2 of 3 runs each, one loaded 2-core machine).
     server = start_server(frontends=1, settings=("server.max_queue_wait_s=0.3", "server.cpu_worker_nice=0"))
     long_text = " ".join(["a customer asks about a delayed refund"] * 6)
 
