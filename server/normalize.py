@@ -41,6 +41,14 @@ def fold_whitespace(text: str) -> str:
 DEFAULT_STEPS: tuple[Step, ...] = (nfkc, casefold, fold_punctuation, fold_whitespace)
 REDACTING_STEPS: tuple[Step, ...] = (nfkc, pii.redact, casefold, fold_punctuation, fold_whitespace)
 
+# DEFAULT_STEPS on an ASCII text in one pass (tests/test_units.py checks it against the steps): NFKC
+# leaves ASCII as it is, casefold is lower(), and each character that is neither a word character nor
+# whitespace becomes a space (one space per run or per character is the same once whitespace folds).
+# The regular expressions cost about 40 us on a 1,000-character text, this about 5 us: every request's
+# text is normalized, an overload's refused ones too.
+_ASCII_FOLD = {c: (" " if _PUNCT.fullmatch(chr(c)) else chr(c).lower()) for c in range(128)
+               if _PUNCT.fullmatch(chr(c)) or chr(c).lower() != chr(c)}
+
 
 def holds_pii(text: str) -> bool:
     """privacy.pii: no_store: whether a request's text holds PII (then it is answered, never cached)."""
@@ -50,8 +58,11 @@ def holds_pii(text: str) -> bool:
 class Normalizer:
     def __init__(self, steps: tuple[Step, ...] = DEFAULT_STEPS) -> None:
         self.steps = steps
+        self._ascii_fold = steps == DEFAULT_STEPS
 
     def __call__(self, text: str) -> str:
+        if self._ascii_fold and text.isascii():
+            return " ".join(text.translate(_ASCII_FOLD).split())
         for step in self.steps:
             text = step(text)
         return text

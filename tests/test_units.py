@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import csv
 
 import grpc
 import numpy as np
 import pytest
 
+from bench import BANKING77
 from infercache.v1 import infercache_pb2 as pb
 from server import config, errors
-from server.normalize import Normalizer
+from server.normalize import DEFAULT_STEPS, Normalizer
 
 
 @pytest.mark.parametrize("variant", [
@@ -26,6 +28,29 @@ def test_normalization_keeps_what_changes_meaning():
     assert norm("return 2 items") != norm("return 3 items")
     assert norm("Straße") == norm("STRASSE")  # case folding, not just lower()
     assert norm("?!") == ""
+
+
+def test_ascii_fast_path_equals_the_steps():
+    """Normalizer folds an ASCII text in one pass; it must give what the steps give, for every ASCII
+    character alone, in runs and mixed (the cache key depends on it), and for Banking77's texts (a
+    few are not ASCII: the steps themselves)."""
+    import random
+
+    def steps(text: str) -> str:
+        for step in DEFAULT_STEPS:
+            text = step(text)
+        return text
+
+    fast = Normalizer()
+    alphabet = [chr(c) for c in range(128)]
+    rng = random.Random(7)
+    texts = alphabet + [c * 3 + "a" + c for c in alphabet]
+    texts += ["".join(rng.choices(alphabet, k=rng.randint(0, 40))) for _ in range(20_000)]
+    if BANKING77.is_file():
+        with BANKING77.open(newline="", encoding="utf-8") as f:
+            texts += [row["text"] for row in csv.DictReader(f)]
+    for text in texts:
+        assert fast(text) == steps(text), repr(text)
 
 
 def test_config_layers_file_env_and_flags(tmp_path):
