@@ -69,18 +69,18 @@ class WorkerLink:
         self._closing = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-link-{index}")
 
-    def submit(self, fill) -> asyncio.Future:
-        """Queues one item (`fill(item)` sets its fields); the future gets its ComputeResult."""
+    def submit(self, fill, timeout_s: float) -> tuple[int, asyncio.Future]:
+        """Queues one item (`fill(item)` sets its fields; the worker drops it after `timeout_s`): its id
+        and the future of its ComputeResult. Whoever gives up on the future calls forget(id)."""
         if not self.up:
             raise LinkLost()
         item = self._protocol.out.items.add()
         fill(item)
+        item.timeout_s = timeout_s
         item.id = item_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[item_id] = future
-        future.add_done_callback(lambda f: self._cancelled(item_id) if f.cancelled() else None)
+        future = self._pending[item_id] = asyncio.get_running_loop().create_future()
         self._protocol.flush_soon()
-        return future
+        return item_id, future
 
     def send(self, fill) -> None:
         """Queues one item that gets no answer (a record a frontend answered from, to copy into L1): it
@@ -88,7 +88,8 @@ class WorkerLink:
         fill(self._protocol.out.items.add())
         self._protocol.flush_later(COPY_DELAY_S)
 
-    def _cancelled(self, item_id: int) -> None:
+    def forget(self, item_id: int) -> None:
+        """Nobody waits for the item any more: its worker is told, so it need not compute it."""
         if self._pending.pop(item_id, None) is not None and self.up:
             self._protocol.out.cancel.append(item_id)
             self._protocol.flush_soon()
@@ -188,19 +189,25 @@ class WorkerPool:
                 return False
         return True
 
-    async def _link_for(self, route: int, avoid: set[WorkerLink], deadline: float) -> WorkerLink:
-        """The item's own worker if it is up, else the next live one; waits (up to worker_wait_s, within
-        the deadline) while none is. Workers in `avoid` lost this item already; they are taken last."""
+    def _live_link(self, route: int, avoid: set[WorkerLink] | None) -> WorkerLink | None:
+        """The item's own worker if it is up, else the next live one, or None. Workers in `avoid` lost
+        this item already; they are taken last."""
+        n = len(self.links)
+        own = self.links[route % n]
+        if own.up and (avoid is None or own not in avoid):
+            return own
+        live = [link for link in (self.links[(route + k) % n] for k in range(n)) if link.up]
+        if not live:
+            return None
+        if live[0] is not own:
+            self.counters["rerouted"] += 1  # the item's own worker is down
+        return next((link for link in live if avoid is None or link not in avoid), live[0])
+
+    async def _link_for(self, route: int, avoid: set[WorkerLink] | None, deadline: float) -> WorkerLink:
+        """_live_link, waiting (up to worker_wait_s, within the deadline) while no worker is up."""
         loop = asyncio.get_running_loop()
         give_up = min(loop.time() + self.wait_s, deadline - MARGIN_S)
-        n = len(self.links)
-        while True:
-            candidates = [self.links[(route + k) % n] for k in range(n)]
-            live = [link for link in candidates if link.up]
-            if live:
-                if live[0] is not candidates[0]:
-                    self.counters["rerouted"] += 1  # the item's own worker is down
-                return next((link for link in live if link not in avoid), live[0])
+        while (link := self._live_link(route, avoid)) is None:
             remaining = give_up - loop.time()
             if remaining <= 0:
                 raise WorkerUnavailable("no inference worker is reachable (restarting?); retry")
@@ -209,6 +216,7 @@ class WorkerPool:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 pass
+        return link
 
     def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
         """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
@@ -233,13 +241,15 @@ class WorkerPool:
 
     async def compute(self, items: list[tuple[int, object]], time_remaining: float | None) -> list:
         """ComputeResults of items [(route, fill)], in order; fails with the first item's error. Items
-        lost with a worker that died are sent again to another one, within the deadline."""
+        lost with a worker that died are sent again to another one, within the deadline. The path of
+        every miss: a live worker is taken without awaiting, and an item that ends unanswered (an error,
+        the deadline, the caller gone) is forgotten here rather than through a callback per future."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._budget(time_remaining)
         results: list = [None] * len(items)
-        avoid: list[set[WorkerLink]] = [set() for _ in items]
-        todo = list(range(len(items)))
-        futures: dict[int, asyncio.Future] = {}
+        avoid: dict[int, set[WorkerLink]] = {}  # item -> the workers it was lost with
+        todo = range(len(items))
+        sent: dict[int, tuple[WorkerLink, int, asyncio.Future]] = {}
         attempts = 0
         try:
             async with asyncio.timeout_at(deadline):
@@ -247,17 +257,18 @@ class WorkerPool:
                     attempts += 1
                     if attempts > len(self.links) + 1:  # a request that takes every worker down is not retried forever
                         raise WorkerUnavailable(f"lost the inference worker {attempts - 1} times while computing; retry")
-                    futures.clear()
+                    sent.clear()
+                    lost = []
                     for i in todo:
                         route, fill = items[i]
-                        link = await self._link_for(route, avoid[i], deadline)
-                        avoid[i].add(link)
+                        link = self._live_link(route, avoid.get(i)) or await self._link_for(route, avoid.get(i), deadline)
+                        if len(self.links) > 1:
+                            avoid.setdefault(i, set()).add(link)
                         try:
-                            futures[i] = link.submit(lambda item, fill=fill: _filled(item, fill, deadline - loop.time()))
+                            sent[i] = (link, *link.submit(fill, max(0.001, deadline - loop.time())))
                         except LinkLost:
-                            continue
-                    lost = [i for i in todo if i not in futures]
-                    for i, future in futures.items():
+                            lost.append(i)
+                    for i, (_, _, future) in sent.items():
                         try:
                             result = await future
                         except LinkLost:
@@ -270,8 +281,10 @@ class WorkerPool:
         except TimeoutError:
             raise DeadlineExceeded("deadline passed while the worker computed") from None
         finally:
-            for future in futures.values():
-                future.cancel()  # no-op for finished ones; a cancelled one tells its worker
+            for link, item_id, future in sent.values():
+                if not future.done() or future.cancelled():  # unanswered: its worker need not compute it
+                    future.cancel()
+                    link.forget(item_id)
         return results
 
     def send(self, route: int, fill) -> bool:
@@ -287,7 +300,7 @@ class WorkerPool:
 
     async def call_all(self, method: str, request, time_remaining: float | None) -> list:
         """The same unary call on every live worker (at least one, waiting for it as `compute` does)."""
-        await self._link_for(0, set(), asyncio.get_running_loop().time() + self._budget(time_remaining))
+        await self._link_for(0, None, asyncio.get_running_loop().time() + self._budget(time_remaining))
         live = [link for link in self.links if link.up]
         return await asyncio.gather(*(self.call(link, method, request, time_remaining) for link in live))
 
@@ -301,7 +314,3 @@ class WorkerPool:
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links))
 
-
-def _filled(item, fill, remaining: float):
-    fill(item)
-    item.timeout_s = max(0.001, remaining)

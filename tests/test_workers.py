@@ -193,6 +193,24 @@ def _pids(server: ServerProcess) -> dict[int, int]:
     return {i: w.pid for i, w in workers_by_index(server, timeout=1).items()}
 
 
+def test_a_call_its_client_cancels_is_dropped_before_the_engine(start_server):
+    """A frontend tells the worker of each item nobody waits for any more (a cancel in its next frame):
+    a call cancelled while it waits behind 200 long misses never reaches the engine."""
+    server = start_server()
+    channel, stub = own_connection(server)
+    with channel:
+        busy = [stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("a long text " * 60)), timeout=120)
+                for _ in range(200)]
+        time.sleep(0.3)
+        call = stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("cancelled while it waits")), timeout=120)
+        time.sleep(0.2)
+        assert call.cancel() and not any(f.done() for f in busy[-50:])  # it waited behind them
+        for future in busy:
+            assert to_result(future.result()).source == "MISS"
+    counters = server.stats().workers[0].counters
+    assert counters[f"batcher.{MODEL}.1.dropped_cancelled"] == 1, dict(counters)
+
+
 def test_kill9_one_worker_under_load_the_other_keeps_serving(start_server):
     server = start_server(settings=TWO_WORKERS)
     old = _pids(server)
