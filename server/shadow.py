@@ -8,15 +8,17 @@ so an idle head batcher beside a busy encoder is no idle capacity). Waiting chec
 bucket go together: up to the batcher's max_batch where a row costs next to nothing (a head, a GPU), one
 at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a foreground miss
 that arrives meanwhile waits for at most one such batch. Where no idle moment comes within MAX_DEFER_S,
-one batch of checks goes anyway, so verification goes on, slowly, under sustained load, where the queue
-has room for it within half of max_queue (QUEUE_SHARE; else it waits on, counted in shadow_deferred once
-per MAX_DEFER_S): a check is never refused, which would count as a user's refusal and raise the wait
-the frontends are told, and no wait bound applies to it (it has no deadline). When checks come faster than that,
-the oldest are dropped, and so is one that waited over a minute (all counted). Each outcome feeds the
-model version's calibration (threshold, live fidelity, guard: server/calibration.py). An agreement
-proves the entry; a disagreement contests it: it answers no near-duplicate again. Either way the model's
-answer goes to `on_checked` (the worker stores it under the query's key, replacing the alias the hit
-wrote, and indexes it: a verified answer is an entry of its own). One owner: the worker's event loop.
+one batch of checks goes anyway, so verification goes on, slowly, under sustained load: the oldest
+check whose model's queue has room for it within half of max_queue (QUEUE_SHARE), with those of its
+model and bucket that fit (a model with no room holds back its own checks only; when none has room,
+they wait on, counted in shadow_deferred once per MAX_DEFER_S). A check is never refused, which would
+count as a user's refusal and raise the wait the frontends are told, and no wait bound applies to it (it
+has no deadline). When checks come faster than that, the oldest are dropped, and so is one that waited
+over a minute (all counted). Each outcome feeds the model version's calibration (threshold, live
+fidelity, guard: server/calibration.py). An agreement proves the entry; a disagreement contests it: it
+answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the worker stores
+it under the query's key, replacing the alias the hit wrote, and indexes it: a verified answer is an
+entry of its own). One owner: the worker's event loop.
 """
 
 from __future__ import annotations
@@ -107,16 +109,21 @@ class ShadowVerifier:
                     idle = False
                 if not self._drop_stale():
                     break
-                checks = self._take()
+                # Without an idle moment, only checks whose batcher has room for them within their
+                # share go (the oldest such, with those of its model and bucket): a model whose queue is
+                # full holds back its own checks, not another model's.
+                checks = self._take() if idle else self._take(_room)
+                if not checks:
+                    self.counters["shadow_deferred"] += 1
+                    continue
                 if not idle:
-                    if not _fits(checks[0].runtime.batcher, len(checks)):
-                        self._pending.extendleft(reversed(checks))  # no room within their share: they wait on
-                        self.counters["shadow_deferred"] += 1
-                        continue
                     self.counters["shadow_unidle"] += 1
                 self._running = len(checks)
                 try:
                     await self._check(checks)
+                except Exception:  # a bug outside one check's own handling: those checks are lost, not the verifier
+                    self.counters["shadow_failed"] += len(checks)
+                    log.exception("a batch of %d shadow checks failed", len(checks))
                 finally:
                     self._running = 0
 
@@ -133,20 +140,25 @@ class ShadowVerifier:
             self.counters["shadow_stale"] += 1  # its answer may be invalidated past the writer's fences
         return bool(self._pending)
 
-    def _take(self) -> list[Check]:
+    def _take(self, room_in=None) -> list[Check]:
         """The oldest waiting check and those after it that go in the same batch (same model and
         bucket), as many as one batch of checks takes: one where rows add to a batch's time (the
-        batcher's row model, a CPU: there a row costs more than a batch's own cost), else max_batch."""
-        first = self._pending[0]
+        batcher's row model, a CPU: there a row costs more than a batch's own cost), else max_batch.
+        With `room_in(batcher)` (how many more checks it may take now), the oldest check whose batcher
+        has room, and at most that many; none when no batcher has room."""
+        first = next((c for c in self._pending if room_in is None or room_in(c.runtime.batcher) > 0), None)
+        if first is None:
+            return []
         batcher = first.runtime.batcher
         bucket = batcher.bucket_of(len(first.model_input))
         room = 1 if batcher.row_s else min(batcher.max_batch, _share(batcher))
-        taken, others = [], []
-        while self._pending and len(taken) < room:
-            check = self._pending.popleft()
+        if room_in is not None:
+            room = min(room, room_in(batcher))
+        taken, kept = [], deque()
+        for check in self._pending:
             same = check.runtime is first.runtime and batcher.bucket_of(len(check.model_input)) == bucket
-            (taken if same else others).append(check)
-        self._pending.extendleft(reversed(others))
+            (taken if same and len(taken) < room else kept).append(check)
+        self._pending = kept
         return taken
 
     async def _check(self, checks: list[Check]) -> None:
@@ -191,10 +203,10 @@ def _share(batcher) -> int:
     return max(1, int(batcher.max_queue * QUEUE_SHARE))
 
 
-def _fits(batcher, checks: int) -> bool:
-    """Whether `checks` more go into this busy batcher's queue within their share (then max_queue cannot
-    refuse them, and no wait bound applies to them: Batcher.enqueue's `waits`)."""
-    return batcher.depth + checks <= _share(batcher)
+def _room(batcher) -> int:
+    """How many checks go into this busy batcher's queue within their share (then max_queue cannot refuse
+    them, and no wait bound applies to them: Batcher.enqueue's `waits`)."""
+    return _share(batcher) - batcher.depth
 
 
 def _ended(task: asyncio.Task) -> None:

@@ -414,6 +414,45 @@ def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
     assert not counters["rejected_full"] and not counters["rejected_wait"]
 
 
+def test_a_model_whose_queue_has_no_room_holds_back_only_its_own_checks(monkeypatch):
+    """Model one's batch runs long with half of its queue waiting; model two is idle, the worker is not.
+    A check of model two offered after one of model one goes (without an idle moment, counted) while
+    model one's waits on; it goes once its queue has drained."""
+    import threading
+
+    from server import shadow
+
+    monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.1)
+    release = threading.Event()
+    batches: list[list[str]] = []
+
+    async def scenario():
+        one, two = _Echo(batches, 0.0, max_batch=1, max_queue=4), _Echo(batches, 0.0)
+        engine = one.batcher.run_batch
+        one.batcher.run_batch = lambda batch: (release.wait(5), engine(batch))[1]
+        settled = []
+        verifier = shadow.ShadowVerifier(lambda check, outputs, agreed: settled.append(check.entry),
+                                         lambda: [one.batcher, two.batcher])
+        calibration = Calibration(max_error=0.05)
+        foreground = [one.foreground() for _ in range(3)]  # one runs, two wait: half of its queue
+        await asyncio.sleep(0.05)
+        verifier.offer(_check(one, calibration, b"one"))
+        verifier.offer(_check(two, calibration, b"two"))
+        await _until(lambda: settled == [b"two"])
+        during = verifier.counters["shadow_unidle"], verifier.stats()["shadow_pending"]
+        release.set()
+        await asyncio.gather(*foreground)
+        await _until(lambda: len(settled) == 2)
+        await verifier.close()
+        await one.batcher.close()
+        await two.batcher.close()
+        return during, settled
+
+    (unidle, pending), settled = asyncio.run(scenario())
+    assert unidle == 1 and pending == 1
+    assert settled == [b"two", b"one"]
+
+
 @pytest.mark.parametrize("sealed", [False, True], ids=["clear", "encrypted"])
 def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_models, engines_dir, sealed):
     """Also with encryption at rest, whose start deletes the index snapshots in clear."""
