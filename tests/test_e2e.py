@@ -75,6 +75,36 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
         assert len(core._prepared) <= 2
 
 
+def test_a_frontend_prepares_each_servable_model_at_start(tmp_path, models_dir, caplog):
+    """FrontendCore.warm (called before a frontend listens): each servable model's tokenizers are
+    loaded then, not by its first caller; a model whose tokenizer is missing is logged and left to its
+    requests, which get the error."""
+    import asyncio
+    import logging
+    import shutil
+    from collections import Counter
+
+    from server import config as settings
+    from server import frontend
+    from server.errors import ModelNotFound
+    from server.models import ModelRepository
+
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / MODEL).symlink_to(models_dir / MODEL)
+    (root / "broken" / "1").mkdir(parents=True)
+    shutil.copy(models_dir / MODEL / "config.yaml", root / "broken" / "config.yaml")
+    shutil.copy(models_dir / MODEL / "1" / "model.onnx", root / "broken" / "1" / "model.onnx")  # no tokenizer
+    config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
+    core = frontend.FrontendCore(config, ModelRepository(root), None, Counter())
+    with caplog.at_level(logging.WARNING, logger="infercache.frontend"):
+        core.warm()
+    assert set(core._served) == {(MODEL, "1")}
+    assert "broken version 1 not prepared at start" in caplog.text
+    with pytest.raises(ModelNotFound, match="cannot be served here"):
+        asyncio.run(core.infer(pb.InferRequest(model="broken", text="any text").SerializeToString(), None))
+
+
 def test_normalized_variants_share_one_entry(server):
     word = unique("")
     with server.client() as client:
