@@ -32,8 +32,8 @@ from server import hot_keys, metrics, process, telemetry
 from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
 from server.config import Config, store_settings
 from server.batcher import bucket_of
-from server.errors import (Disabled, InferCacheError, InvalidArgument, ModelNotFound, NotCached,
-                           WorkerUnavailable, grpc_errors, lenient, parsed, quoted, status_of)
+from server.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
+                           grpc_errors, lenient, parsed, quoted, status_of)
 from server.frontend_metrics import (FEATURE, MISS, RESULT_EXACT, RESULT_FLEET, RESULT_SEMANTIC, SAVING,
                                      FrontendMetrics)
 from server.front_features import FeatureAnswers, FrontHead, feature_key
@@ -197,7 +197,7 @@ class FrontendCore:
         for spec in self.repository.servable():
             try:
                 self.served(spec, spec.serving_version)
-            except InferCacheError as exc:
+            except Exception as exc:  # (a tokenizer file that does not parse raises a bare Exception)
                 log.warning("%s version %s not prepared at start: %s", spec.name, spec.serving_version, exc)
 
     def prepared(self, raw: bytes) -> tuple[_Plan, tuple[str, bytes, bool]]:

@@ -195,20 +195,29 @@ def _pids(server: ServerProcess) -> dict[int, int]:
 
 def test_a_call_its_client_cancels_is_dropped_before_the_engine(start_server):
     """A frontend tells the worker of each item nobody waits for any more (a cancel in its next frame):
-    a call cancelled while it waits behind 200 long misses never reaches the engine."""
-    server = start_server()
+    a call cancelled while it waits behind 100 long misses never reaches the engine."""
+    server = start_server(settings=("server.worker_timeout_s=300",))  # a slow machine's queue is admitted
     channel, stub = own_connection(server)
+
+    def worker_counter(name: str) -> int:
+        return server.stats().workers[0].counters[name]
+
     with channel:
-        busy = [stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("a long text " * 60)), timeout=120)
-                for _ in range(200)]
-        time.sleep(0.3)
-        call = stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("cancelled while it waits")), timeout=120)
-        time.sleep(0.2)
-        assert call.cancel() and not any(f.done() for f in busy[-50:])  # it waited behind them
+        busy = [stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("a long text " * 60)), timeout=300)
+                for _ in range(100)]
+        call = stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("cancelled while it waits")), timeout=300)
+        deadline = time.monotonic() + 60
+        while worker_counter("worker.frame_items") < 101:  # every item reached the worker's queue
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert call.cancel() and not all(f.done() for f in busy)  # it waits behind them
         for future in busy:
             assert to_result(future.result()).source == "MISS"
-    counters = server.stats().workers[0].counters
-    assert counters[f"batcher.{MODEL}.1.dropped_cancelled"] == 1, dict(counters)
+    deadline = time.monotonic() + 30
+    while worker_counter(f"batcher.{MODEL}.1.dropped_cancelled") < 1:
+        assert time.monotonic() < deadline, dict(server.stats().workers[0].counters)
+        time.sleep(0.05)
+    assert worker_counter(f"batcher.{MODEL}.1.batched_requests") == 100  # the cancelled one never ran
 
 
 def test_kill9_one_worker_under_load_the_other_keeps_serving(start_server):
