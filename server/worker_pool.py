@@ -261,7 +261,8 @@ class WorkerPool:
                     lost = []
                     for i in todo:
                         route, fill = items[i]
-                        link = self._live_link(route, avoid.get(i)) or await self._link_for(route, avoid.get(i), deadline)
+                        link = self._live_link(route, avoid.get(i)) or await self._link_for(
+                            route, avoid.get(i), deadline)
                         if len(self.links) > 1:
                             avoid.setdefault(i, set()).add(link)
                         try:
@@ -313,4 +314,3 @@ class WorkerPool:
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links))
-
