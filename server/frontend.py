@@ -150,6 +150,7 @@ class FrontendCore:
         # FEATURE answers made here (server/front_features.py), where heads may run in frontends
         self.features = FeatureAnswers(config, counters) if config.l2.enabled and config.l2.frontend_head_mb else None
         self._served: dict[tuple[str, str], _Served] = {}
+        self._encoders: dict[tuple[str, str], TextEncoder] = {}  # loaded ahead (load_encoders), until served
         self._plans: dict[tuple, _Plan] = {}  # see _plan_key
         self._prepared: dict[bytes, tuple[_Plan, tuple[str, bytes, bool]]] = {}  # see prepared
 
@@ -158,10 +159,33 @@ class FrontendCore:
         return self._l1.get()
 
     def _encoder(self, spec: ModelSpec, version: str) -> TextEncoder:
+        if (loaded := self._encoders.pop((spec.name, version), None)) is not None:
+            return loaded
         try:
             return TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
         except (OSError, ValueError) as exc:
             raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
+
+    def load_encoders(self) -> dict[tuple[str, str], TextEncoder]:
+        """The tokenizers of each servable model's serving version (about 20 ms each), loaded in a thread
+        while the frontend waits for its workers (it writes nothing of this object; adopt_encoders
+        takes them on the event loop): a fresh frontend's first caller of a model no longer waits for
+        them, and its first hit does not wait either. One that does not load is logged and left to its
+        requests, which get the error."""
+        loaded = {}
+        for spec in self.repository.servable():
+            try:
+                loaded[(spec.name, spec.serving_version)] = TextEncoder(
+                    spec.version_dir(spec.serving_version) / TOKENIZER_FILE, spec.max_tokens)
+            except Exception as exc:  # (a tokenizer file that does not parse raises a bare Exception)
+                log.warning("%s version %s: tokenizer not loaded at start: %s", spec.name, spec.serving_version, exc)
+        return loaded
+
+    def adopt_encoders(self, loaded: dict[tuple[str, str], TextEncoder]) -> None:
+        """On the event loop: load_encoders' tokenizers, for the models no request prepared meanwhile."""
+        for key, encoder in loaded.items():
+            if key not in self._served:
+                self._encoders.setdefault(key, encoder)
 
     def served(self, spec: ModelSpec, version: str) -> _Served:
         found = self._served.get((spec.name, version))
@@ -188,17 +212,6 @@ class FrontendCore:
                 Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store",
                 embedded_by, (head.encoder, head.encoder_version, head.input) if head is not None else None, front)
         return found
-
-    def warm(self) -> None:
-        """What a first request of each servable model's serving version would load (its tokenizers,
-        a head this frontend answers FEATURE with), loaded at start instead: about 20 ms per model that
-        the first caller of each frontend no longer waits for. A model that cannot be prepared is left
-        to its requests, which get the error."""
-        for spec in self.repository.servable():
-            try:
-                self.served(spec, spec.serving_version)
-            except Exception as exc:  # (a tokenizer file that does not parse raises a bare Exception)
-                log.warning("%s version %s not prepared at start: %s", spec.name, spec.serving_version, exc)
 
     def prepared(self, raw: bytes) -> tuple[_Plan, tuple[str, bytes, bool]]:
         """prepare() of a serialized InferRequest. A request that repeats byte for byte (the traffic a
@@ -817,7 +830,6 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     hot = HotKeys(config.server.hot_keys) if config.server.hot_keys else None
     core = FrontendCore(config, repository, workers, counters, fleet, metrics, hot)
     core.l1()
-    core.warm()
     publisher = None
     if metrics_dir is not None and (metrics is not None or hot is not None):
         published = _Published(core, metrics_dir, index)
@@ -848,7 +860,9 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         # is ready, once misses can be computed too: its connection to every worker is open (a worker
         # opens its socket only after loading and warming up every engine). Reporting ready before
         # that let a client that started at "ready" meet a frontend still in its reconnect backoff.
+        loading = asyncio.get_running_loop().run_in_executor(None, core.load_encoders)
         await workers.all_up()
+        core.adopt_encoders(await loading)
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         process.settle_gc()

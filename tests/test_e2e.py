@@ -75,10 +75,10 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
         assert len(core._prepared) <= 2
 
 
-def test_a_frontend_prepares_each_servable_model_at_start(tmp_path, models_dir, caplog):
-    """FrontendCore.warm (called before a frontend listens): each servable model's tokenizers are
-    loaded then, not by its first caller; a model whose tokenizer is missing is logged and left to its
-    requests, which get the error."""
+def test_a_frontend_loads_each_servable_models_tokenizer_at_start(tmp_path, models_dir, caplog):
+    """FrontendCore.load_encoders (run in a thread while a frontend waits for its workers), then
+    adopt_encoders: each servable model's tokenizer is loaded then and used by its first request; a
+    model whose tokenizer is missing is logged and left to its requests, which get the error."""
     import asyncio
     import logging
     import shutil
@@ -98,9 +98,12 @@ def test_a_frontend_prepares_each_servable_model_at_start(tmp_path, models_dir, 
     config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
     core = frontend.FrontendCore(config, ModelRepository(root), None, Counter())
     with caplog.at_level(logging.WARNING, logger="infercache.frontend"):
-        core.warm()
-    assert set(core._served) == {(MODEL, "1")}
-    assert "broken version 1 not prepared at start" in caplog.text
+        loaded = core.load_encoders()
+    assert set(loaded) == {(MODEL, "1")} and not core._served
+    assert "broken version 1: tokenizer not loaded at start" in caplog.text
+    core.adopt_encoders(loaded)
+    plan, _ = core.prepare(pb.InferRequest(model=MODEL, text="any text"))
+    assert plan.served.encoder is loaded[(MODEL, "1")] and not core._encoders  # taken, not kept twice
     with pytest.raises(ModelNotFound, match="cannot be served here"):
         asyncio.run(core.infer(pb.InferRequest(model="broken", text="any text").SerializeToString(), None))
 
