@@ -150,7 +150,6 @@ class FrontendCore:
         # FEATURE answers made here (server/front_features.py), where heads may run in frontends
         self.features = FeatureAnswers(config, counters) if config.l2.enabled and config.l2.frontend_head_mb else None
         self._served: dict[tuple[str, str], _Served] = {}
-        self._encoders: dict[tuple[str, str], TextEncoder] = {}  # loaded ahead (load_encoders), until served
         self._plans: dict[tuple, _Plan] = {}  # see _plan_key
         self._prepared: dict[bytes, tuple[_Plan, tuple[str, bytes, bool]]] = {}  # see prepared
 
@@ -159,33 +158,10 @@ class FrontendCore:
         return self._l1.get()
 
     def _encoder(self, spec: ModelSpec, version: str) -> TextEncoder:
-        if (loaded := self._encoders.pop((spec.name, version), None)) is not None:
-            return loaded
         try:
             return TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
         except (OSError, ValueError) as exc:
             raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
-
-    def load_encoders(self) -> dict[tuple[str, str], TextEncoder]:
-        """The tokenizers of each servable model's serving version (about 20 ms each), loaded in a thread
-        while the frontend waits for its workers (it writes nothing of this object; adopt_encoders
-        takes them on the event loop): a fresh frontend's first caller of a model no longer waits for
-        them, and its first hit does not wait either. One that does not load is logged and left to its
-        requests, which get the error."""
-        loaded = {}
-        for spec in self.repository.servable():
-            try:
-                loaded[(spec.name, spec.serving_version)] = TextEncoder(
-                    spec.version_dir(spec.serving_version) / TOKENIZER_FILE, spec.max_tokens)
-            except Exception as exc:  # (a tokenizer file that does not parse raises a bare Exception)
-                log.warning("%s version %s: tokenizer not loaded at start: %s", spec.name, spec.serving_version, exc)
-        return loaded
-
-    def adopt_encoders(self, loaded: dict[tuple[str, str], TextEncoder]) -> None:
-        """On the event loop: load_encoders' tokenizers, for the models no request prepared meanwhile."""
-        for key, encoder in loaded.items():
-            if key not in self._served:
-                self._encoders.setdefault(key, encoder)
 
     def served(self, spec: ModelSpec, version: str) -> _Served:
         found = self._served.get((spec.name, version))
@@ -860,9 +836,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         # is ready, once misses can be computed too: its connection to every worker is open (a worker
         # opens its socket only after loading and warming up every engine). Reporting ready before
         # that let a client that started at "ready" meet a frontend still in its reconnect backoff.
-        loading = asyncio.get_running_loop().run_in_executor(None, core.load_encoders)
         await workers.all_up()
-        core.adopt_encoders(await loading)
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         process.settle_gc()

@@ -75,39 +75,6 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
         assert len(core._prepared) <= 2
 
 
-def test_a_frontend_loads_each_servable_models_tokenizer_at_start(tmp_path, models_dir, caplog):
-    """FrontendCore.load_encoders (run in a thread while a frontend waits for its workers), then
-    adopt_encoders: each servable model's tokenizer is loaded then and used by its first request; a
-    model whose tokenizer is missing is logged and left to its requests, which get the error."""
-    import asyncio
-    import logging
-    import shutil
-    from collections import Counter
-
-    from server import config as settings
-    from server import frontend
-    from server.errors import ModelNotFound
-    from server.models import ModelRepository
-
-    root = tmp_path / "models"
-    root.mkdir()
-    (root / MODEL).symlink_to(models_dir / MODEL)
-    (root / "broken" / "1").mkdir(parents=True)
-    shutil.copy(models_dir / MODEL / "config.yaml", root / "broken" / "config.yaml")
-    shutil.copy(models_dir / MODEL / "1" / "model.onnx", root / "broken" / "1" / "model.onnx")  # no tokenizer
-    config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
-    core = frontend.FrontendCore(config, ModelRepository(root), None, Counter())
-    with caplog.at_level(logging.WARNING, logger="infercache.frontend"):
-        loaded = core.load_encoders()
-    assert set(loaded) == {(MODEL, "1")} and not core._served
-    assert "broken version 1: tokenizer not loaded at start" in caplog.text
-    core.adopt_encoders(loaded)
-    plan, _ = core.prepare(pb.InferRequest(model=MODEL, text="any text"))
-    assert plan.served.encoder is loaded[(MODEL, "1")] and not core._encoders  # taken, not kept twice
-    with pytest.raises(ModelNotFound, match="cannot be served here"):
-        asyncio.run(core.infer(pb.InferRequest(model="broken", text="any text").SerializeToString(), None))
-
-
 def test_normalized_variants_share_one_entry(server):
     word = unique("")
     with server.client() as client:
