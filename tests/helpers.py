@@ -61,3 +61,21 @@ def link_model(root: Path, name: str, config: str, versions: dict[str, Path]) ->
     for version, target in versions.items():
         (root / name / version).symlink_to(target)
     return root / name
+
+
+def settled(server, counter: str, idle: tuple[str, ...] = ("writer.backlog",), timeout: float = 30.0,
+            poll_s: float = 0.1) -> int:
+    """Every worker's `counter` (summed) once background work has settled: each counter in `idle` is 0
+    and `counter` holds between two reads `poll_s` apart."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        counters: dict[str, int] = {}
+        for worker in server.stats().workers:
+            for name, value in worker.counters.items():
+                counters[name] = counters.get(name, 0) + value
+        now = counters.get(counter, 0)
+        if now == last and not any(counters.get(name, 0) for name in idle):
+            return now
+        assert time.monotonic() < deadline, f"the workers did not settle within {timeout:g} s ({counter}, {idle})"
+        last = now
+        time.sleep(poll_s)

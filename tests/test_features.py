@@ -24,7 +24,7 @@ from server.config import Config, feature_store_settings
 from server.feature_lru import DeviceRow, FeatureLRU
 from server.features import FeatureTier, decode, encode, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, reseal_crc, unique
+from tests.helpers import link_model, reseal_crc, settled, unique
 
 QUESTIONS = ["how do I reset my password", "where is my parcel", "can I pay by card", "cancel my subscription",
              "what are your opening hours", "I was charged twice", "change my delivery address",
@@ -134,10 +134,10 @@ def test_a_frontend_answers_from_a_stored_feature_as_the_worker_would_and_copies
                 # A one-off FEATURE answer made here is not written to L1; a text's second one is copied
                 # into L1 through the worker, and the text is an exact hit from then on, with the same answer.
                 assert frontend["frontend.feature_copies"] == 0
-                writes = _writes_settled(server)
+                writes = settled(server, "writer.writes", timeout=10, poll_s=0.2)
                 assert {client.infer("intents", t, version="2").source for t in texts} == {"FEATURE"}
                 assert client.stats().frontend.counters["frontend.feature_copies"] == len(texts)
-                assert _writes_settled(server) - writes == len(texts)
+                assert settled(server, "writer.writes", timeout=10, poll_s=0.2) - writes == len(texts)
                 again = [client.infer("intents", t, version="2") for t in texts]
                 assert {r.source for r in again} == {"RESULT_EXACT"}
                 assert [r.label for r in again] == [r.label for r in bumped[:len(texts)]]
@@ -176,19 +176,6 @@ def test_a_feature_answer_a_frontend_copies_is_shared_through_the_fleet(start_se
             assert shared.source == "RESULT_FLEET" and shared.model_version == "2"
     finally:
         redis.stop()
-
-
-def _writes_settled(server: ServerProcess) -> int:
-    """The result store's writes, once its writer has handled everything it was sent and stays idle."""
-    deadline, last = time.monotonic() + 10, None
-    while True:
-        counters = _counters(server)
-        now = counters["writer.writes"]
-        if counters["writer.backlog"] == 0 and now == last:
-            return now
-        assert time.monotonic() < deadline, "the result store's writer did not settle within 10 s"
-        last = now
-        time.sleep(0.2)
 
 
 def _encoded_in(counters: Counter) -> int:

@@ -22,7 +22,7 @@ from server.match_policy import MatchPolicy, Neighbor
 from server.model_runtime import to_tensors
 from server.semantic import INITIAL_CAPACITY, SemanticTier, _Index
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model, unique
+from tests.helpers import link_model, settled, unique
 
 
 @pytest.fixture(scope="module")
@@ -47,25 +47,11 @@ def wait_indexed(server: ServerProcess, count: int) -> None:
         time.sleep(0.05)
 
 
-def settled_indexed(server: ServerProcess) -> int:
-    """The worker's count of indexed entries once what earlier tests sent has settled: its writer has
-    handled every write (backlog 0), no shadow check is pending, and the count holds between two reads."""
-    deadline, last = time.monotonic() + 30, None
-    while True:
-        counters = server.stats().worker.counters
-        now = counters["semantic.indexed"]
-        if now == last and counters["writer.backlog"] == 0 and counters["semantic.shadow_pending"] == 0:
-            return now
-        assert time.monotonic() < deadline, "the worker did not settle"
-        last = now
-        time.sleep(0.1)
-
-
 def warm(server: ServerProcess, tenant: str, texts: list[str], model: str = "faq") -> None:
     """Caches each text as computed by the model (matching off, so none answers for another). The count
     it waits for starts once earlier writes have settled: an earlier test's answer indexed meanwhile
     would otherwise stand in for one of these."""
-    before = settled_indexed(server)
+    before = settled(server, "semantic.indexed", idle=("writer.backlog", "semantic.shadow_pending"))
     for text in texts:
         assert infer(server, text, tenant=tenant, enabled=False, model=model).cache.source == pb.CacheInfo.MISS
     wait_indexed(server, before + len(texts))
