@@ -32,18 +32,26 @@ EVICT_CHUNK = 256
 LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
 # On a disk smaller than the budget the data file, not the budget, is the limit: it must stay below
 # DISK_SHARE of the disk it can use (its own size plus the free space), the rest being headroom for the
-# copy-on-write pages that deletes and Invalidate need. The file holds the live pages plus the churn of
-# the last few commits (pages freed by a commit are reusable two commits later), so the live budget is
-# that share less CHURN_COMMITS of the largest commit seen. Re-checked after every commit, so it
-# shrinks before the disk fills and grows back, up to the configured budget, when space returns.
+# copy-on-write pages that deletes and Invalidate need. The file holds the live pages plus free pages:
+# those the last commits freed (reusable two commits later, and only once no reader still sees them).
+# Copy-on-write makes that churn far larger than the records written (a put under a random key rewrites
+# a whole leaf page, an eviction frees pages all over the tree), so it is measured, not modelled: after
+# each commit that had to grow the file (its free pages did not suffice) the free pages left in it are
+# what the file needs beyond the live ones. The live budget is the share less the most of that seen.
+# Re-checked after every commit, so it shrinks before the disk fills and grows back, up to the
+# configured budget, when space returns.
 DISK_SHARE = 0.7
-CHURN_COMMITS = 3
 # Blocks held ahead of the data file's end (cachestore/diskspace.py), within the disk share: room for the
 # copy-on-write pages of the next commits that another process filling the disk cannot take.
 RUNWAY = 16 * 1024 * 1024
-# While less than a runway is free, one commit evicts at most this many entries, so that its new pages
-# fit in the held blocks (the pages it frees are reusable two commits later).
-TIGHT_EVICT = 512
+# While the disk limits the store (the budget is below the configured one, or less than a runway is
+# free) commits stay small: at most SMALL_COMMIT_OPS operations and SMALL_COMMIT_EVICT evictions each.
+# The pages a commit rewrites and frees are what the file needs beyond its live pages (see DISK_SHARE),
+# and a big eviction in one commit, when the budget drops, would need more new pages than the file has
+# free (the pages it frees are reusable two commits later): the disk would fill on the way down.
+# Evicting more per commit than it puts still brings a full store down to a lower budget.
+SMALL_COMMIT_OPS = 64
+SMALL_COMMIT_EVICT = 2 * SMALL_COMMIT_OPS
 # How long an invalidation keeps refusing entries created before it: a result computed before an
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
@@ -103,9 +111,10 @@ class WriteBehind:
         self.sweep_interval_s = sweep_interval_s
         self.counters: Counter[str] = Counter()
         self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
-        self._commit_bytes = 0               # the most bytes of records one commit has written
+        self._file_bytes = 0                 # the data file's size after the last commit
+        self._slack = 0                      # the most free pages the file held after a commit that grew it
         self._holding = True                 # the file system can hold blocks ahead of the file
-        self._tight = False                  # less than a runway of the disk is free
+        self._small_commits = False          # the disk limits the store (see SMALL_COMMIT_OPS)
         self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -167,7 +176,8 @@ class WriteBehind:
             batch.append(self._queue.get(timeout=timeout if wait is None else min(wait, timeout)))
         except queue.Empty:
             pass
-        while batch and len(batch) < self.batch_max:
+        batch_max = SMALL_COMMIT_OPS if self._small_commits else self.batch_max
+        while batch and len(batch) < batch_max:
             try:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
@@ -218,7 +228,6 @@ class WriteBehind:
         added: list[Row] = []
         removed: list[tuple[bytes, int]] = []
         namespaces: set[bytes] = set()
-        written = 0
         with self.store.begin(write=True) as txn:
             for op in batch:
                 if isinstance(op, _Put):
@@ -226,18 +235,16 @@ class WriteBehind:
                         self.counters["fenced"] += 1
                         continue
                     results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces)
-                    written += len(op.record.payload) + records.HEADER.size + 3 * len(op.key)
                     if op.semantic is not None:
                         added.append(semantic.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
                     self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
-            self._enforce_budget(txn, removed)
+            live = self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
-        self._commit_bytes = max(self._commit_bytes, written)
-        self._check_disk()
+        self._check_disk(live)
         self._notify(added, removed)
         for op, count in invalidated:
             self.counters["invalidated"] += count
@@ -275,9 +282,10 @@ class WriteBehind:
         return sum(results.delete_namespace(self.store, txn, ns_id, removed)
                    for ns_id, ns in spaces if selector.matches(ns))
 
-    def _check_disk(self) -> None:
+    def _check_disk(self, live: int | None = None) -> None:
         """Sets the effective budget from the disk (see DISK_SHARE) and holds blocks ahead of the data
-        file (RUNWAY); logs when the budget changes by more than a tenth or crosses the configured one."""
+        file (RUNWAY); logs when the budget changes by more than a tenth or crosses the configured one.
+        `live`: the live bytes a commit just left (measures the slack when that commit grew the file)."""
         configured = self.store.settings.budget
         data_path = self.store.settings.path / "data.mdb"
         try:
@@ -285,11 +293,15 @@ class WriteBehind:
             stat = os.stat(data_path)
         except OSError:
             return
+        if live is not None and stat.st_size > self._file_bytes:
+            self._slack = max(self._slack, stat.st_size - live)
+            self.counters["slack_bytes"] = self._slack
+        self._file_bytes = stat.st_size
         held = diskspace.allocated_bytes(stat)
         usable = free + held  # what this store may count on: its own blocks and the free ones
         self._hold(data_path, stat.st_size, held, free, usable)
-        self._tight = free < RUNWAY
-        budget = min(configured, max(0, int(usable * DISK_SHARE) - CHURN_COMMITS * self._commit_bytes))
+        budget = min(configured, max(0, int(usable * DISK_SHARE) - self._slack))
+        self._small_commits = free < RUNWAY or budget < configured
         if abs(budget - self.budget) > self.budget / 10 or (budget == configured) != (self.budget == configured):
             mb = 1024 * 1024
             if budget < configured:
@@ -318,18 +330,24 @@ class WriteBehind:
             log.info("this file system cannot hold blocks ahead of the store's data file; a disk filled by "
                      "another process stops the store's writes until space returns")
 
-    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> None:
+    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> int:
+        """Evicts down to LOW_WATER of the budget once over it (in small commits: down to the budget, a
+        few entries at a time); returns the live bytes left."""
         budget = self.budget
-        if self.store.used_bytes(txn) <= budget:
-            return
+        used = self.store.used_bytes(txn)
+        if used <= budget:
+            return used
         evicted = 0
-        while self.store.used_bytes(txn) > budget * LOW_WATER:
-            n = results.evict_oldest(self.store, txn, EVICT_CHUNK, removed)
+        chunk, low_water = (SMALL_COMMIT_OPS, budget) if self._small_commits else (EVICT_CHUNK, budget * LOW_WATER)
+        while used > low_water:
+            n = results.evict_oldest(self.store, txn, chunk, removed)
             evicted += n
-            if n == 0 or (self._tight and evicted >= TIGHT_EVICT):
+            used = self.store.used_bytes(txn)
+            if n == 0 or (self._small_commits and evicted >= SMALL_COMMIT_EVICT):
                 break
         self.counters["evicted"] += evicted
         log.info("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
+        return used
 
     def _evict_fraction(self, fraction: float) -> None:
         removed: list[tuple[bytes, int]] = []

@@ -103,3 +103,16 @@ def reference_encoder():
     from server.tools.export_model import default_encoder_dir
 
     return SentenceTransformer(str(default_encoder_dir()), device="cpu")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs (needs root with CAP_SYS_ADMIN, as CI has, or a mount namespace: `unshare -m make
+    test`; skipped elsewhere with the reason)."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip() or made.returncode}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import time
 
 import lmdb
@@ -211,6 +212,26 @@ def test_budget_evicts_least_recently_stored(tmp_path):
     assert cache.get(keys[-1], now) is not None
     assert cache.get(keys[0], now) is None
     assert writer.counters["evicted"] > 0 and writer.counters["write_errors"] == 0
+    writer.close()
+    store.close()
+
+
+def test_a_store_squeezed_by_its_disk_leaves_room_and_never_fails_a_write(small_disk):
+    """Random keys into a budget far above a 12 MiB disk, a third of it someone else's. Copy-on-write makes
+    the pages a commit needs far more than its records (a put rewrites a whole leaf page, an eviction frees
+    pages all over the tree): the writer measures that, keeps the data file short of the disk's end and
+    fails no commit for want of space, also while it evicts down to a budget that just dropped."""
+    (small_disk / "someone-elses-file").write_bytes(bytes(4 * MB))
+    store = open_store(small_disk / "cache", map_mb=1024, budget_mb=1536)
+    writer = WriteBehind(store)
+    ns = Namespace("t", "m", "1")
+    least_free = shutil.disk_usage(small_disk).free
+    for batch in range(24):  # ~9 MiB of 1.5 KiB records
+        put_all(writer, ns, [f"{batch}-{i}" for i in range(256)], payload=os.urandom(1500))
+        least_free = min(least_free, shutil.disk_usage(small_disk).free)
+    assert writer.counters["evicted"] > 0 and writer.counters["write_errors"] == 0, writer.counters
+    assert least_free > MB // 2, (least_free, writer.counters)
+    assert writer.budget < 8 * MB
     writer.close()
     store.close()
 
