@@ -244,7 +244,9 @@ class WriteBehind:
             live = self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
-        self._check_disk(live)
+        # An invalidation's one-off deletes are not the steady churn the slack is for (one that emptied a
+        # big namespace would otherwise cut the budget by its size for good).
+        self._check_disk(None if invalidated else live)
         self._notify(added, removed)
         for op, count in invalidated:
             self.counters["invalidated"] += count

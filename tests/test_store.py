@@ -236,6 +236,22 @@ def test_a_store_squeezed_by_its_disk_leaves_room_and_never_fails_a_write(small_
     store.close()
 
 
+def test_emptying_a_namespace_on_a_small_disk_does_not_cut_the_budget(small_disk):
+    """The pages a big Invalidate frees are a one-off, not churn every commit needs: the budget after it
+    stays where the puts left it."""
+    store = open_store(small_disk / "cache", map_mb=1024, budget_mb=1536)
+    writer = WriteBehind(store)
+    ns = Namespace("t", "m", "1")
+    for batch in range(8):  # ~3 MiB: within what the disk allows, so nothing is evicted
+        put_all(writer, ns, [f"{batch}-{i}" for i in range(256)], payload=os.urandom(1500))
+    before = writer.budget
+    assert writer.invalidate(Selector(model="m")).result(10) == 8 * 256
+    writer.flush().result(10)
+    assert writer.counters["write_errors"] == 0 and writer.budget >= before * 0.95, (before, writer.counters)
+    writer.close()
+    store.close()
+
+
 def test_the_writer_holds_disk_blocks_ahead_of_the_data_file(tmp_path):
     """Blocks past the file's end are allocated (another process filling the disk cannot take them) while
     the file's size, which LMDB and the integrity check read, stays LMDB's own."""
