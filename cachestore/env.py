@@ -67,13 +67,11 @@ class Store:
         self._forks = _forks[0]
         self.ring = KeyRing(settings.keys) if settings.keys else None  # seals and opens payloads
         self.env = self._open()
+        self.page_size = self.env.stat()["psize"]
         self.dbs = {name: db for name in ALL_DBS if (db := self._open_db(name)) is not None}
         self._check_format()
         if not readonly:
-            # Frees reader slots left by processes that died (kill -9) while holding a read transaction.
-            stale = self.env.reader_check()
-            if stale:
-                log.warning("cleared %d stale reader slot(s)", stale)
+            self.clear_stale_readers()
 
     def _open(self) -> lmdb.Environment:
         path = self.settings.path
@@ -116,6 +114,13 @@ class Store:
         if settings.get("format") != STORE_FORMAT:
             raise StoreFormatError(f"store format {settings.get('format')}, this build reads {STORE_FORMAT}")
         self.store_id = str(settings.get("store_id", ""))
+
+    def clear_stale_readers(self) -> None:
+        """Frees reader slots left by processes that died (kill -9) while holding a read transaction:
+        until then LMDB keeps every page such a reader saw from reuse, and the data file grows."""
+        stale = self.env.reader_check()
+        if stale:
+            log.warning("cleared %d stale reader slot(s)", stale)
 
     def begin(self, *, write: bool = False, buffers: bool = False) -> lmdb.Transaction:
         if self._forks != _forks[0]:  # (not os.getpid(): a system call on every hit)

@@ -28,30 +28,32 @@ from cachestore.keys import NS_ID_BYTES, Namespace
 
 log = logging.getLogger("infercache.writer")
 
-EVICT_CHUNK = 256
 LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
+# A commit evicts at most EVICT_PER_OP times the operations a commit may take: more than it can put, so
+# a full store still comes down to a lower budget, over several commits when the budget falls a lot.
+EVICT_PER_OP = 2
+EVICT_STEP = 32  # entries evicted between two looks at the live size (big records: a few fill the budget)
+# One sweep deletes at most this many expired entries (in commits no bigger than an eviction's); the
+# next sweep goes on.
+SWEEP_MAX = 20_000
 # On a disk smaller than the budget the data file, not the budget, is the limit: it must stay below
-# DISK_SHARE of the disk it can use (its own size plus the free space), the rest being headroom for the
-# copy-on-write pages that deletes and Invalidate need. The file holds the live pages plus free pages:
-# those the last commits freed (reusable two commits later, and only once no reader still sees them).
-# Copy-on-write makes that churn far larger than the records written (a put under a random key rewrites
-# a whole leaf page, an eviction frees pages all over the tree), so it is measured, not modelled: after
-# each commit that had to grow the file (its free pages did not suffice) the free pages left in it are
-# what the file needs beyond the live ones. The live budget is the share less the most of that seen.
-# Re-checked after every commit, so it shrinks before the disk fills and grows back, up to the
-# configured budget, when space returns.
+# DISK_SHARE of the disk it can use (its own size plus the free space), the rest being headroom (readers
+# that keep old pages alive, the lock file, other files). The file holds the live pages plus the pages of
+# the last few commits: copy-on-write gives every page a commit touches a new copy, and the old one is
+# reusable only two commits later. Under random keys a put or a delete touches about one leaf page of its
+# own (more when a page splits), whatever the record's size, so the live budget is the share less
+# CHURN_COMMITS commits of the most operations and evictions one may take, at PAGES_PER_OP pages each
+# (1.0-1.4 pages per operation measured with 1.5 KB records). Re-checked after every commit, so it
+# shrinks before the disk fills and grows back, up to the configured budget, when space returns.
 DISK_SHARE = 0.7
+CHURN_COMMITS = 3
+PAGES_PER_OP = 2
+# Where that room is short (the configured budget does not fit beside the churn of full-size commits, or
+# less than a runway is free), commits take at most SMALL_COMMIT_OPS operations: less churn, more budget.
+SMALL_COMMIT_OPS = 32
 # Blocks held ahead of the data file's end (cachestore/diskspace.py), within the disk share: room for the
 # copy-on-write pages of the next commits that another process filling the disk cannot take.
 RUNWAY = 16 * 1024 * 1024
-# While the disk limits the store (the budget is below the configured one, or less than a runway is
-# free) commits stay small: at most SMALL_COMMIT_OPS operations and SMALL_COMMIT_EVICT evictions each.
-# The pages a commit rewrites and frees are what the file needs beyond its live pages (see DISK_SHARE),
-# and a big eviction in one commit, when the budget drops, would need more new pages than the file has
-# free (the pages it frees are reusable two commits later): the disk would fill on the way down.
-# Evicting more per commit than it puts still brings a full store down to a lower budget.
-SMALL_COMMIT_OPS = 64
-SMALL_COMMIT_EVICT = 2 * SMALL_COMMIT_OPS
 # How long an invalidation keeps refusing entries created before it: a result computed before an
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
@@ -111,10 +113,8 @@ class WriteBehind:
         self.sweep_interval_s = sweep_interval_s
         self.counters: Counter[str] = Counter()
         self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
-        self._file_bytes = 0                 # the data file's size after the last commit
-        self._slack = 0                      # the most free pages the file held after a commit that grew it
         self._holding = True                 # the file system can hold blocks ahead of the file
-        self._small_commits = False          # the disk limits the store (see SMALL_COMMIT_OPS)
+        self._commit_ops = batch_max         # operations one commit may take: batch_max, or SMALL_COMMIT_OPS
         self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -176,8 +176,7 @@ class WriteBehind:
             batch.append(self._queue.get(timeout=timeout if wait is None else min(wait, timeout)))
         except queue.Empty:
             pass
-        batch_max = SMALL_COMMIT_OPS if self._small_commits else self.batch_max
-        while batch and len(batch) < batch_max:
+        while batch and len(batch) < self._commit_ops:
             try:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
@@ -241,12 +240,10 @@ class WriteBehind:
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
                     self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
-            live = self._enforce_budget(txn, removed)
+            self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
-        # An invalidation's one-off deletes are not the steady churn the slack is for (one that emptied a
-        # big namespace would otherwise cut the budget by its size for good).
-        self._check_disk(None if invalidated else live)
+        self._check_disk()
         self._notify(added, removed)
         for op, count in invalidated:
             self.counters["invalidated"] += count
@@ -284,10 +281,10 @@ class WriteBehind:
         return sum(results.delete_namespace(self.store, txn, ns_id, removed)
                    for ns_id, ns in spaces if selector.matches(ns))
 
-    def _check_disk(self, live: int | None = None) -> None:
-        """Sets the effective budget from the disk (see DISK_SHARE) and holds blocks ahead of the data
-        file (RUNWAY); logs when the budget changes by more than a tenth or crosses the configured one.
-        `live`: the live bytes a commit just left (measures the slack when that commit grew the file)."""
+    def _check_disk(self) -> None:
+        """Sets the effective budget and the commit size from the disk (see DISK_SHARE) and holds blocks
+        ahead of the data file (RUNWAY); logs when the budget changes by more than a tenth or crosses the
+        configured one."""
         configured = self.store.settings.budget
         data_path = self.store.settings.path / "data.mdb"
         try:
@@ -295,15 +292,15 @@ class WriteBehind:
             stat = os.stat(data_path)
         except OSError:
             return
-        if live is not None and stat.st_size > self._file_bytes:
-            self._slack = max(self._slack, stat.st_size - live)
-            self.counters["slack_bytes"] = self._slack
-        self._file_bytes = stat.st_size
         held = diskspace.allocated_bytes(stat)
         usable = free + held  # what this store may count on: its own blocks and the free ones
         self._hold(data_path, stat.st_size, held, free, usable)
-        budget = min(configured, max(0, int(usable * DISK_SHARE) - self._slack))
-        self._small_commits = free < RUNWAY or budget < configured
+        share = int(usable * DISK_SHARE)
+        ops = self.batch_max
+        if free < RUNWAY or configured > share - self._churn(ops):
+            ops = min(ops, SMALL_COMMIT_OPS)
+        self._commit_ops = ops
+        budget = min(configured, max(0, share - self._churn(ops)))
         if abs(budget - self.budget) > self.budget / 10 or (budget == configured) != (self.budget == configured):
             mb = 1024 * 1024
             if budget < configured:
@@ -332,24 +329,24 @@ class WriteBehind:
             log.info("this file system cannot hold blocks ahead of the store's data file; a disk filled by "
                      "another process stops the store's writes until space returns")
 
-    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> int:
-        """Evicts down to LOW_WATER of the budget once over it (in small commits: down to the budget, a
-        few entries at a time); returns the live bytes left."""
+    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> None:
+        """Once over the budget, evicts down to LOW_WATER of it, at most EVICT_PER_OP times the commit
+        size per commit (the next commits go on while the store is still over)."""
         budget = self.budget
-        used = self.store.used_bytes(txn)
-        if used <= budget:
-            return used
-        evicted = 0
-        chunk, low_water = (SMALL_COMMIT_OPS, budget) if self._small_commits else (EVICT_CHUNK, budget * LOW_WATER)
-        while used > low_water:
-            n = results.evict_oldest(self.store, txn, chunk, removed)
+        if self.store.used_bytes(txn) <= budget:
+            return
+        evicted, most = 0, EVICT_PER_OP * self._commit_ops
+        while evicted < most and self.store.used_bytes(txn) > budget * LOW_WATER:
+            n = results.evict_oldest(self.store, txn, min(EVICT_STEP, most - evicted), removed)
             evicted += n
-            used = self.store.used_bytes(txn)
-            if n == 0 or (self._small_commits and evicted >= SMALL_COMMIT_EVICT):
+            if n == 0:
                 break
         self.counters["evicted"] += evicted
-        log.info("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
-        return used
+        log.debug("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
+
+    def _churn(self, ops: int) -> int:
+        """Bytes of pages the data file holds beyond the live ones with commits of `ops` operations."""
+        return CHURN_COMMITS * (1 + EVICT_PER_OP) * ops * PAGES_PER_OP * self.store.page_size
 
     def _evict_fraction(self, fraction: float) -> None:
         removed: list[tuple[bytes, int]] = []
@@ -359,13 +356,22 @@ class WriteBehind:
         self._notify([], removed)
 
     def _sweep(self) -> None:
-        removed: list[tuple[bytes, int]] = []
-        now = results.now_us()
-        with self.store.begin(write=True) as txn:
-            swept = results.sweep_expired(self.store, txn, now, removed=removed)
-            if self.max_ttl_us:  # entries stored before the cap was lowered
-                swept += results.sweep_created_before(self.store, txn, now - self.max_ttl_us, removed=removed)
-        self._notify([], removed)
+        """Deletes expired entries (and, with a retention cap, older ones) in commits no bigger than an
+        eviction's, up to SWEEP_MAX a sweep; frees the reader slots of processes that died."""
+        self.store.clear_stale_readers()
+        chunk, swept = EVICT_PER_OP * self._commit_ops, 0
+        while swept < SWEEP_MAX:
+            removed: list[tuple[bytes, int]] = []
+            now = results.now_us()
+            with self.store.begin(write=True) as txn:
+                n = results.sweep_expired(self.store, txn, now, chunk, removed)
+                if self.max_ttl_us and n < chunk:  # entries stored before the cap was lowered
+                    n += results.sweep_created_before(self.store, txn, now - self.max_ttl_us, chunk - n, removed)
+            self._notify([], removed)
+            self._check_disk()
+            swept += n
+            if n < chunk:
+                break
         if swept:
             self.counters["swept"] += swept
             log.info("swept %d expired entries", swept)

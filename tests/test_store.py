@@ -236,18 +236,26 @@ def test_a_store_squeezed_by_its_disk_leaves_room_and_never_fails_a_write(small_
     store.close()
 
 
-def test_emptying_a_namespace_on_a_small_disk_does_not_cut_the_budget(small_disk):
-    """The pages a big Invalidate frees are a one-off, not churn every commit needs: the budget after it
-    stays where the puts left it."""
+def test_a_disk_filled_under_a_full_store_is_met_with_small_commits(small_disk):
+    """Another process takes most of the free space under a store that fills its share: the budget drops
+    and the store evicts down to it in small commits (a commit that evicted the difference at once would
+    need more new pages than the disk has left), with no failed write, and grows back once space returns."""
     store = open_store(small_disk / "cache", map_mb=1024, budget_mb=1536)
     writer = WriteBehind(store)
     ns = Namespace("t", "m", "1")
-    for batch in range(8):  # ~3 MiB: within what the disk allows, so nothing is evicted
+    for batch in range(8):
         put_all(writer, ns, [f"{batch}-{i}" for i in range(256)], payload=os.urandom(1500))
-    before = writer.budget
-    assert writer.invalidate(Selector(model="m")).result(10) == 8 * 256
-    writer.flush().result(10)
-    assert writer.counters["write_errors"] == 0 and writer.budget >= before * 0.95, (before, writer.counters)
+    roomy = writer.budget
+    filler = small_disk / "someone-elses-file"
+    filler.write_bytes(bytes(int(shutil.disk_usage(small_disk).free * 0.9)))
+    for batch in range(10):
+        put_all(writer, ns, [f"after {batch}-{i}" for i in range(256)], payload=os.urandom(1500))
+    assert writer.counters["write_errors"] == 0 and writer.budget < roomy * 0.8, (roomy, writer.counters)
+    with store.begin() as txn:
+        assert store.used_bytes(txn) <= writer.budget
+    filler.unlink()
+    put_all(writer, ns, ["once space returned"])
+    assert writer.budget > roomy * 0.9 and writer.counters["write_errors"] == 0, (roomy, writer.counters)
     writer.close()
     store.close()
 
