@@ -28,7 +28,7 @@ from cachestore.keys import NS_ID_BYTES, Namespace
 
 log = logging.getLogger("infercache.writer")
 
-LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget
+LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget (EVICT_PER_OP at a time)
 # A commit evicts at most EVICT_PER_OP times the operations a commit may take: more than it can put, so
 # a full store still comes down to a lower budget, over several commits when the budget falls a lot.
 EVICT_PER_OP = 2
@@ -115,6 +115,7 @@ class WriteBehind:
         self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
         self._holding = True                 # the file system can hold blocks ahead of the file
         self._commit_ops = batch_max         # operations one commit may take: batch_max, or SMALL_COMMIT_OPS
+        self._over = False                   # the last commit left the store over its budget
         self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -157,7 +158,7 @@ class WriteBehind:
 
     def drain(self) -> None:
         """Without a thread of its own: handles everything queued so far in the caller's thread (one
-        transaction per batch_max operations), and sweeps when a sweep is due."""
+        transaction per `_commit_ops` operations), and sweeps when a sweep is due."""
         while not self._step(0.0) and not self._queue.empty():
             pass
 
@@ -168,8 +169,10 @@ class WriteBehind:
             pass
 
     def _step(self, wait: float | None) -> bool:
-        """Takes up to batch_max queued operations (waiting for the first until the next sweep is due, at
-        most `wait` seconds), applies them in one transaction, sweeps when due; True once stopped."""
+        """Takes up to `_commit_ops` queued operations (batch_max, or SMALL_COMMIT_OPS where the disk is
+        short; waiting for the first until the next sweep is due, at most `wait` seconds), applies them in
+        one transaction (then evicts in commits of their own while the store is still over its budget),
+        sweeps when due; True once stopped."""
         timeout = max(0.0, self._next_sweep - time.monotonic())
         batch = []
         try:
@@ -184,6 +187,8 @@ class WriteBehind:
         ops = [op for op in batch if op is not _STOP]
         if ops:
             self._guarded(self._apply, ops)
+            while self._over:  # evictions capped per commit fell behind (records bigger than those evicted)
+                self._guarded(self._commit, [])
             for op in ops:
                 if isinstance(op, _Put) and op.on_done is not None:
                     self._guarded(op.on_done)
@@ -223,6 +228,7 @@ class WriteBehind:
                     op.done.set_result(None)
 
     def _commit(self, batch: list) -> None:
+        self._over = False
         invalidated: list[tuple[_Invalidate, int]] = []
         added: list[Row] = []
         removed: list[tuple[bytes, int]] = []
@@ -240,9 +246,10 @@ class WriteBehind:
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
                     self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
-            self._enforce_budget(txn, removed)
+            over = self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
+        self._over = over
         self._check_disk()
         self._notify(added, removed)
         for op, count in invalidated:
@@ -329,12 +336,12 @@ class WriteBehind:
             log.info("this file system cannot hold blocks ahead of the store's data file; a disk filled by "
                      "another process stops the store's writes until space returns")
 
-    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> None:
+    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> bool:
         """Once over the budget, evicts down to LOW_WATER of it, at most EVICT_PER_OP times the commit
-        size per commit (the next commits go on while the store is still over)."""
+        size per commit; True when that cap left the store still over the budget."""
         budget = self.budget
         if self.store.used_bytes(txn) <= budget:
-            return
+            return False
         evicted, most = 0, EVICT_PER_OP * self._commit_ops
         while evicted < most and self.store.used_bytes(txn) > budget * LOW_WATER:
             n = results.evict_oldest(self.store, txn, min(EVICT_STEP, most - evicted), removed)
@@ -343,6 +350,7 @@ class WriteBehind:
                 break
         self.counters["evicted"] += evicted
         log.debug("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
+        return evicted >= most and self.store.used_bytes(txn) > budget
 
     def _churn(self, ops: int) -> int:
         """Bytes of pages the data file holds beyond the live ones with commits of `ops` operations."""

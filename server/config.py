@@ -64,7 +64,7 @@ class CacheSection:
     map_size_mb: int = 2048            # LMDB map (sparse file; the hard ceiling)
     budget_mb: int = 1536              # eviction keeps live data under this; must be below map_size_mb
     sync: bool = True                  # fsync each write-behind transaction
-    write_batch: int = 512             # most operations per write transaction
+    write_batch: int = 512             # most operations per write transaction (fewer on a small disk)
     sweep_interval_s: float = 30.0     # how often expired entries are deleted
     max_ttl_s: int = 0                 # retention: no entry lives longer, whatever its model's TTL; 0 = no cap
     encryption_key_file: str = ""      # AES-256-GCM at rest (cachestore/sealing.py); "" = stored in clear

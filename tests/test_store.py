@@ -216,11 +216,27 @@ def test_budget_evicts_least_recently_stored(tmp_path):
     store.close()
 
 
+def test_the_budget_holds_when_new_records_are_bigger_than_the_evicted_ones(tmp_path):
+    """A commit evicts a bounded number of entries; when each new record is far bigger than the oldest
+    ones, eviction-only commits follow until the store is under its budget again."""
+    store = open_store(tmp_path / "growing", map_mb=64, budget_mb=2)
+    writer = WriteBehind(store, batch_max=64)
+    ns = Namespace("t", "m", "1")
+    put_all(writer, ns, [f"small {i}" for i in range(12_000)], payload=bytes(100))
+    for batch in range(6):
+        put_all(writer, ns, [f"big {batch}-{i}" for i in range(64)], payload=bytes(6000))
+        with store.begin() as txn:
+            assert store.used_bytes(txn) <= store.settings.budget, batch
+    assert writer.counters["write_errors"] == 0
+    writer.close()
+    store.close()
+
+
 def test_a_store_squeezed_by_its_disk_leaves_room_and_never_fails_a_write(small_disk):
     """Random keys into a budget far above a 12 MiB disk, a third of it someone else's. Copy-on-write makes
     the pages a commit needs far more than its records (a put rewrites a whole leaf page, an eviction frees
-    pages all over the tree): the writer measures that, keeps the data file short of the disk's end and
-    fails no commit for want of space, also while it evicts down to a budget that just dropped."""
+    pages all over the tree): the writer's budget leaves room for that churn, keeps the data file short of
+    the disk's end and fails no commit for want of space."""
     (small_disk / "someone-elses-file").write_bytes(bytes(4 * MB))
     store = open_store(small_disk / "cache", map_mb=1024, budget_mb=1536)
     writer = WriteBehind(store)
