@@ -246,9 +246,10 @@ class WriteBehind:
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
                     self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
-            over = self._enforce_budget(txn, removed)
+            evicted, over = self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
+        self.counters["evicted"] += evicted  # (counted once committed: a failed commit evicted nothing)
         self._over = over
         self._check_disk()
         self._notify(added, removed)
@@ -336,21 +337,20 @@ class WriteBehind:
             log.info("this file system cannot hold blocks ahead of the store's data file; a disk filled by "
                      "another process stops the store's writes until space returns")
 
-    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> bool:
+    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> tuple[int, bool]:
         """Once over the budget, evicts down to LOW_WATER of it, at most EVICT_PER_OP times the commit
-        size per commit; True when that cap left the store still over the budget."""
+        size per commit: the entries evicted, and whether that cap left the store still over the budget."""
         budget = self.budget
         if self.store.used_bytes(txn) <= budget:
-            return False
+            return 0, False
         evicted, most = 0, EVICT_PER_OP * self._commit_ops
         while evicted < most and self.store.used_bytes(txn) > budget * LOW_WATER:
             n = results.evict_oldest(self.store, txn, min(EVICT_STEP, most - evicted), removed)
             evicted += n
             if n == 0:
                 break
-        self.counters["evicted"] += evicted
         log.debug("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
-        return evicted >= most and self.store.used_bytes(txn) > budget
+        return evicted, evicted >= most and self.store.used_bytes(txn) > budget
 
     def _churn(self, ops: int) -> int:
         """Bytes of pages the data file holds beyond the live ones with commits of `ops` operations."""
