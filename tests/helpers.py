@@ -79,3 +79,14 @@ def settled(server, counter: str, idle: tuple[str, ...] = ("writer.backlog",), t
         assert time.monotonic() < deadline, f"the workers did not settle within {timeout:g} s ({counter}, {idle})"
         last = now
         time.sleep(poll_s)
+
+
+def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.05):
+    """predicate()'s first truthy value, polled every poll_s; AssertionError naming `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -26,19 +26,9 @@ from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc, worker_pb2
 from server.framing import HEADER
 from tests.conftest import MODEL_VERSION_DIR, REPO
-from tests.helpers import is_cached, running, unique, wait_cached
+from tests.helpers import is_cached, running, unique, wait_cached, wait_for
 
 MODEL = "minilm"
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _worker_pid_or_none(server):
@@ -87,7 +77,7 @@ def test_kill9_worker_under_load(start_server):
     assert grpc.StatusCode.OK in codes
     slowest = max(elapsed for _, elapsed in outcomes)
     assert slowest < deadline_s + 0.5, f"a call took {slowest:.2f} s with a {deadline_s} s deadline"
-    new_pid = _wait_for(lambda: (pid := _worker_pid_or_none(server)) and pid != old_pid and pid, 60, "worker restart")
+    new_pid = wait_for(lambda: (pid := _worker_pid_or_none(server)) and pid != old_pid and pid, 60, "worker restart")
     assert new_pid != old_pid
     with server.client() as client:
         assert client.infer(MODEL, unique("after the restart")).source == "MISS"
@@ -167,7 +157,7 @@ def test_killed_supervisor_lets_in_flight_calls_finish_and_children_exit(start_s
             responses = [f.result() for f in futures]
     assert all(r.cache.source in (pb.CacheInfo.MISS, pb.CacheInfo.COALESCED) for r in responses)
 
-    _wait_for(lambda: not any(running(pid) for pid in children), 40, "the orphaned children to exit")
+    wait_for(lambda: not any(running(pid) for pid in children), 40, "the orphaned children to exit")
     again = start_server(cache_dir=server.cache_dir)
     with again.client() as client:
         assert all(is_cached(client, MODEL, t) for t in texts)  # the worker flushed its writes on the way out
@@ -187,7 +177,7 @@ def test_killed_frontend_is_restarted(start_server):
                 pass
         return seen if len(seen) == 2 and victim not in seen else None
 
-    _wait_for(pids_answering, 60, "a replacement frontend")
+    wait_for(pids_answering, 60, "a replacement frontend")
     assert "frontend-" in server.log_text() and "restarting" in server.log_text()
 
 
@@ -462,7 +452,7 @@ def test_a_disk_smaller_than_the_budget_keeps_caching_and_recovers_its_space(sta
         assert squeezed < 8 * 1024 * 1024
         assert client.invalidate(model=MODEL) > 0  # deletes still have room
         blocker.unlink()
-        _wait_for(lambda: server.stats().worker.counters["writer.budget_bytes"] > squeezed * 1.2, 30,
+        wait_for(lambda: server.stats().worker.counters["writer.budget_bytes"] > squeezed * 1.2, 30,
                   "the budget to grow once space returned")
     assert server.stop() == 0  # before the small disk goes away
     log = server.log_text()
@@ -486,7 +476,7 @@ def test_a_disk_filled_by_another_process_keeps_caching_and_invalidating(start_s
         assert client.invalidate(model=MODEL) > 0
         assert client.infer(MODEL, texts[-1]).source == "MISS"
         filler.unlink()
-        _wait_for(lambda: server.stats().worker.counters["writer.budget_bytes"] > squeezed * 1.2, 30,
+        wait_for(lambda: server.stats().worker.counters["writer.budget_bytes"] > squeezed * 1.2, 30,
                   "the budget to grow once space returned")
     assert server.stop() == 0
     assert "write-behind failed" not in server.log_text()

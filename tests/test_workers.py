@@ -18,7 +18,7 @@ from infercache.client import to_result
 from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from tests.helpers import is_cached, unique
+from tests.helpers import is_cached, unique, wait_for
 
 MODEL = "minilm"
 TWO_WORKERS = ("server.workers=2",)
@@ -206,17 +206,11 @@ def test_a_call_its_client_cancels_is_dropped_before_the_engine(start_server):
         busy = [stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("a long text " * 60)), timeout=300)
                 for _ in range(100)]
         call = stub.Infer.future(pb.InferRequest(model=MODEL, text=unique("cancelled while it waits")), timeout=300)
-        deadline = time.monotonic() + 60
-        while worker_counter("worker.frame_items") < 101:  # every item reached the worker's queue
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: worker_counter("worker.frame_items") >= 101, 60, "every item in the worker's queue")
         assert call.cancel() and not all(f.done() for f in busy)  # it waits behind them
         for future in busy:
             assert to_result(future.result()).source == "MISS"
-    deadline = time.monotonic() + 30
-    while worker_counter(f"batcher.{MODEL}.1.dropped_cancelled") < 1:
-        assert time.monotonic() < deadline, dict(server.stats().workers[0].counters)
-        time.sleep(0.05)
+    wait_for(lambda: worker_counter(f"batcher.{MODEL}.1.dropped_cancelled") >= 1, 30, "the cancelled item dropped")
     assert worker_counter(f"batcher.{MODEL}.1.batched_requests") == 100  # the cancelled one never ran
 
 
