@@ -46,6 +46,7 @@ from bench.l2 import bench_l2, print_l2
 from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
 from bench.overload import bench_overload, print_overload
 from bench.gpu import PARTS, bench_gpu, load_one, print_gpu
+from bench.group_commit import bench_group_commit, print_group_commit
 from bench.workers import bench_workers, print_workers
 from bench.worker_capacity import bench_worker_capacity, print_worker_capacity
 from bench.security import bench_hit_path, bench_redaction, print_security
@@ -275,7 +276,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
-                             "alone), l3, semantic, security, fleet, overload, l2, worker (one worker's capacity), gpu and "
+                             "alone), l3, semantic, security, fleet, overload, l2, worker (one worker's capacity), commit (the writer's "
+                             "CPU per put by group-commit window), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -357,6 +359,12 @@ def main() -> None:
 
             report["worker_capacity"] = bench_worker_capacity(workdir / "worker", 2.0 if args.quick else 5.0,
                                                               ("null", "torch-cuda") if gpu_available() else ("null",))
+        if "commit" in sections:
+            print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
+            (workdir / "commit").mkdir()
+            report["group_commit"] = bench_group_commit(workdir / "commit", rounds, 2.0 if args.quick else 5.0)
+            print_group_commit(report["group_commit"])
+            save()
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}

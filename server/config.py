@@ -65,6 +65,7 @@ class CacheSection:
     budget_mb: int = 1536              # eviction keeps live data under this; must be below map_size_mb
     sync: bool = True                  # fsync each write-behind transaction
     write_batch: int = 512             # most operations per write transaction (fewer on a small disk)
+    group_commit_ms: int = 50          # a put waits up to this long for others to share its transaction
     sweep_interval_s: float = 30.0     # how often expired entries are deleted
     max_ttl_s: int = 0                 # retention: no entry lives longer, whatever its model's TTL; 0 = no cap
     encryption_key_file: str = ""      # AES-256-GCM at rest (cachestore/sealing.py); "" = stored in clear
@@ -278,6 +279,8 @@ def validate(config: Config) -> None:
     if config.cache.sweep_interval_s <= 0 or config.cache.write_batch < 1:
         raise ConfigError("cache.sweep_interval_s must be positive and cache.write_batch >= 1 "
                           f"(got {config.cache.sweep_interval_s} and {config.cache.write_batch})")
+    if not 0 <= config.cache.group_commit_ms <= 1000:
+        raise ConfigError(f"cache.group_commit_ms must be within 0..1000, got {config.cache.group_commit_ms}")
     fleet = config.fleet
     if fleet.redis and not fleet.redis.startswith(("redis://", "rediss://", "redis-cluster://")):
         raise ConfigError(f"fleet.redis must start with redis://, rediss:// or redis-cluster://, got {fleet.redis!r}")

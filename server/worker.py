@@ -171,7 +171,8 @@ async def _open_writer(config: Config, role: str, stop: asyncio.Event, settings:
         return await WriterProcess.start(
             settings or store_settings(config), batch_max=config.cache.write_batch,
             sweep_interval_s=config.cache.sweep_interval_s, max_ttl_s=config.cache.max_ttl_s, what=what,
-            log_level=config.server.log_level, role=role, on_lost=stop.set)
+            log_level=config.server.log_level, role=role, on_lost=stop.set,
+            group_commit_s=config.cache.group_commit_ms / 1000)
     except StoreError as exc:
         log.error("%s unavailable, serving without it: %s", what, exc)
         return None

@@ -6,7 +6,7 @@ engine and items sent straight to one worker (bench/worker_capacity.py, 2-core m
 on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
 frame, against 44k and 62k with nothing written. The process runs the same WriteBehind
 (cachestore/writer.py) without a thread of its own: one thread reads the worker's frames, commits what
-arrived (one transaction per batch; puts wait up to GROUP_COMMIT_S for others to join it) and answers,
+arrived (one transaction per batch; puts wait up to `cache.group_commit_ms` for others to join it) and answers,
 so nothing inside it contends either; the worker's share of a write is a few protobuf field sets.
 
 The worker side (`WriterProcess`) has WriteBehind's interface: put (with on_done), invalidate and
@@ -57,13 +57,15 @@ ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row 
 # again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
 # Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
 MAX_BACKLOG = 50_000
-# Puts wait up to this long for others to share their transaction. Each commit costs an fsync, a disk
-# check and an answer frame: with one put per commit, as at a few thousand misses/s, the writer spent
-# 169-185 us of CPU per miss (2-core machine, null engine), 54-61 us with the wait. Invalidations and
-# flushes commit at once. The worker serves a computed key from memory until its put is handled, so
-# an exact repeat does not see the wait; a near-duplicate may (semantic index rows come from commits: a
-# text's row is searchable up to this much later).
-GROUP_COMMIT_S = 0.01
+# Group commit (`cache.group_commit_ms`, passed as group_commit_s): puts wait up to that long for others
+# to share their transaction. A commit under random keys writes about a page per put and fsyncs: with one
+# put per commit, as at a few thousand misses/s, the writer spent 169-185 us of CPU per miss (2-core
+# machine, null engine), 54-61 us with a 10 ms wait. At a CPU host's few hundred misses/s a 10 ms wait
+# still left a handful of puts per commit; 50 ms halves the writer's CPU per put there
+# (bench/group_commit.py: 500 puts/s, 274 vs 134 us). Invalidations and flushes commit at once. The worker
+# serves a computed key from memory until its put is handled, so an exact repeat does not see the wait;
+# a near-duplicate may (semantic index rows come from commits: a text's row is searchable up to this much
+# later).
 
 
 class WriterProcess:
@@ -94,7 +96,7 @@ class WriterProcess:
     @classmethod
     async def start(cls, settings: StoreSettings, *, batch_max: int, sweep_interval_s: float, max_ttl_s: int,
                     what: str, log_level: str, role: str, on_lost: Callable[[], None] | None = None,
-                    max_backlog: int = MAX_BACKLOG, group_commit_s: float = GROUP_COMMIT_S) -> "WriterProcess":
+                    group_commit_s: float, max_backlog: int = MAX_BACKLOG) -> "WriterProcess":
         """Starts the process, waits until it has the store open, then opens the worker's read-only
         handle. StoreError when the store cannot be opened (the process has exited then)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -470,7 +470,7 @@ def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_mode
             for text in _faq_texts():  # each computed text indexed before the next: what the rule learns
                 indexed = _counters(first).get("semantic.indexed", 0)
                 if client.infer("faq", text).source == "MISS":
-                    deadline = time.monotonic() + 30  # (puts wait up to GROUP_COMMIT_S to be committed)
+                    deadline = time.monotonic() + 30  # (puts wait up to cache.group_commit_ms to be committed)
                     while _counters(first).get("semantic.indexed", 0) == indexed:
                         assert time.monotonic() < deadline, f"{text!r} was computed and never indexed"
                         time.sleep(0.005)

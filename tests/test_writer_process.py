@@ -34,8 +34,9 @@ def _settings(path) -> StoreSettings:
     return StoreSettings(path, 64 * MB, 48 * MB, sync=False)
 
 
-async def _start(path, **kwargs) -> WriterProcess:
+async def _start(path, group_commit_s: float = 0.05, **kwargs) -> WriterProcess:
     return await WriterProcess.start(_settings(path), batch_max=512, sweep_interval_s=30.0, max_ttl_s=0,
+                                     group_commit_s=group_commit_s,
                                      what="result store", log_level="WARNING", role="test", **kwargs)
 
 
@@ -239,7 +240,7 @@ def test_a_writer_that_falls_behind_drops_puts_past_the_backlog_bound_and_commit
 
 
 def test_puts_sent_one_after_another_share_a_transaction_and_are_told_without_a_flush(tmp_path):
-    """Group commit: puts wait up to group_commit_s (GROUP_COMMIT_S in the server) for others to share
+    """Group commit: puts wait up to group_commit_s (cache.group_commit_ms in the server) for others to share
     their transaction. Without the wait each of these frames was a transaction of its own (an fsync each).
     No flush here: what is held is committed, and told, when the wait ends."""
     async def scenario(group_commit_s: float) -> int:
