@@ -434,12 +434,12 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
 
         def with_more_callers(server: ServerProcess, out: dict, prefix: str, seed: int) -> None:
             """The MiniLM runs with `m` times the calls in flight (fresh texts: misses): does a deeper
-            queue carry more?"""
+            queue carry more? (One frontend's Python profiled in the one-text runs: where its time goes.)"""
             for m in more_callers:
                 print(f"  MiniLM with {m}x the callers ...", flush=True)
                 more = single_payloads("minilm", distinct_texts(texts, total, seed=seed + m))
                 out[f"{prefix}single_x{m}_callers"] = measured(
-                    server, "minilm", lambda: load(server.address, INFER, more, 32 * m))
+                    server, "minilm", lambda: load(server.address, INFER, more, 32 * m), profile="frontend")
                 more = batch_payloads("minilm", distinct_texts(texts, total * 2, seed=seed + 100 + m), 32)
                 out[f"{prefix}batch32_x{m}_callers"] = measured(
                     server, "minilm", lambda: load(server.address, INFER_BATCH, more, 4 * m, 32))
