@@ -24,7 +24,7 @@ from server.config import Config, feature_store_settings
 from server.feature_lru import DeviceRow, FeatureLRU
 from server.features import FeatureTier, decode, encode, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, reseal_crc, settled, unique
+from tests.helpers import link_model, reseal_crc, settled, unique, wait_cached
 
 QUESTIONS = ["how do I reset my password", "where is my parcel", "can I pay by card", "cancel my subscription",
              "what are your opening hours", "I was charged twice", "change my delivery address",
@@ -90,6 +90,8 @@ def test_a_new_head_version_answers_from_features_and_the_encoder_runs_once_per_
         for a, b in zip(first, bumped):
             assert a.label == b.label and b.model_version == "2"
             np.testing.assert_allclose(a.outputs["scores"], b.outputs["scores"], atol=1e-6)
+        for t in texts[:3]:  # the worker's copies into L1, once written behind (cache.group_commit_ms)
+            wait_cached(client, "intents", t, version="2")
         assert [client.infer("intents", t, version="2").source for t in texts[:3]] == ["RESULT_EXACT"] * 3
 
         before = _encoded(server)
@@ -117,6 +119,7 @@ def test_a_frontend_answers_from_a_stored_feature_as_the_worker_would_and_copies
             assert {client.infer("intents", t, version="1").source for t in texts} == {"MISS"}
             # One call mixes an exact hit (version 1 again) and a text never seen (a miss).
             fresh = unique("where can I find my invoice")
+            wait_cached(client, "intents", texts[0], version="1")  # (until then the worker answers: COALESCED)
             mixed = client.infer_batch("intents", [texts[0], fresh], version="1")
             assert [r.source for r in mixed] == ["RESULT_EXACT", "MISS"]
             _wait_features_written(server, len(texts) + 1)
