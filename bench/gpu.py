@@ -163,6 +163,13 @@ def _children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _children(k)]
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -255,7 +262,8 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     stats = server.stats()
     worker_pids = {w.pid for w in stats.workers}
     for pid in _children(server.proc.pid):
-        roles[pid] = "worker" if pid in worker_pids else "frontend"
+        if not _is_resource_tracker(pid):  # multiprocessing's helper (idle): no frontend to count or profile
+            roles[pid] = "worker" if pid in worker_pids else "frontend"
     roles[server.proc.pid] = "supervisor"
     cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
