@@ -163,11 +163,16 @@ def _children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _children(k)]
 
 
-def _is_resource_tracker(pid: int) -> bool:
+def _role(pid: int, worker_pids: set[int]) -> str:
+    """worker, frontend (the supervisor's other Python children), or other: the MPS control daemon and
+    its server, multiprocessing's resource tracker."""
+    if pid in worker_pids:
+        return "worker"
     try:
-        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
+        return "other"
+    return "frontend" if b"spawn_main" in command else "other"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -262,8 +267,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     stats = server.stats()
     worker_pids = {w.pid for w in stats.workers}
     for pid in _children(server.proc.pid):
-        if not _is_resource_tracker(pid):  # multiprocessing's helper (idle): no frontend to count or profile
-            roles[pid] = "worker" if pid in worker_pids else "frontend"
+        roles[pid] = _role(pid, worker_pids)
     roles[server.proc.pid] = "supervisor"
     cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
