@@ -95,7 +95,8 @@ def test_planted_pii_is_nowhere_on_disk_nor_in_the_log_and_variants_share_entrie
             keys.setdefault((model, kind), set()).add(answer.key)
         assert all(len(found) == 1 for found in keys.values()), keys  # every variant: one entry
         sources = [a.source for a in answers]
-        assert sources.count("RESULT_EXACT") >= 900, sources
+        # (a repeat before its entry is written is answered by the worker from memory: COALESCED)
+        assert sources.count("RESULT_EXACT") + sources.count("COALESCED") >= 900, sources
         card_answers = [a for (m, k, _), a in zip(jobs, answers) if (m, k) == ("faq", "card")]
         assert len({a.label for a in card_answers}) == 1
         for model, kind in keys:

@@ -71,6 +71,7 @@ def test_config_layers_file_env_and_flags(tmp_path):
     ({"INFERCACHE_CACHE_SWEEP_INTERVAL_S": "0"}, "cache.sweep_interval_s must be positive"),  # a writer's busy loop
     ({"INFERCACHE_CACHE_WRITE_BATCH": "0"}, "cache.write_batch >= 1"),
     ({"INFERCACHE_CACHE_GROUP_COMMIT_MS": "-1"}, "cache.group_commit_ms must be within 0..1000"),
+    ({"INFERCACHE_CACHE_GROUP_COMMIT_MS": "1001"}, "cache.group_commit_ms must be within 0..1000"),
     ({"INFERCACHE_SERVER_CPU_WORKER_NICE": "-1"}, "server.cpu_worker_nice must be within 0..19"),  # needs privileges
 ])
 def test_config_errors_name_the_setting(environ, message):
