@@ -155,24 +155,50 @@ def batch_payloads(model: str, texts: list[str], per_call: int, mode: int = pb.C
 
 # ---- measuring a server run ------------------------------------------------------------------------------
 
-def _children(pid: int) -> list[int]:
+def _task_children(pid: int) -> list[int]:
+    """The children of every thread of `pid` (a worker starts its writer processes from a thread, and
+    /proc/<pid>/task/<pid>/children lists the main thread's only)."""
+    kids = []
     try:
-        kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return []
-    return kids + [g for k in kids for g in _children(k)]
+    for task in tasks:
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
 
 
-def _role(pid: int, worker_pids: set[int]) -> str:
-    """worker, frontend (the supervisor's other Python children), or other: the MPS control daemon and
-    its server, multiprocessing's resource tracker."""
-    if pid in worker_pids:
-        return "worker"
+def server_roles(server: ServerProcess, workers: set[int] | None = None) -> dict[int, str]:
+    """pid -> role of each live process of the server: supervisor, frontend, worker (`workers`: their
+    pids, asked of the server when not given), writer (a worker's store writer), or other (the MPS
+    control daemon and its server, multiprocessing's resource tracker)."""
+    if workers is None:
+        workers = {w.pid for w in server.stats().workers}
+    roles = {server.proc.pid: "supervisor"}
+    pending = [server.proc.pid]
+    while pending:
+        parent = pending.pop()
+        for pid in _task_children(parent):
+            if pid in workers:
+                roles[pid] = "worker"
+            elif roles[parent] == "worker":
+                roles[pid] = "writer"
+            elif roles[parent] == "supervisor" and _runs_spawned_python(pid):
+                roles[pid] = "frontend"
+            else:
+                roles[pid] = "other"
+            pending.append(pid)
+    return roles
+
+
+def _runs_spawned_python(pid: int) -> bool:
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return "other"
-    return "frontend" if b"spawn_main" in command else "other"
+        return False
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -263,12 +289,9 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     """Runs fn() (a load run) and adds what the server's processes did meanwhile: CPU seconds per role,
     GPU busy percent, the mean batch the worker formed for `model`, and with `profile` (True: a worker,
     or "frontend") where that process's Python time went (py-spy, where installed)."""
-    roles = {}
     stats = server.stats()
     worker_pids = {w.pid for w in stats.workers}
-    for pid in _children(server.proc.pid):
-        roles[pid] = _role(pid, worker_pids)
-    roles[server.proc.pid] = "supervisor"
+    roles = server_roles(server, worker_pids)
     cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
     gpu = _GpuSampler()

@@ -35,7 +35,7 @@ import grpc
 
 from bench import RESULTS
 from bench.__main__ import load_texts
-from bench.gpu import INFER, _children
+from bench.gpu import INFER, server_roles
 from bench.load import warm
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
@@ -132,20 +132,14 @@ def _memory_mb(pid: int) -> dict[str, float] | None:
 
 
 def _roles(server: ServerProcess) -> dict[int, str]:
-    """pid -> 'worker-N' / 'frontend' for the server's live children (not multiprocessing's helpers)."""
+    """pid -> 'worker-N' / 'frontend' for the server's live frontends and workers (bench.gpu.server_roles;
+    what the soak samples and kills)."""
     try:
         workers = {w.pid: f"worker-{w.index}" for w in server.stats().workers}
     except grpc.RpcError:
         workers = {}
-    roles = {}
-    for pid in _children(server.proc.pid):
-        try:
-            if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-        except OSError:
-            continue
-        roles[pid] = workers.get(pid, "frontend")
-    return roles
+    return {pid: workers.get(pid, role) for pid, role in server_roles(server, set(workers)).items()
+            if role in ("frontend", "worker")}
 
 
 def _chaos(server: ServerProcess, stop: threading.Event, kill_every: float, rss_every: float, started: float,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import _cpu_seconds, make_gpu_models
+from bench.gpu import _cpu_seconds, _task_children, make_gpu_models
 from cachestore.keys import entry_key, namespace_id
 from infercache.testing import ServerProcess
 from infercache.v1 import worker_pb2
@@ -29,10 +29,8 @@ IN_FLIGHT = 1024
 
 
 def _writer_processes(worker: int) -> list[int]:
-    """The worker's writer processes. (Not bench.gpu._children: it reads /proc/<pid>/task/<pid>/children,
-    which lists only what the main thread started, and the worker starts its writers from a thread.)"""
-    found = subprocess.run(["pgrep", "-P", str(worker)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found]
+    """The worker's writer processes (started from one of its threads)."""
+    return _task_children(worker)
 
 
 def _settle(pids: list[int], timeout: float = 60.0) -> None:
