@@ -62,10 +62,10 @@ MAX_BACKLOG = 50_000
 # put per commit, as at a few thousand misses/s, the writer spent 169-185 us of CPU per miss (2-core
 # machine, null engine), 54-61 us with a 10 ms wait. At a CPU host's few hundred misses/s a 10 ms wait
 # still left a handful of puts per commit; 50 ms cuts the writer's CPU per put there (bench/group_commit.py:
-# 240 vs 140 us at 500 puts/s in frames of 8; frames of 32, one per 64 ms, gain nothing). Invalidations and flushes commit at once. The worker answers
-# a computed key from memory until its put is handled (COALESCED), so an exact repeat is not recomputed
-# meanwhile; a near-duplicate may be (semantic index rows come from commits: a text's row is searchable up
-# to the window plus a commit later).
+# 240 vs 140 us at 500 puts/s in frames of 8; frames of 32, one per 64 ms, gain nothing). Invalidations and
+# flushes commit at once. The worker answers a computed key from memory until its put is handled
+# (COALESCED), so an exact repeat is not recomputed meanwhile; a near-duplicate may be (semantic index rows
+# come from commits: a text's row is searchable up to the window plus a commit later).
 
 
 class WriterProcess:
