@@ -276,8 +276,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
-                             "alone), l3, semantic, security, fleet, overload, l2, worker (one worker's capacity), commit (the writer's "
-                             "CPU per put by group-commit window), gpu and "
+                             "alone), l3, semantic, security, fleet, overload, l2, worker (one worker's capacity), "
+                             "commit (the writer's CPU per put by group-commit window), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")

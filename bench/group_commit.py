@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.gpu import _cpu_seconds
 from cachestore import records
 from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
 from cachestore.results import now_us
-from bench.gpu import _cpu_seconds
 from cachestore.semantic import SemanticEntry
 from server.writer_process import WriterProcess
 
@@ -109,7 +109,8 @@ def print_group_commit(result: dict) -> None:
     print("| --- | --- | --- | --- | --- |")
     for name, run in result.items():
         for window, m in run["median"].items():
-            print(f"| {name.split('_')[0]} puts/s in frames of {run['per_frame']} | {window} ms | {m['writer_cpu_us_per_put']} us | {m['txns_per_s']} | "
+            print(f"| {name.split('_')[0]} puts/s in frames of {run['per_frame']} | {window} ms | "
+                  f"{m['writer_cpu_us_per_put']} us | {m['txns_per_s']} | "
                   f"{m['handled_after_ms_p50']} / {m['handled_after_ms_p99']} ms |")
 
 

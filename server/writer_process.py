@@ -6,8 +6,8 @@ engine and items sent straight to one worker (bench/worker_capacity.py, 2-core m
 on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
 frame, against 44k and 62k with nothing written. The process runs the same WriteBehind
 (cachestore/writer.py) without a thread of its own: one thread reads the worker's frames, commits what
-arrived (one transaction per batch; puts wait up to `cache.group_commit_ms` for others to join it) and answers,
-so nothing inside it contends either; the worker's share of a write is a few protobuf field sets.
+arrived (one transaction per batch; puts wait up to `cache.group_commit_ms` for others to join it) and
+answers, so nothing inside it contends either; the worker's share of a write is a few protobuf field sets.
 
 The worker side (`WriterProcess`) has WriteBehind's interface: put (with on_done), invalidate and
 flush (concurrent futures), counters, store (the worker's own read-only handle) and on_semantic. It

@@ -240,9 +240,9 @@ def test_a_writer_that_falls_behind_drops_puts_past_the_backlog_bound_and_commit
 
 
 def test_puts_sent_one_after_another_share_a_transaction_and_are_told_without_a_flush(tmp_path):
-    """Group commit: puts wait up to group_commit_s (cache.group_commit_ms in the server) for others to share
-    their transaction. Without the wait each of these frames was a transaction of its own (an fsync each).
-    No flush here: what is held is committed, and told, when the wait ends."""
+    """Group commit: puts wait up to group_commit_s (cache.group_commit_ms in the server) for others to
+    share their transaction. Without the wait each of these frames was a transaction of its own (an fsync
+    each). No flush here: what is held is committed, and told, when the wait ends."""
     async def scenario(group_commit_s: float) -> int:
         writer = await _start(tmp_path / f"cache-{group_commit_s}", group_commit_s=group_commit_s)
         told: list[int] = []
