@@ -201,15 +201,28 @@ def _counters(server: ServerProcess) -> dict:
     return dict(server.stats().worker.counters)
 
 
+def _infer_indexed(server: ServerProcess, client, text: str, **kwargs):
+    """client.infer, and for a miss, waiting until its row is in the worker's semantic index (rows come
+    from the writer's commits, up to cache.group_commit_ms later): the next text searches it."""
+    indexed = _counters(server).get("semantic.indexed", 0)
+    result = client.infer("faq", text, **kwargs)
+    if result.source == "MISS":
+        deadline = time.monotonic() + 30
+        while _counters(server).get("semantic.indexed", 0) == indexed:
+            assert time.monotonic() < deadline, f"{text!r} was computed and never indexed"
+            time.sleep(0.005)
+    return result
+
+
 def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(calibrated_server):
     server, tenant = calibrated_server, unique("t")
     with server.client() as client:
-        assert client.infer("faq", "Where is my order?", tenant=tenant).source == "MISS"
-        assert client.infer("faq", "Has my order been shipped?", tenant=tenant).source == "MISS"
+        assert _infer_indexed(server, client, "Where is my order?", tenant=tenant).source == "MISS"
+        assert _infer_indexed(server, client, "Has my order been shipped?", tenant=tenant).source == "MISS"
         # Two near neighbours agree, but nothing has been verified: the calibrated rule does not answer.
-        assert client.infer("faq", "where is my order, has it shipped", tenant=tenant).source == "MISS"
+        assert _infer_indexed(server, client, "where is my order, has it shipped", tenant=tenant).source == "MISS"
         for text in _faq_texts():  # misses whose neighbours were searched: outcomes
-            client.infer("faq", text, tenant=tenant)
+            _infer_indexed(server, client, text, tenant=tenant)
         counters = _counters(server)
         assert counters["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in counters
         paraphrases = ["my parcel has still not arrived", "I want to send these shoes back",
@@ -468,12 +481,7 @@ def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_mode
     try:
         with first.client() as client:
             for text in _faq_texts():  # each computed text indexed before the next: what the rule learns
-                indexed = _counters(first).get("semantic.indexed", 0)
-                if client.infer("faq", text).source == "MISS":
-                    deadline = time.monotonic() + 30  # (puts wait up to cache.group_commit_ms to be committed)
-                    while _counters(first).get("semantic.indexed", 0) == indexed:
-                        assert time.monotonic() < deadline, f"{text!r} was computed and never indexed"
-                        time.sleep(0.005)
+                _infer_indexed(first, client, text)
         learnt = {k: v for k, v in _counters(first).items() if k.startswith("semantic.faq.1.")}
         assert learnt["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in learnt
     finally:
