@@ -25,7 +25,7 @@ from server.calibration import EDGES, Calibration, load, save, wilson_upper
 from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from server.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model, unique
+from tests.helpers import link_model, unique, wait_for
 
 
 def test_interpolation_is_exact_for_a_linear_head_inside_the_neighbours_hull():
@@ -207,10 +207,8 @@ def _infer_indexed(server: ServerProcess, client, text: str, **kwargs):
     indexed = _counters(server).get("semantic.indexed", 0)
     result = client.infer("faq", text, **kwargs)
     if result.source == "MISS":
-        deadline = time.monotonic() + 30
-        while _counters(server).get("semantic.indexed", 0) == indexed:
-            assert time.monotonic() < deadline, f"{text!r} was computed and never indexed"
-            time.sleep(0.005)
+        wait_for(lambda: _counters(server).get("semantic.indexed", 0) != indexed, 30, f"{text!r} indexed",
+                 poll_s=0.005)
     return result
 
 
