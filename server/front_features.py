@@ -26,7 +26,7 @@ from cachestore.results import now_us
 from server.config import Config, feature_store_settings
 from server.features import FeatureTier, Source, decode, feature_namespace
 from server.heads import head_scores, load_head
-from server.model_runtime import answer_record, response_of
+from server.model_runtime import Answers, answer_record
 from server.models import HeadRef, ModelConfigError, ModelRepository, ModelSpec
 from server.read_cache import ReadCache
 
@@ -46,7 +46,7 @@ class FrontHead:
     version: str
     weight: np.ndarray
     bias: np.ndarray
-    labels: list[str]
+    answers: Answers  # its serialized answers (with its labels)
 
     @classmethod
     def load(cls, repository: ModelRepository, spec: ModelSpec, version: str, ref: HeadRef, max_bytes: int
@@ -60,7 +60,7 @@ class FrontHead:
         weight, bias, labels = load_head(spec, version, ref, encoder)
         if weight.nbytes + bias.nbytes > max_bytes:
             return None
-        return cls(spec, version, weight, bias, labels)
+        return cls(spec, version, weight, bias, Answers(spec, version, labels))
 
 
 class FeatureAnswers:
@@ -95,10 +95,10 @@ class FeatureAnswers:
             found.append(n)
         if not found:
             return out
-        scores = head_scores(np.stack(vectors), head.weight, head.bias)
+        scores = head_scores(vectors[0][None] if len(vectors) == 1 else np.stack(vectors), head.weight, head.bias)
         for n, row in zip(found, scores):
             key = keyed[n][0]
-            payload = response_of(head.spec, head.version, head.labels, {"scores": row}, key).SerializeToString()
+            payload = head.answers.payload({"scores": row}, key)
             out[n] = payload, self._copied(head, key, payload, now) if store else None
         self.counters["feature_answers"] += len(found)
         return out

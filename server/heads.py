@@ -19,7 +19,7 @@ from infercache.v1 import infercache_pb2 as pb
 from server.batcher import Batcher
 from server.config import Config
 from server.feature_lru import DeviceRow
-from server.model_runtime import ModelRuntime
+from server.model_runtime import Answers, ModelRuntime
 from server.models import HEAD_WEIGHTS_FILE, LABELS_FILE, TOKENIZER_FILE, HeadRef, ModelConfigError, ModelSpec
 
 
@@ -37,7 +37,8 @@ def read_weights(version_dir) -> tuple[np.ndarray, np.ndarray]:
 
 def head_scores(features: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """softmax(features @ weight + bias) per row, in FP32 (features in their stored form: FP16 or FP32)."""
-    logits = features.astype(np.float32) @ weight + bias
+    logits = features.astype(np.float32) @ weight
+    logits += bias
     logits -= logits.max(axis=1, keepdims=True)
     np.exp(logits, out=logits)
     logits /= logits.sum(axis=1, keepdims=True)
@@ -128,8 +129,7 @@ class HeadRuntime(ModelRuntime):
                                   precision="fp32", device=device or "cpu")
         self.built_s, self.warmup_s = 0.0, 0.0  # nothing to build: weights
         self.encoder = encoder.encoder
-        self._template = None
-        self._templated = False  # a head answers with labels: through protobuf
+        self.answers = Answers(spec, version, self.labels)
         self.batcher = Batcher(
             self._run_batch, buckets=(self.dim,), max_batch=max(256, spec.max_batch_size), max_delay_s=0.0,
             max_queue=config.server.max_queue, concurrency=1, name=f"{spec.name}-{version}-head",

@@ -108,6 +108,28 @@ def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
         _Template(answer(first, key).SerializeToString(), b"\x01" * 1536, key.hex().encode())
 
 
+def test_a_classifiers_rendered_answers_are_protobufs_bytes():
+    import dataclasses
+
+    from infercache.testing import REPO
+    from server.model_runtime import Answers, response_of
+    from server.models import ModelRepository
+
+    spec = dataclasses.replace(ModelRepository(REPO / "models").get("minilm"), outputs=("scores",))
+    labels = ["card_arrival", "", "é" * 100, "x" * 300]  # an empty label, and labels of 2-byte lengths
+    answers = Answers(spec, "3", labels)
+    rng = np.random.default_rng(5)
+    for n in range(200):
+        logits = rng.standard_normal(len(labels)).astype(np.float32) * 4
+        scores = np.exp(logits) / np.exp(logits).sum()
+        if n == 7:
+            scores = np.zeros(len(labels), np.float32)  # a probability of 0: protobuf leaves it out
+        key = rng.bytes(24)
+        assert answers.payload({"scores": scores}, key) == \
+            response_of(spec, "3", labels, {"scores": scores}, key).SerializeToString()
+    assert answers._template is not None  # (rendered, not serialized, after the first)
+
+
 def test_frames_split_anywhere_arrive_whole_and_a_bad_one_closes_the_connection():
     from server.framing import HEADER, FrameProtocol
 
