@@ -304,3 +304,30 @@ def test_outputs_match_sentence_transformers_through_the_server(server, referenc
         got = np.stack([client.infer(MODEL, t, mode="NO_STORE").outputs["embedding"] for t in texts])
     want = reference_encoder.encode(texts, normalize_embeddings=True)
     assert np.min(np.sum(got * want, axis=1)) >= 0.999
+
+
+def test_a_frontend_prepares_every_version_before_it_listens_with_one_tokenizer_per_file(tmp_path):
+    """A version's first request must not load its tokenizer on the event loop (85 ms on 2 cores, every
+    call of the frontend waiting): FrontendCore.prepare_models makes them all at start, once per distinct
+    tokenizer file; a version that cannot be served is left to its requests, which say why."""
+    from collections import Counter
+
+    from server import config as settings
+    from server.errors import ModelNotFound
+    from server.frontend import FrontendCore
+    from server.models import ModelRepository
+    from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+    from tests.helpers import link_model
+
+    root = tmp_path / "models"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.onnx").symlink_to(MODEL_VERSION_DIR / "model.onnx")  # no tokenizer
+    link_model(root, "enc", MINILM_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR, "3": broken})
+    config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
+    core = FrontendCore(config, ModelRepository(root), None, Counter())
+    core.prepare_models()
+    assert set(core._served) == {("enc", "1"), ("enc", "2")}
+    assert core._served["enc", "1"].encoder is core._served["enc", "2"].encoder and len(core._encoders) == 1
+    with pytest.raises(ModelNotFound, match="tokenizer"):
+        core.prepare(pb.InferRequest(model="enc", version="3", text="hello"))
