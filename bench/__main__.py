@@ -45,7 +45,7 @@ from bench.fleet import bench_fleet, print_fleet
 from bench.l2 import bench_l2, print_l2
 from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
 from bench.overload import bench_overload, print_overload
-from bench.gpu import PARTS, bench_gpu, load_one, print_gpu
+from bench.gpu import ALTERNATING_ROUNDS, PARTS, bench_gpu, load_one, print_gpu
 from bench.group_commit import bench_group_commit, print_group_commit
 from bench.workers import bench_workers, print_workers
 from bench.worker_capacity import bench_worker_capacity, print_worker_capacity
@@ -374,7 +374,7 @@ def main() -> None:
             report["gpu"] = {}
             bench_gpu(workdir, texts, report["gpu"], quick=args.quick, parts=tuple(args.gpu_parts.split(",")),
                       workers=tuple(int(n) for n in args.gpu_workers.split(",")),
-                      callers=tuple(int(n) for n in args.gpu_callers.split(",")),
+                      callers=tuple(int(n) for n in args.gpu_callers.split(",")), rounds=args.rounds or ALTERNATING_ROUNDS,
                       checkpoint=save)
     save()
     if "exact_hits" in report:
