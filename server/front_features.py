@@ -42,11 +42,9 @@ def feature_key(spec: ModelSpec, source: Source, tenant: str, normalized: str) -
 class FrontHead:
     """What a frontend needs to answer one head model version from a stored feature."""
 
-    spec: ModelSpec
-    version: str
     weight: np.ndarray
     bias: np.ndarray
-    answers: Answers  # its serialized answers (with its labels)
+    answers: Answers  # its serialized answers (its spec, version and labels)
 
     @classmethod
     def load(cls, repository: ModelRepository, spec: ModelSpec, version: str, ref: HeadRef, max_bytes: int
@@ -60,7 +58,7 @@ class FrontHead:
         weight, bias, labels = load_head(spec, version, ref, encoder)
         if weight.nbytes + bias.nbytes > max_bytes:
             return None
-        return cls(spec, version, weight, bias, Answers(spec, version, labels))
+        return cls(weight, bias, Answers(spec, version, labels))
 
 
 class FeatureAnswers:
@@ -113,7 +111,7 @@ class FeatureAnswers:
             return None
         del self._answered[key]
         self.counters["feature_copies"] += 1
-        return records.encode(answer_record(head.spec, now, payload))
+        return records.encode(answer_record(head.answers.spec, now, payload))
 
     def stats(self) -> dict:
         return dict(self._store.cache.counters) if self._store.cache is not None else {}

@@ -168,20 +168,20 @@ class FrontendCore:
             if found is None:
                 found = self._encoders[shape] = TextEncoder(path, spec.max_tokens)
             return found
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # (tokenizers raises a bare Exception for a file it cannot read)
             raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
 
     def prepare_models(self) -> None:
-        """What the frontend needs of every version the repository holds (tokenizers, heads), made before
+        """What the frontend needs of every version of the served models (tokenizers, heads), made before
         it listens: made at a version's first request, it held the event loop (and every call of this
         frontend) for the tokenizer's loading, 85 ms on the 2-core machine. A version that cannot be
-        served is left to its requests, which say why."""
-        for spec in self.repository.models.values():
+        prepared is left to its requests, which say why; it never stops the frontend."""
+        for spec in self.repository.servable():
             for version in spec.versions:
                 try:
                     self.served(spec, version)
-                except ModelNotFound:
-                    pass
+                except Exception as exc:  # noqa: BLE001 (whatever a broken version raises)
+                    log.debug("%s version %s not prepared: %s", spec.name, version, exc)
 
     def served(self, spec: ModelSpec, version: str) -> _Served:
         found = self._served.get((spec.name, version))

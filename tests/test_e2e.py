@@ -320,14 +320,17 @@ def test_a_frontend_prepares_every_version_before_it_listens_with_one_tokenizer_
     from tests.helpers import link_model
 
     root = tmp_path / "models"
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "model.onnx").symlink_to(MODEL_VERSION_DIR / "model.onnx")  # no tokenizer
-    link_model(root, "enc", MINILM_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR, "3": broken})
+    missing, garbled = tmp_path / "missing", tmp_path / "garbled"
+    for broken in (missing, garbled):
+        broken.mkdir()
+        (broken / "model.onnx").symlink_to(MODEL_VERSION_DIR / "model.onnx")
+    (garbled / "tokenizer.json").write_text('{"not": "a tokenizer"}')  # tokenizers raises a bare Exception
+    link_model(root, "enc", MINILM_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR, "3": missing, "4": garbled})
     config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
     core = FrontendCore(config, ModelRepository(root), None, Counter())
-    core.prepare_models()
+    core.prepare_models()  # returns: the broken versions are left to their requests
     assert set(core._served) == {("enc", "1"), ("enc", "2")}
     assert core._served["enc", "1"].encoder is core._served["enc", "2"].encoder and len(core._encoders) == 1
-    with pytest.raises(ModelNotFound, match="tokenizer"):
-        core.prepare(pb.InferRequest(model="enc", version="3", text="hello"))
+    for version in ("3", "4"):
+        with pytest.raises(ModelNotFound, match=f"version '{version}' cannot be served here"):
+            core.prepare(pb.InferRequest(model="enc", version=version, text="hello"))

@@ -117,17 +117,19 @@ def test_a_classifiers_rendered_answers_are_protobufs_bytes():
 
     spec = dataclasses.replace(ModelRepository(REPO / "models").get("minilm"), outputs=("scores",))
     labels = ["card_arrival", "", "é" * 100, "x" * 300]  # an empty label, and labels of 2-byte lengths
-    answers = Answers(spec, "3", labels)
     rng = np.random.default_rng(5)
-    for n in range(200):
-        logits = rng.standard_normal(len(labels)).astype(np.float32) * 4
-        scores = np.exp(logits) / np.exp(logits).sum()
-        if n == 7:
-            scores = np.zeros(len(labels), np.float32)  # a probability of 0: protobuf leaves it out
-        key = rng.bytes(24)
-        assert answers.payload({"scores": scores}, key) == \
-            response_of(spec, "3", labels, {"scores": scores}, key).SerializeToString()
-    assert answers._template is not None  # (rendered, not serialized, after the first)
+    odd = {7: [0.0] * 4, 8: [-0.0] * 4, 9: [float("nan"), 0.1, 0.2, 0.3], 10: [1e-46, 0.0, 0.0, 0.0],
+           11: [3e38, 1.0, 0.0, 0.0]}  # left out by protobuf, NaN, under / near float32's range
+    for dtype in (np.float32, np.float16, np.float64):  # (a GPU engine's FP16 scores; wider ones)
+        answers = Answers(spec, "3", labels)
+        for n in range(100):
+            logits = rng.standard_normal(len(labels)) * 4
+            with np.errstate(over="ignore"):  # (3e38 is inf in float16)
+                scores = np.asarray(odd.get(n, np.exp(logits) / np.exp(logits).sum())).astype(dtype)
+            key = rng.bytes(24)
+            assert answers.payload({"scores": scores}, key) == \
+                response_of(spec, "3", labels, {"scores": scores}, key).SerializeToString(), (dtype, n)
+        assert (answers._template is not None) == (dtype != np.float64)  # (rendered, not serialized, after the first)
 
 
 def test_frames_split_anywhere_arrive_whole_and_a_bad_one_closes_the_connection():
