@@ -566,12 +566,14 @@ def alternating(server: ServerProcess, texts: list[str], total: int, in_flight: 
     flight per load process, `rounds` times: the raw-bytes server's own figure moved by 20% between runs
     (43-63k calls/s on the H200 host), as much as the ratio's distance from its target, so a ratio is
     taken of each pair and the median reported. Each raw-bytes run waits until the server's writers have
-    caught up with the misses before it (the server's idle processes are left running)."""
-    recorded = _recorded_miss(server.address, texts[0])
+    caught up with the misses before it (the server's idle processes are left running), and so does each
+    server run: every pair starts from the same state."""
+    recorded = _recorded_miss(server.address, f"{texts[0]} alternating")  # (not the later baselines' text)
     pairs = []
     for n in range(rounds):
         print(f"  alternating round {n + 1} of {rounds} ...", flush=True)
         single = single_payloads("minilm", distinct_texts(texts, total, seed=5000 + n))
+        writers_caught_up(server)
         ours = measured(server, "minilm", lambda: load(server.address, INFER, single, in_flight))
         caught_up = writers_caught_up(server)
         address, procs = echo.start(frontends, echo.raw_main, INFER, recorded)
