@@ -74,8 +74,8 @@ class Answers:
     (_Template), with a classifier's label and probability appended: InferResponse.classification is its
     last field, and per label its bytes differ only in the probability's four. An answer the template
     would not reproduce (a probability of 0, which protobuf leaves out; scores wider than float32) goes
-    through protobuf, which made
-    about a third of a frontend's own work per FEATURE answer (22 of 60 us on the 2-core machine)."""
+    through protobuf, which made about a third of a frontend's own work per FEATURE answer (22 of 60 us
+    on the 2-core machine)."""
 
     def __init__(self, spec: ModelSpec, version: str, labels: list[str]) -> None:
         self.spec = spec
