@@ -377,9 +377,11 @@ def _filled_store(start_server, cache_dir: Path, count: int) -> list[str]:
     """`count` long texts committed to a store at cache_dir by a server that is stopped again."""
     server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
     texts = [unique(f"filling the store {i} " + "with a longer question about card payments " * 8) for i in range(count)]
-    with server.client() as client:
-        for start in range(0, count, 150):
-            client.infer_batch(MODEL, texts[start:start + 150])
+    # Calls of 50 with a minute each: 150 such texts in one 10 s call were refused by admission control
+    # (about 6.7 s of queue) on a 2-core machine running the encoder 3x slower than usual.
+    with server.client(timeout_s=60) as client:
+        for start in range(0, count, 50):
+            client.infer_batch(MODEL, texts[start:start + 50])
         wait_cached(client, MODEL, texts[-1])
     assert server.stop() == 0
     return texts
