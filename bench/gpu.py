@@ -561,7 +561,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
 
 
 def alternating(server: ServerProcess, texts: list[str], total: int, in_flight: int, load, frontends: int,
-                rounds: int = ALTERNATING_ROUNDS) -> dict:
+                rounds: int) -> dict:
     """MiniLM one text per call against the raw-bytes server, in adjacent pairs at the same calls in
     flight per load process, `rounds` times: the raw-bytes server's own figure moved by 20% between runs
     (43-63k calls/s on the H200 host), as much as the ratio's distance from its target, so a ratio is
