@@ -49,6 +49,8 @@ log = logging.getLogger("infercache.frontend")
 
 Mode = pb.CachePolicy.Mode
 _MODES = frozenset(Mode.values())  # (values() builds a list each call)
+# Read per call: as plain ints (an attribute of a protobuf enum wrapper costs about a microsecond).
+BYPASS, ONLY_IF_CACHED = Mode.BYPASS, Mode.ONLY_IF_CACHED
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 STATS_WAIT_S = 1.0  # GetStats and ListModels wait this long for workers whose connection is not open
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
@@ -297,7 +299,7 @@ class FrontendCore:
     def _why_missed(self, plan: _Plan, private: bool) -> str:
         """Why _hit (just now) found no answer: a miss reason of /metrics."""
         if not plan.cached_ok:
-            return "bypass" if plan.mode == Mode.BYPASS else "not_cacheable"  # (the model's ttl_s is 0)
+            return "bypass" if plan.mode == BYPASS else "not_cacheable"  # (the model's ttl_s is 0)
         if private:
             return "no_store"
         if self._l1.cache is None:
@@ -421,7 +423,7 @@ class FrontendCore:
             if sources is not None:
                 self._counted(sources, plan, keyed, RESULT_FLEET)
             return hit
-        if plan.mode == Mode.ONLY_IF_CACHED:
+        if plan.mode == ONLY_IF_CACHED:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached entry for this input (cache.mode is ONLY_IF_CACHED)")
         if plan.served.head is not None and plan.cached_ok:  # a stored feature: answered here
@@ -469,7 +471,7 @@ class FrontendCore:
         if looked:  # one pipeline for all of them
             found = await asyncio.gather(*(self._fleet_hit(plan, keyed[n][1], keyed[n][2]) for n in missed))
             missed = self._answered_here(answers, missed, found, here, RESULT_FLEET)
-        if missed and plan.mode == Mode.ONLY_IF_CACHED:
+        if missed and plan.mode == ONLY_IF_CACHED:
             self.counters["not_cached"] += len(missed)
             raise NotCached(f"texts[{missed[0]}]: no fresh cached entry ({len(missed)} of {len(keyed)} texts have "
                             "none; cache.mode is ONLY_IF_CACHED)")

@@ -4,6 +4,7 @@ how its outputs become an answer."""
 from __future__ import annotations
 
 import json
+import struct
 import time
 
 import numpy as np
@@ -15,6 +16,8 @@ from server.config import Config
 from server.engines.artifacts import LoadedEngine, model_profiles
 from server.models import LABELS_FILE, TOKENIZER_FILE, ModelSpec
 from server.tokenization import TextEncoder, pad_batch
+
+_FLOAT32 = struct.Struct("<f")  # a classification's probability, as protobuf writes a float
 
 SEED_ROWS = 4  # rows of the longest profile the warmup times, beside one (server/batcher.py's row model)
 
@@ -96,11 +99,11 @@ class Answers:
         tail = b""
         if self.labels:
             scores = outputs["scores"]
-            best = int(np.argmax(scores))
+            best = int(scores.argmax())
             probability = np.float32(scores[best])  # as protobuf stores it; 0 is left out
             if scores.dtype.itemsize > 4 or probability == 0:
                 return self._serialized(outputs, key)
-            tail = self._classification(best) + probability.astype("<f4").tobytes()
+            tail = self._classification(best) + _FLOAT32.pack(probability)
         if self._template is not None and len(data) == self._template.size:
             return self._template.render(data, key_hex) + tail
         serialized = self._serialized(outputs, key)

@@ -49,6 +49,17 @@ def _channel(socket_path: Path) -> grpc.aio.Channel:
     )
 
 
+def _deadline_passed() -> DeadlineExceeded:
+    return DeadlineExceeded("deadline passed while the worker computed")
+
+
+def _expire(sent: dict) -> None:
+    """At a compute's deadline: its items in flight fail (their awaiter raises DeadlineExceeded)."""
+    for _, _, future in sent.values():
+        if not future.done():
+            future.set_exception(_deadline_passed())
+
+
 class WorkerLink:
     """One worker: its item connection (server/framing.py) and a gRPC channel for unary calls. One task
     owns the connection: it (re)connects and waits for the connection to end."""
@@ -242,49 +253,55 @@ class WorkerPool:
     async def compute(self, items: list[tuple[int, object]], time_remaining: float | None) -> list:
         """ComputeResults of items [(route, fill)], in order; fails with the first item's error. Items
         lost with a worker that died are sent again to another one, within the deadline. The path of
-        every miss: a live worker is taken without awaiting, and an item that ends unanswered (an error,
-        the deadline, the caller gone) is forgotten here rather than through a callback per future."""
+        every miss: a live worker is taken without awaiting, the deadline is one timer that fails the
+        items in flight (asyncio.timeout cost twice as much per call), and an item that ends unanswered
+        (an error, the deadline, the caller gone) is forgotten here rather than through a callback per
+        future."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._budget(time_remaining)
         results: list = [None] * len(items)
         avoid: dict[int, set[WorkerLink]] = {}  # item -> the workers it was lost with
         todo = range(len(items))
         sent: dict[int, tuple[WorkerLink, int, asyncio.Future]] = {}
+        expiry = loop.call_at(deadline, _expire, sent)
         attempts = 0
         try:
-            async with asyncio.timeout_at(deadline):
-                while todo:
-                    attempts += 1
-                    if attempts > len(self.links) + 1:  # a request that takes every worker down is not retried forever
-                        raise WorkerUnavailable(f"lost the inference worker {attempts - 1} times while computing; retry")
-                    sent.clear()
-                    lost = []
-                    for i in todo:
-                        route, fill = items[i]
-                        link = self._live_link(route, avoid.get(i)) or await self._link_for(
-                            route, avoid.get(i), deadline)
-                        if len(self.links) > 1:
-                            avoid.setdefault(i, set()).add(link)
-                        try:
-                            sent[i] = (link, *link.submit(fill, max(0.001, deadline - loop.time())))
-                        except LinkLost:
-                            lost.append(i)
-                    for i, (_, _, future) in sent.items():
-                        try:
-                            result = await future
-                        except LinkLost:
-                            lost.append(i)
-                            continue
-                        if result.code:
-                            raise from_wire(result.code, result.error)
-                        results[i] = result
-                    todo = lost
-        except TimeoutError:
-            raise DeadlineExceeded("deadline passed while the worker computed") from None
+            while todo:
+                attempts += 1
+                if attempts > len(self.links) + 1:  # a request that takes every worker down is not retried forever
+                    raise WorkerUnavailable(f"lost the inference worker {attempts - 1} times while computing; retry")
+                sent.clear()
+                lost = []
+                for i in todo:
+                    route, fill = items[i]
+                    link = self._live_link(route, avoid.get(i)) or await self._link_for(
+                        route, avoid.get(i), deadline)
+                    if len(self.links) > 1:
+                        avoid.setdefault(i, set()).add(link)
+                    try:
+                        sent[i] = (link, *link.submit(fill, max(0.001, deadline - loop.time())))
+                    except LinkLost:
+                        lost.append(i)
+                if loop.time() >= deadline:  # (passed while a link was awaited: the timer found nothing to fail)
+                    raise _deadline_passed()
+                for i, (_, _, future) in sent.items():
+                    try:
+                        result = await future
+                    except LinkLost:
+                        lost.append(i)
+                        continue
+                    if result.code:
+                        raise from_wire(result.code, result.error)
+                    results[i] = result
+                todo = lost
         finally:
-            for link, item_id, future in sent.values():
-                if not future.done() or future.cancelled():  # unanswered: its worker need not compute it
-                    future.cancel()
+            expiry.cancel()
+            for i, (link, item_id, future) in sent.items():
+                if results[i] is None:  # unanswered: its worker need not compute it
+                    if not future.done():
+                        future.cancel()
+                    elif not future.cancelled():
+                        future.exception()  # (retrieved: asyncio logs an exception nobody retrieved)
                     link.forget(item_id)
         return results
 

@@ -207,6 +207,50 @@ def test_flush_later_gathers_items_into_one_write_that_a_flush_soon_brings_forwa
     assert pending.cancelled()
 
 
+def test_compute_fails_at_its_deadline_and_tells_the_worker_to_drop_the_item(tmp_path):
+    """A worker that takes items and never answers (a real unix socket): compute raises DeadlineExceeded
+    at worker_timeout_s, not later, and the worker is sent a cancel for the item; nothing is left for
+    asyncio to log as an exception nobody retrieved."""
+    from collections import Counter
+
+    from infercache.v1 import worker_pb2
+    from server.errors import DeadlineExceeded
+    from server.framing import complete_frames
+    from server.worker_pool import WorkerPool
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        unretrieved = []
+        loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+        received: list = []
+
+        async def silent(reader, writer):
+            buffer = bytearray()
+            while data := await reader.read(1 << 16):
+                buffer += data
+                received.extend(worker_pb2.ComputeBatch.FromString(f) for f in complete_frames(buffer))
+
+        listening = await asyncio.start_unix_server(silent, path=str(tmp_path / "worker-0.items"))
+        pool = WorkerPool([tmp_path / "worker-0.sock"], wait_s=1.0, default_timeout_s=0.3, counters=Counter())
+        assert await pool.all_up(5.0)
+        started = loop.time()
+        with pytest.raises(DeadlineExceeded):
+            await pool.compute([(0, lambda item: setattr(item, "key", b"k1"))], None)
+        took = loop.time() - started
+        await asyncio.sleep(0.1)  # the cancel's frame
+        await pool.close()
+        listening.close()
+        import gc
+        gc.collect()  # (a future whose exception nobody retrieved is logged when it is collected)
+        return took, received, unretrieved
+
+    took, received, unretrieved = asyncio.run(run())
+    assert 0.29 <= took < 0.6
+    assert [(i.id, i.key) for frame in received for i in frame.items] == [(1, b"k1")]
+    assert [item_id for frame in received for item_id in frame.cancel] == [1]
+    assert unretrieved == []
+
+
 def test_pad_batch_pads_each_row_to_the_length():
     from server.tokenization import pad_batch
 
