@@ -53,8 +53,10 @@ def _deadline_passed() -> DeadlineExceeded:
     return DeadlineExceeded("deadline passed while the worker computed")
 
 
-def _expire(sent: dict) -> None:
-    """At a compute's deadline: its items in flight fail (their awaiter raises DeadlineExceeded)."""
+def _expire(sent: dict, expired: list) -> None:
+    """At a compute's deadline: its items in flight fail (their awaiter raises DeadlineExceeded), and
+    `expired` says so to items sent later (asyncio may run a timer a clock tick early)."""
+    expired.append(True)
     for _, _, future in sent.values():
         if not future.done():
             future.set_exception(_deadline_passed())
@@ -263,7 +265,8 @@ class WorkerPool:
         avoid: dict[int, set[WorkerLink]] = {}  # item -> the workers it was lost with
         todo = range(len(items))
         sent: dict[int, tuple[WorkerLink, int, asyncio.Future]] = {}
-        expiry = loop.call_at(deadline, _expire, sent)
+        expired: list = []
+        expiry = loop.call_at(deadline, _expire, sent, expired)
         attempts = 0
         try:
             while todo:
@@ -282,7 +285,7 @@ class WorkerPool:
                         sent[i] = (link, *link.submit(fill, max(0.001, deadline - loop.time())))
                     except LinkLost:
                         lost.append(i)
-                if loop.time() >= deadline:  # (passed while a link was awaited: the timer found nothing to fail)
+                if expired or loop.time() >= deadline:  # (passed while a link was awaited: nothing to fail then)
                     raise _deadline_passed()
                 for i, (_, _, future) in sent.items():
                     try:
@@ -303,6 +306,10 @@ class WorkerPool:
                     elif not future.cancelled():
                         future.exception()  # (retrieved: asyncio logs an exception nobody retrieved)
                     link.forget(item_id)
+            # A raised DeadlineExceeded is also its future's: without these references its traceback's
+            # frame would hold it in a cycle until the collector's next pass.
+            sent.clear()
+            future = None
         return results
 
     def send(self, route: int, fill) -> bool:

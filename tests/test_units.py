@@ -245,7 +245,7 @@ def test_compute_fails_at_its_deadline_and_tells_the_worker_to_drop_the_item(tmp
         return took, received, unretrieved
 
     took, received, unretrieved = asyncio.run(run())
-    assert 0.29 <= took < 0.6
+    assert 0.29 <= took < 1.5
     assert [(i.id, i.key) for frame in received for i in frame.items] == [(1, b"k1")]
     assert [item_id for frame in received for item_id in frame.cancel] == [1]
     assert unretrieved == []
