@@ -569,11 +569,11 @@ def alternating(server: ServerProcess, texts: list[str], total: int, in_flight: 
     caught up with the misses before it (the server's idle processes are left running), and so does each
     server run: every pair starts from the same state."""
     recorded = _recorded_miss(server.address, f"{texts[0]} alternating")  # (not the later baselines' text)
+    writers_caught_up(server)  # (later rounds start where the last raw-bytes run left them: caught up)
     pairs = []
     for n in range(rounds):
         print(f"  alternating round {n + 1} of {rounds} ...", flush=True)
         single = single_payloads("minilm", distinct_texts(texts, total, seed=5000 + n))
-        writers_caught_up(server)
         ours = measured(server, "minilm", lambda: load(server.address, INFER, single, in_flight))
         caught_up = writers_caught_up(server)
         address, procs = echo.start(frontends, echo.raw_main, INFER, recorded)
