@@ -35,11 +35,11 @@ import bisect
 import heapq
 import logging
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
+from server.process import nicer_executor
 
 log = logging.getLogger("infercache.batcher")
 
@@ -101,7 +101,7 @@ class _Request:
 class Batcher:
     def __init__(
         self, run_batch: RunBatch, *, buckets: tuple[int, ...], max_batch: int, max_delay_s: float,
-        max_queue: int, concurrency: int = 1, name: str = "batcher", max_wait_s: float = 0.0,
+        max_queue: int, concurrency: int = 1, name: str = "batcher", max_wait_s: float = 0.0, nice: int = 0,
     ) -> None:
         self.run_batch = run_batch          # runs in a thread: token ids -> one result per sequence
         self.buckets = buckets
@@ -132,7 +132,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._became_idle = asyncio.Event()  # set when the last batch ends with nothing waiting
         self._slots = asyncio.Semaphore(concurrency)
-        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
+        self._executor = nicer_executor(nice, concurrency, name)  # the engine's threads (`nice`: steps below the loop's)
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=name)
         self._task.add_done_callback(self._loop_ended)

@@ -124,6 +124,7 @@ class HeadRuntime(ModelRuntime):
         self.version = version
         self.ref = ref
         self.encoder_runtime = encoder  # its batcher computes the features
+        self.nice = encoder.nice        # and the head runs at its priority
         self.engine = _TorchHead(weight, bias, device) if device else _NumpyHead(weight, bias)
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=f"head on {ref.encoder}/{ref.encoder_version}",
                                   precision="fp32", device=device or "cpu")
@@ -133,7 +134,7 @@ class HeadRuntime(ModelRuntime):
         self.batcher = Batcher(
             self._run_batch, buckets=(self.dim,), max_batch=max(256, spec.max_batch_size), max_delay_s=0.0,
             max_queue=config.server.max_queue, concurrency=1, name=f"{spec.name}-{version}-head",
-            max_wait_s=config.server.max_queue_wait_s,
+            max_wait_s=config.server.max_queue_wait_s, nice=self.nice,
         )
 
     @property

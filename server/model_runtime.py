@@ -127,9 +127,10 @@ class Answers:
 
 
 class ModelRuntime:
-    def __init__(self, spec: ModelSpec, version: str, loaded: LoadedEngine, config: Config) -> None:
+    def __init__(self, spec: ModelSpec, version: str, loaded: LoadedEngine, config: Config, nice: int = 0) -> None:
         self.spec = spec
         self.version = version
+        self.nice = nice  # how much nicer than the event loop its engine's threads run (a CPU worker's)
         self.engine = loaded.engine
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=loaded.runtime,
                                   precision=loaded.precision, device=loaded.device)
@@ -144,6 +145,7 @@ class ModelRuntime:
             self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
             concurrency=self.engine.slots, name=f"{spec.name}-{version}", max_wait_s=config.server.max_queue_wait_s,
+            nice=nice,
         )
 
     def _run_batch(self, sequences: list) -> list[dict[str, np.ndarray]]:

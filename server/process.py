@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
 
@@ -34,23 +35,21 @@ def settle_gc() -> None:
     gc.set_threshold(GC_YOUNG, 10, 10)
 
 
-def lower_priority(by: int) -> None:
-    """This process `by` steps nicer than it is, every thread of it: niceness is a thread's on Linux,
-    and threads started at import (a BLAS pool) would keep the old one. Threads started later, and
-    child processes (the worker's writers), inherit it."""
-    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + by)
+def lower_thread(by: int) -> None:
+    """The calling thread `by` steps nicer than it is. Niceness is a thread's on Linux: the threads and
+    processes this one starts inherit it, the others keep theirs. An executor's initializer: a CPU
+    worker's engine work runs in such threads while its event loop keeps the frontends' priority."""
     try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc: this thread only (os.nice), which those started later inherit
-        threads = [0]
-    for thread in threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, thread, target)
-        except ProcessLookupError:  # a thread that has ended since
-            pass
-        except OSError as exc:  # (a sandbox that refuses it): the process runs on at its priority
-            logging.getLogger("infercache.process").warning("could not lower this process's priority: %s", exc)
-            return
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + by))
+    except OSError as exc:  # (a sandbox that refuses it): the thread runs on at its priority
+        logging.getLogger("infercache.process").warning("could not lower a thread's priority: %s", exc)
+
+
+def nicer_executor(by: int, max_workers: int | None = None, name: str = "") -> ThreadPoolExecutor:
+    """A thread pool whose threads run `by` steps nicer than the thread that starts them (0: the same)."""
+    if not by:
+        return ThreadPoolExecutor(max_workers, thread_name_prefix=name)
+    return ThreadPoolExecutor(max_workers, thread_name_prefix=name, initializer=lower_thread, initargs=(by,))
 
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -311,6 +311,14 @@ def _publisher(core: WorkerCore, placement: WorkerPlacement, metrics_dir: Path |
 
 async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: Path, ready,
                  stop: asyncio.Event, metrics_dir: Path | None) -> None:
+    nice = config.server.cpu_worker_nice if placement.gpu is None else 0
+    if nice:
+        # On shared cores the engine's batches take the CPUs for milliseconds; a frontend's hit or
+        # refusal needs them for microseconds and should not wait behind them. The event loop (admission,
+        # refusals, answers) keeps the frontends' priority; the engine's threads, the work done off the
+        # loop (loading, warmups) and what that starts (ONNX Runtime's thread pools, the writer
+        # processes) run `nice` steps nicer.
+        asyncio.get_running_loop().set_default_executor(process.nicer_executor(nice, name="worker-offloop"))
     # The writer process starts (and opens the store) while the engines load.
     writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", stop))
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
@@ -319,7 +327,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
                                       threads=_engine_threads(config, cpu_workers))
     runtimes = {}
     for (name, version), loaded in engines.items():
-        runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config)
+        runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config, nice)
         await _warm(runtime)
     writer = await writer_started
     heads, features = await _heads(config, repository, runtimes, placement, stop)  # runs the warm encoders
@@ -386,10 +394,6 @@ def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_pa
         # by that position, not by the id (server/mps.py).
         through_mps = bool(os.environ.get(mps.PIPE_ENV))
         os.environ["CUDA_VISIBLE_DEVICES"] = str(placement.ordinal) if through_mps else placement.gpu
-    elif config.server.cpu_worker_nice:
-        # The engine's batches take the shared cores for milliseconds; a frontend's hit or refusal needs
-        # them for microseconds and should not wait behind them.
-        process.lower_priority(config.server.cpu_worker_nice)
     process.setup_logging(config.server.log_level, f"worker-{placement.index}")
     process.run(lambda stop: _serve(config, placement, cpu_workers, Path(socket_path), ready, stop,
                                     Path(metrics_dir) if metrics_dir else None))
