@@ -6,7 +6,9 @@ setting's value alternating (0 = the same priority, else the value under test):
 1. the overload section (bench/overload.py): 3,000 misses at once; the refusals' p50 and p99, also
    against the refusal floor of the same run;
 2. hits under misses: one caller's exact hits (300 texts, cached first) while 32 callers send misses of
-   texts never seen; the hits' p50 and p99 and the misses' throughput.
+   texts never seen; the hits' p50 and p99 and the misses' throughput;
+3. a mix: 6,000 calls from 32 callers, 90% exact hits (the same 300 texts) and 10% misses; throughput,
+   p50 (hits) and p99 (misses).
 Writes bench/results/worker-priority.json.
 """
 
@@ -22,12 +24,13 @@ from pathlib import Path
 
 from bench import RESULTS
 from bench.__main__ import load_texts
-from bench.load import minilm_only, run_load
+from bench.load import minilm_only, run_each_once, run_load
 from bench.overload import bench_overload
 from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 MISS_CALLERS, HIT_TEXTS, HITS = 32, 300, 600
+MIXED_CALLS, MIXED_HIT_SHARE = 6000, 0.9
 
 
 async def _hits_under_misses(address: str, texts: list[str]) -> dict:
@@ -44,13 +47,25 @@ async def _hits_under_misses(address: str, texts: list[str]) -> dict:
             "miss_p50_ms": missed["p50_ms"]}
 
 
+def _mixed(address: str, texts: list[str]) -> dict:
+    hits = [pb.InferRequest(model="minilm", text=t) for t in texts[:HIT_TEXTS]]
+    run_each_once(address, hits, concurrency=4)  # computed, then cached
+    tag, misses = uuid.uuid4().hex[:8], texts[HIT_TEXTS:]
+    every = round(1 / (1 - MIXED_HIT_SHARE))  # one miss in `every` calls
+    calls = [pb.InferRequest(model="minilm", text=f"{misses[n % len(misses)]} ({tag} {n})") if n % every == every - 1
+             else hits[n % len(hits)] for n in range(MIXED_CALLS)]
+    summary = run_each_once(address, calls, concurrency=MISS_CALLERS, timeout=60).summary()
+    assert summary["errors"] == 0, summary
+    return {"mixed_rps": summary["throughput_rps"], "mixed_p50_ms": summary["p50_ms"], "mixed_p99_ms": summary["p99_ms"]}
+
+
 def _medians(runs: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nice", type=int, default=5, help="the value under test (against 0)")
+    parser.add_argument("--nice", type=int, default=19, help="the value under test (against 0)")
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--out", default=str(RESULTS / "worker-priority.json"))
     args = parser.parse_args()
@@ -73,11 +88,14 @@ def main() -> None:
                 (workdir / f"hits-{n}-{value}").mkdir()
                 with ServerProcess(workdir / f"hits-{n}-{value}", models, settings=settings) as server:
                     hits[value].append(asyncio.run(_hits_under_misses(server.address, texts[:3000])))
+                    hits[value][-1].update(_mixed(server.address, texts[3000:9000]))
                     assert server.stop() == 0
                 print(f"  pair {n + 1}/{args.pairs}, nice {value}: refusals p50 {overload[value][-1]['refused_p50_ms']} "
                       f"ms ({overload[value][-1]['p50_ratio']}x the floor), p99 {overload[value][-1]['refused_p99_ms']} "
                       f"ms ({overload[value][-1]['p99_ratio']}x); hits under misses p50 {hits[value][-1]['hit_p50_ms']} "
-                      f"p99 {hits[value][-1]['hit_p99_ms']} ms, misses {hits[value][-1]['miss_rps']}/s", flush=True)
+                      f"p99 {hits[value][-1]['hit_p99_ms']} ms, misses {hits[value][-1]['miss_rps']}/s; mixed "
+                      f"{hits[value][-1]['mixed_rps']}/s, p50 {hits[value][-1]['mixed_p50_ms']} p99 "
+                      f"{hits[value][-1]['mixed_p99_ms']} ms", flush=True)
     report = {"pairs": args.pairs, "values": list(values),
               "overload": {str(v): {"median": _medians([{k: r[k] for k in r if k != "codes"} for r in overload[v]]),
                                     "runs": overload[v]} for v in values},
@@ -87,7 +105,8 @@ def main() -> None:
         o, h = report["overload"][str(v)]["median"], report["hits_under_misses"][str(v)]["median"]
         print(f"nice {v} (medians of {args.pairs}): refusals p50 {o['refused_p50_ms']} ms ({o['p50_ratio']}x the floor), "
               f"p99 {o['refused_p99_ms']} ms ({o['p99_ratio']}x); hits under misses p50 {h['hit_p50_ms']} ms, "
-              f"p99 {h['hit_p99_ms']} ms; misses {h['miss_rps']}/s")
+              f"p99 {h['hit_p99_ms']} ms; misses {h['miss_rps']}/s; mixed {h['mixed_rps']}/s, p50 {h['mixed_p50_ms']} ms, "
+              f"p99 {h['mixed_p99_ms']} ms")
     print(f"wrote {args.out}")
 
 
