@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from bench import echo
+from bench.gpu import _cpu_seconds, server_roles
 from bench.load import minilm_only
 from infercache.testing import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
@@ -95,6 +96,14 @@ async def _flood(address: str, texts: list[str], deadline_s: float, channels: in
             await channel.close()
 
 
+def _flood_measured(address: str, texts: list[str], deadline_s: float, pids: list[int]
+                    ) -> tuple[list[tuple[str, float]], float]:
+    """_flood, and the CPU seconds the processes `pids` used meanwhile."""
+    before = sum(_cpu_seconds(pid) for pid in pids)
+    answers = asyncio.run(_flood(address, texts, deadline_s))
+    return answers, sum(_cpu_seconds(pid) for pid in pids) - before
+
+
 def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: float = 10.0,
                    settings: tuple[str, ...] = ()) -> dict:
     """deadline_s: each call's; on a GPU host a short one (0.5 s) makes 3,000 misses an overload.
@@ -107,8 +116,9 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
     try:
         # About 210 tokens each, all distinct: every call is a miss.
         long = [(f"#{n} " + " ".join(texts[(n + k) % len(texts)] for k in range(18)))[:1000] for n in range(calls)]
+        frontend_pids = [pid for pid, role in server_roles(server).items() if role == "frontend"]
         started = time.perf_counter()
-        answers = asyncio.run(_flood(server.address, long, deadline_s))
+        answers, frontends_cpu_s = _flood_measured(server.address, long, deadline_s, frontend_pids)
         wall = time.perf_counter() - started
         stats = server.stats()
     finally:
@@ -123,7 +133,7 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
         bare.terminate()
     address, procs = echo.start(frontends, refusing_main)
     try:
-        floor_answers = asyncio.run(_flood(address, long, deadline_s))
+        floor_answers, floor_cpu_s = _flood_measured(address, long, deadline_s, [proc.pid for proc in procs])
     finally:
         echo.stop(procs)
     codes = Counter(code for code, _ in answers)
@@ -139,6 +149,9 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
         "refused_vs_floor": {f"{q}_ratio": round(refused[f"{q}_ms"] / floor[f"{q}_ms"], 2)
                              for q in ("p50", "p99") if refused["count"] and floor["count"] and floor[f"{q}_ms"]},
         "admitted": _ms([ms for code, ms in answers if code == "OK"]),
+        # CPU seconds of the frontends (the floor's processes) while the client sent the burst and took
+        # its answers, per call: what a refusal costs the server beside what it costs the floor
+        "cpu_us_per_call": {"frontends": round(frontends_cpu_s / calls * 1e6), "floor": round(floor_cpu_s / calls * 1e6)},
         # GetStats shows the answering frontend only: this is one frontend's refusals.
         "refused_by_one_frontend": stats.frontend.counters["frontend.rejected_wait"],
         "refused_by_worker": worker["batcher.minilm.1.rejected_wait"] + worker["batcher.minilm.1.rejected_full"],
@@ -161,6 +174,8 @@ def print_overload(report: dict) -> None:
         print(f"  refusal floor (a server refusing every call at once, {report['frontends']} processes): "
               f"p50 {floor['p50_ms']:8.1f} ms  p99 {floor['p99_ms']:8.1f} ms; the server's refusals "
               f"{report['refused_vs_floor']}")
+    print(f"  CPU per call: the frontends {report['cpu_us_per_call']['frontends']} us, the floor's processes "
+          f"{report['cpu_us_per_call']['floor']} us")
     print(f"  refused by one of the frontends: {report['refused_by_one_frontend']}, by the worker: "
           f"{report['refused_by_worker']} on arrival and {report['worker_batcher'].get('shed', 0)} shed from its "
           f"queue; mean batch {report['mean_batch']}")
