@@ -149,8 +149,9 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
         "refused_vs_floor": {f"{q}_ratio": round(refused[f"{q}_ms"] / floor[f"{q}_ms"], 2)
                              for q in ("p50", "p99") if refused["count"] and floor["count"] and floor[f"{q}_ms"]},
         "admitted": _ms([ms for code, ms in answers if code == "OK"]),
-        # CPU seconds of the frontends (the floor's processes) while the client sent the burst and took
-        # its answers, per call: what a refusal costs the server beside what it costs the floor
+        # Microseconds of CPU per call the frontends (the floor's processes) used while the client sent
+        # the burst and took its answers (the admitted calls' work included): a refusal's cost beside
+        # the floor's
         "cpu_us_per_call": {"frontends": round(frontends_cpu_s / calls * 1e6), "floor": round(floor_cpu_s / calls * 1e6)},
         # GetStats shows the answering frontend only: this is one frontend's refusals.
         "refused_by_one_frontend": stats.frontend.counters["frontend.rejected_wait"],

@@ -1,14 +1,15 @@
-"""A CPU worker's niceness against the frontends' (`server.cpu_worker_nice`): `python -m bench.priority`.
+"""A CPU worker's engine niceness against its event loop's and the frontends' (`server.cpu_worker_nice`):
+`python -m bench.priority`.
 
 On shared cores the engine's batches (milliseconds each) and a frontend's hit or refusal (microseconds)
-compete for the same CPUs. Two measurements, each as pairs of fresh servers run back to back, the
+compete for the same CPUs. Three measurements, on pairs of fresh servers run back to back, the
 setting's value alternating (0 = the same priority, else the value under test):
 1. the overload section (bench/overload.py): 3,000 misses at once; the refusals' p50 and p99, also
    against the refusal floor of the same run;
 2. hits under misses: one caller's exact hits (300 texts, cached first) while 32 callers send misses of
    texts never seen; the hits' p50 and p99 and the misses' throughput;
-3. a mix: 6,000 calls from 32 callers, 90% exact hits (the same 300 texts) and 10% misses; throughput,
-   p50 (hits) and p99 (misses).
+3. a mix: 6,000 calls from 32 callers, 90% exact hits (300 texts cached first) and 10% misses; the
+   throughput, and the p50 and p99 of all calls (the p50 a hit's, the p99 among the misses).
 Writes bench/results/worker-priority.json.
 """
 

@@ -50,9 +50,9 @@ class ServerSection:
     max_pending_calls: int = 20000     # calls a frontend's gRPC holds before its handlers take them up; past
                                        # it gRPC itself cancels new ones (CANCELLED), so keep it above bursts
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
-    cpu_worker_nice: int = 19          # how much nicer a CPU worker's engine threads run than its event loop and
-                                       # the frontends: on shared cores hits and refusals go before engine
-                                       # batches; 0 = the same priority
+    cpu_worker_nice: int = 19          # how much nicer a CPU worker's engine (its batches' threads, its work off
+                                       # the event loop) runs than its event loop and the frontends: on shared
+                                       # cores hits and refusals go before engine batches; 0 = the same priority
     log_level: str = "INFO"
     metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (calls record no figures)
     metrics_host: str = "127.0.0.1"    # its bind address (0.0.0.0 for a scraper outside the pod)

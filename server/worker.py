@@ -314,10 +314,11 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     nice = config.server.cpu_worker_nice if placement.gpu is None else 0
     if nice:
         # On shared cores the engine's batches take the CPUs for milliseconds; a frontend's hit or
-        # refusal needs them for microseconds and should not wait behind them. The event loop (admission,
-        # refusals, answers) keeps the frontends' priority; the engine's threads, the work done off the
-        # loop (loading, warmups) and what that starts (ONNX Runtime's thread pools, the writer
-        # processes) run `nice` steps nicer.
+        # refusal needs them for microseconds and should not wait behind them. The engine's threads, the
+        # work done off the loop (loading, warmups) and what that starts (ONNX Runtime's thread pools)
+        # run `nice` steps nicer. The event loop (admission, refusals, answers), gRPC's threads, the
+        # semantic index's thread (its searches answer lookups) and the writer processes (they answer
+        # Invalidate) keep the frontends' priority.
         asyncio.get_running_loop().set_default_executor(process.nicer_executor(nice, name="worker-offloop"))
     # The writer process starts (and opens the store) while the engines load.
     writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", stop))

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -103,7 +103,13 @@ class WriterProcess:
         process = multiprocessing.get_context("spawn").Process(
             target=_main, name=f"{role}-writer",
             args=(settings, batch_max, sweep_interval_s, max_ttl_s, group_commit_s, theirs, log_level, f"{role} writer"))
-        await asyncio.to_thread(process.start)
+        # From a thread started here, not the loop's default executor (a CPU worker lowers that one's
+        # priority): the writer, which commits, sweeps and answers Invalidate, keeps the loop's.
+        starter = ThreadPoolExecutor(1, thread_name_prefix="writer-start")
+        try:
+            await asyncio.get_running_loop().run_in_executor(starter, process.start)
+        finally:
+            starter.shutdown(wait=False)
         theirs.close()
         self = cls(process, what, on_lost, max_backlog)
         _, self._protocol = await self._loop.create_unix_connection(

@@ -100,9 +100,10 @@ def _thread_cpu(pid: int) -> dict[int, float]:
 @pytest.mark.parametrize("nice", [5, 0])
 def test_cpu_workers_engine_threads_run_nicer_than_their_event_loop(start_server, nice):
     """server.cpu_worker_nice: on shared cores a frontend's hit or refusal, and the worker's own event
-    loop (admission, refusals, answers), go before the engine's batches. The thread that worked most
-    while misses were computed (an engine thread) and the writer process run `nice` steps nicer; the
-    worker's event loop and the frontends keep the supervisor's priority."""
+    loop (admission, refusals, answers), go before the engine's batches. Every thread that did a good
+    share of the work while misses were computed (the engine's: its batch thread and ONNX Runtime's
+    pool) runs `nice` steps nicer; the worker's event loop, its writer process and the frontends keep
+    the supervisor's priority."""
     if visible_gpus():
         pytest.skip("a GPU is visible: auto picks a GPU runtime here, whose workers keep the frontends' priority")
     server = start_server(settings=(f"server.cpu_worker_nice={nice}",))
@@ -113,15 +114,15 @@ def test_cpu_workers_engine_threads_run_nicer_than_their_event_loop(start_server
             assert client.infer(MODEL, unique("nice") + " a long enough text to keep the encoder busy" * 20).source == "MISS"
         stats = client.stats()
     used = {t: ticks - before.get(t, 0) for t, ticks in _thread_cpu(worker).items() if t != worker}
-    busiest = max(used, key=used.get)
-    assert used[busiest] > 0
+    most = max(used.values())
+    assert most > 0
+    engine = [t for t, ticks in used.items() if ticks >= most / 5]
     base = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
-    lowered = min(19, base + nice)
     assert os.getpriority(os.PRIO_PROCESS, stats.frontend.pid) == base
     assert os.getpriority(os.PRIO_PROCESS, worker) == base  # its main thread: the event loop
-    assert os.getpriority(os.PRIO_PROCESS, busiest) == lowered
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in engine} == {min(19, base + nice)}
     writers = process_tree(worker)[1:]
-    assert writers and {os.getpriority(os.PRIO_PROCESS, pid) for pid in writers} == {lowered}
+    assert writers and {os.getpriority(os.PRIO_PROCESS, pid) for pid in writers} == {base}
 
 
 def test_a_nicer_executor_lowers_its_threads_and_what_they_start():
