@@ -85,7 +85,7 @@ def test_server_processes_run_numpy_on_one_blas_thread(start_server):
         assert environ.get("OPENBLAS_NUM_THREADS") == wanted, (pid, Path(f"/proc/{pid}/cmdline").read_text())
 
 
-def _thread_cpu(pid: int) -> dict[int, float]:
+def _thread_cpu(pid: int) -> dict[int, int]:
     """CPU ticks each thread of `pid` has used."""
     ticks = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -110,7 +110,7 @@ def test_cpu_workers_engine_threads_run_nicer_than_their_event_loop(start_server
     worker = server.stats().workers[0].pid
     before = _thread_cpu(worker)
     with server.client() as client:
-        for n in range(40):  # long texts: the engine's threads work for many clock ticks
+        for _ in range(40):  # long texts: the engine's threads work for many clock ticks
             assert client.infer(MODEL, unique("nice") + " a long enough text to keep the encoder busy" * 20).source == "MISS"
         stats = client.stats()
     used = {t: ticks - before.get(t, 0) for t, ticks in _thread_cpu(worker).items() if t != worker}
