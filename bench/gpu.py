@@ -25,6 +25,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 INFER_BATCH = "/infercache.v1.InferenceCache/InferBatch"
+T = TypeVar("T")
 RAW_SHAPES = ((32, 32), (128, 32), (32, 128), (128, 128), (8, 128), (16, 128), (64, 128))
 
 MINILM_GPU_CONFIG = """
@@ -201,12 +203,24 @@ def _runs_spawned_python(pid: int) -> bool:
         return False
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has used; 0 once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_during(pids: list[int], call: Callable[[], T]) -> tuple[T, float]:
+    """call()'s result, and the CPU seconds the processes `pids` used while it ran."""
+    before = sum(cpu_seconds(pid) for pid in pids)
+    result = call()
+    return result, sum(cpu_seconds(pid) for pid in pids) - before
+
+
+def frontend_pids(server: ServerProcess) -> list[int]:
+    return [pid for pid, role in server_roles(server).items() if role == "frontend"]
 
 
 class _GpuSampler:
@@ -292,7 +306,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     stats = server.stats()
     worker_pids = {w.pid for w in stats.workers}
     roles = server_roles(server, worker_pids)
-    cpu_before = {pid: _cpu_seconds(pid) for pid in roles}
+    cpu_before = {pid: cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
     gpu = _GpuSampler()
     profiled = next(pid for pid, role in roles.items() if role == "frontend") if profile == "frontend" \
@@ -306,7 +320,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     cpu: dict[str, float] = {}
     busiest: dict[str, float] = {}
     for pid, role in roles.items():
-        used = _cpu_seconds(pid) - cpu_before[pid]
+        used = cpu_seconds(pid) - cpu_before[pid]
         cpu[role] = cpu.get(role, 0.0) + used
         busiest[role] = max(busiest.get(role, 0.0), used)
     batches = counters_after[0] - counters_before[0]

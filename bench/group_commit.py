@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import _cpu_seconds
+from bench.gpu import cpu_seconds
 from cachestore import records
 from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
@@ -55,7 +55,7 @@ async def _run(path: Path, window_s: float, rate: float, per_frame: int, seconds
         for _ in range(PREFILL):
             put()
         await asyncio.wrap_future(writer.flush())
-        cpu, txns, puts = _cpu_seconds(writer.process.pid), writer.counters["write_txns"], writer.counters["writes"]
+        cpu, txns, puts = cpu_seconds(writer.process.pid), writer.counters["write_txns"], writer.counters["writes"]
         waits: list[float] = []
         began = time.perf_counter()
         frames = int(seconds * rate / per_frame)
@@ -69,7 +69,7 @@ async def _run(path: Path, window_s: float, rate: float, per_frame: int, seconds
         await asyncio.sleep(0.1)  # the counters come with the process's next frame
         done = writer.counters["writes"] - puts
         row = {"window_ms": round(window_s * 1000), "puts_per_s": round(done / wall),
-               "writer_cpu_us_per_put": round((_cpu_seconds(writer.process.pid) - cpu) / done * 1e6, 1),
+               "writer_cpu_us_per_put": round((cpu_seconds(writer.process.pid) - cpu) / done * 1e6, 1),
                "txns_per_s": round((writer.counters["write_txns"] - txns) / wall, 1),
                "handled_after_ms_p50": round(1000 * statistics.median(waits), 1),
                "handled_after_ms_p99": round(1000 * float(np.percentile(waits, 99)), 1)}

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from bench import echo
-from bench.gpu import _cpu_seconds, server_roles
+from bench.gpu import cpu_during, frontend_pids
 from bench.load import minilm_only
 from infercache.testing import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
@@ -99,9 +99,7 @@ async def _flood(address: str, texts: list[str], deadline_s: float, channels: in
 def _flood_measured(address: str, texts: list[str], deadline_s: float, pids: list[int]
                     ) -> tuple[list[tuple[str, float]], float]:
     """_flood, and the CPU seconds the processes `pids` used meanwhile."""
-    before = sum(_cpu_seconds(pid) for pid in pids)
-    answers = asyncio.run(_flood(address, texts, deadline_s))
-    return answers, sum(_cpu_seconds(pid) for pid in pids) - before
+    return cpu_during(pids, lambda: asyncio.run(_flood(address, texts, deadline_s)))
 
 
 def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: float = 10.0,
@@ -116,9 +114,9 @@ def bench_overload(workdir: Path, texts: list[str], scale: float, deadline_s: fl
     try:
         # About 210 tokens each, all distinct: every call is a miss.
         long = [(f"#{n} " + " ".join(texts[(n + k) % len(texts)] for k in range(18)))[:1000] for n in range(calls)]
-        frontend_pids = [pid for pid, role in server_roles(server).items() if role == "frontend"]
+        frontends_at = frontend_pids(server)
         started = time.perf_counter()
-        answers, frontends_cpu_s = _flood_measured(server.address, long, deadline_s, frontend_pids)
+        answers, frontends_cpu_s = _flood_measured(server.address, long, deadline_s, frontends_at)
         wall = time.perf_counter() - started
         stats = server.stats()
     finally:

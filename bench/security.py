@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from bench import cores
-from bench.gpu import _cpu_seconds, server_roles
+from bench.gpu import cpu_during, frontend_pids
 from bench.load import minilm_only, run_load, warm
 from infercache.testing import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
@@ -69,11 +69,10 @@ def _servers(workdir: Path, frontends: int, round_: int, token: str) -> tuple[Se
 
 def frontend_cpu_us_per_hit(server: ServerProcess, requests: list, total: int, metadata) -> float:
     """The frontends' CPU seconds over a 32-caller run of hits, per hit, in microseconds."""
-    pids = [pid for pid, role in server_roles(server).items() if role == "frontend"]
-    before = sum(_cpu_seconds(pid) for pid in pids)
-    result = asyncio.run(run_load(server.address, requests, concurrency=32, total=total, metadata=metadata))
+    result, cpu_s = cpu_during(frontend_pids(server), lambda: asyncio.run(
+        run_load(server.address, requests, concurrency=32, total=total, metadata=metadata)))
     assert result.errors == 0
-    return round(1e6 * (sum(_cpu_seconds(pid) for pid in pids) - before) / result.requests, 1)
+    return round(1e6 * cpu_s / result.requests, 1)
 
 
 def bench_hit_path(workdir: Path, texts: list[str], rounds: int, scale: float, frontends: int = 1) -> dict:

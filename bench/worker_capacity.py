@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import _cpu_seconds, _task_children, make_gpu_models
+from bench.gpu import cpu_seconds, _task_children, make_gpu_models
 from cachestore.keys import entry_key, namespace_id
 from infercache.testing import ServerProcess
 from infercache.v1 import worker_pb2
@@ -37,9 +37,9 @@ def _settle(pids: list[int], timeout: float = 60.0) -> None:
     """Waits until the writer processes are idle (done with the last run's writes)."""
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
-        before = sum(_cpu_seconds(p) for p in pids)
+        before = sum(cpu_seconds(p) for p in pids)
         time.sleep(0.5)
-        if sum(_cpu_seconds(p) for p in pids) - before < 0.025:
+        if sum(cpu_seconds(p) for p in pids) - before < 0.025:
             return
 
 
@@ -122,16 +122,16 @@ def _capacity(workdir: Path, models: Path, seconds: float, runtime: str) -> dict
             for per_frame, store in itertools.product((1, 32), (False, True)):
                 frames = _frames(count, per_frame, store, f"{per_frame}-{store}-{time.time()}")
                 _settle(writers)
-                cpu = {pid: _cpu_seconds(pid) for pid in (worker, *writers)}
+                cpu = {pid: cpu_seconds(pid) for pid in (worker, *writers)}
                 started = time.perf_counter()
                 rate = asyncio.run(_pump(path, frames, seconds))
                 elapsed = time.perf_counter() - started
-                worker_cores = (_cpu_seconds(worker) - cpu[worker]) / elapsed
+                worker_cores = (cpu_seconds(worker) - cpu[worker]) / elapsed
                 name = f"{per_frame}_per_frame_{'stored' if store else 'not_stored'}"
                 report["runs"][name] = row = {
                     "items_per_s": round(rate), "worker_cores": round(worker_cores, 2),
                     "worker_us_per_item": round(worker_cores / rate * 1e6, 1),
-                    "writer_process_cores": round(sum(_cpu_seconds(p) - cpu[p] for p in writers) / elapsed, 2)}
+                    "writer_process_cores": round(sum(cpu_seconds(p) - cpu[p] for p in writers) / elapsed, 2)}
                 print(f"  {name}: {row}", flush=True)
         finally:
             if pinned:
