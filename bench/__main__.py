@@ -21,6 +21,8 @@
    graph, a head version bump, FEATURE latency; on a GPU host the device LRU's cost per batch.
 9. Worker capacity (`--sections worker`, bench/worker_capacity.py): items straight to one worker's socket,
    null engine, with every answer written behind against none.
+10. Length groups (`--sections groups`, bench/length_groups.py): minilm misses on ONNX Runtime with batches
+   cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
 Writes bench/results/foundation.json and prints a table.
 """
 
@@ -41,6 +43,7 @@ import grpc
 
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
+from bench.length_groups import bench_length_groups, print_length_groups
 from bench.fleet import bench_fleet, print_fleet
 from bench.l2 import bench_l2, print_l2
 from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
@@ -276,7 +279,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
     parser.add_argument("--sections", default="serving,l3,semantic",
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
-                             "alone), l3, semantic, security, fleet, overload, l2, worker (one worker's capacity), "
+                             "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
+                             "by bucket), worker (one worker's capacity), "
                              "commit (the writer's CPU per put by group-commit window), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
@@ -353,6 +357,11 @@ def main() -> None:
             bench_l2(workdir / "l2", rounds, args.quick, report["l2"], settings=l2_settings,
                      gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=save)
             save()
+        if "groups" in sections:
+            print("benchmarking batches by length group against by bucket (ONNX Runtime misses) ...", flush=True)
+            report["length_groups"] = {}
+            bench_length_groups(workdir / "groups", rounds, args.quick, report["length_groups"], checkpoint=save)
+            save()
         if "worker" in sections:
             print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)
             from bench.gpu import gpu_available
@@ -392,6 +401,8 @@ def main() -> None:
         print_overload(report["overload"])
     if "l2" in report:
         print_l2(report["l2"])
+    if "length_groups" in report:
+        print_length_groups(report["length_groups"])
     if "gpu" in report:
         print_gpu(report["gpu"])
     if "workers" in report:

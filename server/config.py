@@ -50,6 +50,8 @@ class ServerSection:
     max_pending_calls: int = 20000     # calls a frontend's gRPC holds before its handlers take them up; past
                                        # it gRPC itself cancels new ones (CANCELLED), so keep it above bursts
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
+    length_groups: bool = True         # an engine that pads a batch to its longest row (ONNX Runtime) gets
+                                       # batches of like lengths, finer than the buckets (server/batcher.py)
     cpu_worker_nice: int = 19          # how much nicer a CPU worker's engine (its batches' threads, its work off
                                        # the event loop) runs than its event loop and the frontends: on shared
                                        # cores hits and refusals go before engine batches; 0 = the same priority

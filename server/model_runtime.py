@@ -11,7 +11,7 @@ import numpy as np
 
 from cachestore import records
 from infercache.v1 import infercache_pb2 as pb
-from server.batcher import Batcher
+from server.batcher import Batcher, length_groups
 from server.config import Config
 from server.engines.artifacts import LoadedEngine, model_profiles
 from server.models import LABELS_FILE, TOKENIZER_FILE, ModelSpec
@@ -145,7 +145,7 @@ class ModelRuntime:
             self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
             concurrency=self.engine.slots, name=f"{spec.name}-{version}", max_wait_s=config.server.max_queue_wait_s,
-            nice=nice,
+            nice=nice, groups=length_groups(spec.buckets) if self.engine.any_length and config.server.length_groups else None,
         )
 
     def _run_batch(self, sequences: list) -> list[dict[str, np.ndarray]]:

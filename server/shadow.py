@@ -3,23 +3,22 @@
 A share of the semantic hits served (`semantic.verify_fraction`), and every hit answered by an entry no
 verification has proven yet, is recomputed by the model in the background and compared with the answer
 served. Checks run at low priority: only while every batcher of the worker is idle (nothing queued, no
-batch running: on one CPU or one GPU the encoder's batches and the heads' compete for the same device,
-so an idle head batcher beside a busy encoder is no idle capacity). Waiting checks of one model and
-bucket go together: up to the batcher's max_batch where a row costs next to nothing (a head, a GPU), one
-at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a foreground miss
-that arrives meanwhile waits for at most one such batch. Where no idle moment comes within MAX_DEFER_S,
-one batch of checks goes anyway, so verification goes on, slowly, under sustained load: the oldest
-check whose model's queue has room for it within half of max_queue (QUEUE_SHARE), with those of its
-model and bucket that fit (a model with no room holds back its own checks only; when none has room,
-they wait on, counted in shadow_deferred once per MAX_DEFER_S). A check is never refused, which would
-count as a user's refusal and raise the wait the frontends are told, and no wait bound applies to it (it
-has no deadline). When checks come faster than that, the oldest are dropped, and so is one that waited
-over a minute (all counted). Each outcome feeds the model version's calibration (threshold, live
-fidelity, guard: server/calibration.py). An agreement proves the entry; a disagreement contests it: it
-answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the worker stores
-it under the query's key, replacing the alias the hit wrote, and indexes it: a verified answer is an
-entry of its own). One owner: the worker's event loop.
-"""
+batch running: on one CPU or one GPU the encoder's batches and the heads' compete for the same device, so
+an idle head batcher beside a busy encoder is no idle capacity). Waiting checks of one model and length
+group (server/batcher.py) go together: up to the batcher's max_batch where a row costs next to nothing (a
+head, a GPU), one at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a
+foreground miss that arrives meanwhile waits for at most one such batch. Where no idle moment comes
+within MAX_DEFER_S, one batch of checks goes anyway, so verification goes on, slowly, under sustained
+load: the oldest check whose model's queue has room for it within half of max_queue (QUEUE_SHARE), with
+those of its model and length group that fit (a model with no room holds back its own checks only; when
+none has room, they wait on, counted in shadow_deferred once per MAX_DEFER_S). A check is never refused,
+which would count as a user's refusal and raise the wait the frontends are told, and no wait bound
+applies to it (it has no deadline). When checks come faster than that, the oldest are dropped, and so is
+one that waited over a minute (all counted). Each outcome feeds the model version's calibration
+(threshold, live fidelity, guard: server/calibration.py). An agreement proves the entry; a disagreement
+contests it: it answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the
+worker stores it under the query's key, replacing the alias the hit wrote, and indexes it: a verified
+answer is an entry of its own). One owner: the worker's event loop."""
 
 from __future__ import annotations
 
@@ -110,8 +109,8 @@ class ShadowVerifier:
                 if not self._drop_stale():
                     break
                 # Without an idle moment, only checks whose batcher has room for them within their
-                # share go (the oldest such, with those of its model and bucket): a model whose queue is
-                # full holds back its own checks, not another model's.
+                # share go (the oldest such, with those of its model and length group): a model whose
+                # queue is full holds back its own checks, not another model's.
                 checks = self._take() if idle else self._take(_room)
                 if not checks:
                     self.counters["shadow_deferred"] += 1
@@ -142,7 +141,7 @@ class ShadowVerifier:
 
     def _take(self, room_in=None) -> list[Check]:
         """The oldest waiting check and those after it that go in the same batch (same model and
-        bucket), as many as one batch of checks takes: one where rows add to a batch's time (the
+        length group), as many as one batch of checks takes: one where rows add to a batch's time (the
         batcher's row model, a CPU: there a row costs more than a batch's own cost), else max_batch.
         With `room_in(batcher)` (how many more checks it may take now), the oldest check whose batcher
         has room, and at most that many; none when no batcher has room."""
@@ -150,13 +149,13 @@ class ShadowVerifier:
         if first is None:
             return []
         batcher = first.runtime.batcher
-        bucket = batcher.bucket_of(len(first.model_input))
+        group = batcher.group_of(len(first.model_input))
         room = 1 if batcher.row_s else min(batcher.max_batch, _share(batcher))
         if room_in is not None:
             room = min(room, room_in(batcher))
         taken, kept = [], deque()
         for check in self._pending:
-            same = check.runtime is first.runtime and batcher.bucket_of(len(check.model_input)) == bucket
+            same = check.runtime is first.runtime and batcher.group_of(len(check.model_input)) == group
             (taken if same and len(taken) < room else kept).append(check)
         self._pending = kept
         return taken

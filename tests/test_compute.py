@@ -158,3 +158,29 @@ def test_a_stricter_item_does_not_join_a_running_flight_that_may_end_in_an_older
     answers, core = asyncio.run(scenario())
     assert answers.answers[1][0] == pb.CacheInfo.MISS and answers.answers[2][0] == expected
     assert core.counters["computed"] == (2 if expected == pb.CacheInfo.MISS else 1)
+
+
+def test_a_model_runtime_cuts_by_length_group_where_its_engine_takes_any_length(tmp_path):
+    """ONNX Runtime pads to a batch's longest row: finer groups than the profiles (unless
+    server.length_groups is off); the null engine (as a profile-padded engine would) keeps the buckets."""
+    import dataclasses
+
+    from server.batcher import length_groups
+    from server.engines.onnxruntime import OrtEngine
+
+    link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    off = Config()
+    off = dataclasses.replace(off, server=dataclasses.replace(off.server, length_groups=False))
+
+    async def groups() -> tuple[tuple, ...]:
+        spec = ModelRepository(tmp_path).get("minilm")
+        ort_engine = LoadedEngine(OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=1), "onnxruntime", "fp32", "cpu")
+        runtimes = (ModelRuntime(spec, "1", ort_engine, Config()), ModelRuntime(spec, "1", ort_engine, off),
+                    ModelRuntime(spec, "1", LoadedEngine(NullEngine({"embedding": 384}), "null", "none", "cpu"), Config()))
+        for runtime in runtimes:
+            await runtime.batcher.close()
+        return (spec.buckets, *(runtime.batcher.groups for runtime in runtimes))
+
+    buckets, ort_groups, ort_off, null_groups = asyncio.run(groups())
+    assert ort_groups == length_groups(buckets) and len(ort_groups) > len(buckets)
+    assert ort_off == buckets and null_groups == buckets

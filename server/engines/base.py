@@ -51,6 +51,9 @@ class Engine(ABC):
     GPU engine with two slots prepares batch n+1 on the host while the device runs batch n)."""
 
     slots: int = 1
+    # Runs a batch of any sequence length at that length's cost, padded to its longest row (not to its
+    # profile): the batcher then cuts batches by finer length groups (server/batcher.py length_groups).
+    any_length: bool = False
 
     @abstractmethod
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

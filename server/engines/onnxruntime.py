@@ -56,6 +56,7 @@ class OrtEngine(Engine):
     # 277-296 misses/s, 2 threads x 1 slot 233-262; 1 thread x 2 slots 304-346, but a lone miss then
     # takes 9-10 ms instead of 5.5-6.5.
     slots = 2
+    any_length = True
 
     def __init__(self, model_path: Path, *, threads: int = 0,
                  level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> None:
