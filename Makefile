@@ -8,7 +8,7 @@ STUBS  := infercache/v1/infercache_pb2.py
 MODEL  := models/minilm/1/model.onnx
 ARGS   ?=
 
-.PHONY: setup stubs model run test bench clean soak system-deps
+.PHONY: setup stubs model run test bench clean soak system-deps bench-deps
 
 setup: $(STAMP) $(STUBS) $(MODEL)
 
@@ -43,10 +43,21 @@ system-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else echo "missing: sudo apt-get install" $$missing "(the tests that need them skip)"; fi; fi
 
-test: setup system-deps
+test: setup system-deps bench-deps
 	$(PY) -m pytest -q $(ARGS)
 
-bench: setup system-deps
+# The benchmarks' C++ load generator (bench/native/loadgen.cc) builds against gRPC's C++ library (its test,
+# tests/test_bench_tools.py, too); where it is missing and this is not root, the benchmarks use the Python
+# generator and say so, and its tests skip.
+BENCH_DEPS := g++ pkg-config libgrpc++-dev
+bench-deps:
+	@if ! pkg-config --exists grpc++ 2>/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing" $(BENCH_DEPS); \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BENCH_DEPS) >/dev/null; \
+	  else echo "missing: sudo apt-get install" $(BENCH_DEPS) "(the benchmarks use the Python load generator)"; fi; fi
+
+bench: setup system-deps bench-deps
 	$(PY) -m bench $(ARGS)
 
 soak: setup

@@ -300,6 +300,9 @@ def main() -> None:
     parser.add_argument("--l2-settings", default="",
                         help="l2 section: the servers' settings, comma-separated key=value (e.g. "
                              "engines.runtime=onnxruntime,server.engine_threads=8: the CPU path on a GPU host)")
+    parser.add_argument("--load-generator", choices=("native", "python"), default="native",
+                        help="l2 section: its callers, C++ (bench/native/loadgen.cc, where gRPC's C++ library is "
+                             "installed; else Python) or Python (grpc.aio)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
@@ -355,7 +358,8 @@ def main() -> None:
             runtime = next((s.split("=", 1)[1] for s in l2_settings if s.startswith("engines.runtime=")), "auto")
             report["l2"] = {}
             bench_l2(workdir / "l2", rounds, args.quick, report["l2"], settings=l2_settings,
-                     gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=save)
+                     gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=save,
+                     generator=args.load_generator)
             save()
         if "groups" in sections:
             print("benchmarking batches by length group against by bucket (ONNX Runtime misses) ...", flush=True)

@@ -15,6 +15,10 @@ ONNX graph of encoder + head (`--whole-graph`: the format before L2), by one ser
    (l2.frontend_head_mb=0) gives the same figures, and a bump of 2,000 texts, for comparison.
 4. On a GPU host (the worker on torch-cuda): the device LRU's cost per batch of 32 lookups with and
    without the head, measured in this process on the same GPU, and FEATURE throughput at 32 and 256 callers.
+
+The callers are the C++ load generator (bench/native/loadgen.cc) where gRPC's C++ library is installed:
+on 2 cores the Python one's own CPU per call (about 0.8 ms) came from the cores the server runs on, the
+same in both paths, which pulls the ratio of step 1 towards 1 (`--load-generator python` runs it).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import numpy as np
 
 from bench import BANKING77
 from bench.load import run_each_once
+from bench.native_load import loadgen, run_each_once_native
 from infercache.testing import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import Normalizer
 
 CALLERS = 32
 LOAD_PROCESSES = max(1, (os.cpu_count() or 1) // 4)  # one on a small machine; enough not to set the pace on 16 cores
+_native: Path | None = None  # the C++ load generator where bench_l2 chose it and it built (bench/native_load.py)
 
 
 def make_models(root: Path, progress=print) -> tuple[str, str]:
@@ -82,7 +88,11 @@ def _requests(model: str, texts: list[str], tenant: str, version: str = "") -> l
 
 
 def _run(server: ServerProcess, requests: list[pb.InferRequest], concurrency: int = CALLERS) -> dict:
-    result = run_each_once(server.address, requests, concurrency=concurrency, processes=LOAD_PROCESSES, timeout=120)
+    if _native is not None:
+        result = run_each_once_native(_native, server.address, requests, concurrency=concurrency, timeout=120)
+    else:
+        result = run_each_once(server.address, requests, concurrency=concurrency, processes=LOAD_PROCESSES,
+                               timeout=120)
     assert result.errors == 0, f"{result.errors} errors"
     return result.summary()
 
@@ -305,9 +315,13 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
 
 
 def bench_l2(workdir: Path, rounds: int, quick: bool, out: dict, gpu: bool = False, settings: tuple[str, ...] = (),
-             checkpoint=lambda: None) -> None:
+             checkpoint=lambda: None, generator: str = "native") -> None:
     """Fills `out` step by step, calling checkpoint() after each (a run cut short keeps what it measured).
-    `settings`: the servers' (both); `gpu`: the device-LRU and FEATURE-throughput parts too."""
+    `settings`: the servers' (both); `gpu`: the device-LRU and FEATURE-throughput parts too; `generator`:
+    the load generator, native (C++, where it builds; else Python) or python."""
+    global _native
+    _native = loadgen() if generator == "native" else None
+    out["load_generator"] = "C++ (bench/native/loadgen.cc)" if _native is not None else "Python (grpc.aio, uvloop)"
     workdir.mkdir(parents=True)
     print("  training the Banking77 head (train-head) ...", flush=True)
     make_models(workdir / "models", progress=lambda line: None)
@@ -362,7 +376,7 @@ def bench_l2(workdir: Path, rounds: int, quick: bool, out: dict, gpu: bool = Fal
 def print_l2(result: dict) -> None:
     miss, bump, lat = result["miss_throughput"], result["version_bump"], result["latency"]
     head, graph = miss["banking77"], miss["banking77-graph"]
-    print("\n## Feature tier (L2)\n")
+    print(f"\n## Feature tier (L2), load generator: {result['load_generator']}\n")
     print("| what | figure | baseline in the same run |\n| --- | --- | --- |")
     print(f"| classification misses at {CALLERS} callers, head on L2 vs whole graph | {head['throughput_rps']:.0f} vs "
           f"{graph['throughput_rps']:.0f} req/s (medians) = {miss['throughput_ratio']:.2f}x; by round "

@@ -1,0 +1,91 @@
+"""The C++ load generator (bench/native/loadgen.cc): built on first use, run as a child process.
+
+Where the benchmark host shares its cores with the server (the 2-core machine), the Python generator's
+own CPU per call (about 0.8 ms there, as much as the server's frontends) is taken from the server; this
+one costs a small fraction of that. It needs gRPC's C++ library and headers (Debian: libgrpc++-dev,
+which `make bench` installs when it runs as root); without them `loadgen()` says why and returns None,
+and a benchmark falls back to the Python generator, saying so in its results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.load import INFER, LoadResult
+from infercache.testing import REPO
+from infercache.v1 import infercache_pb2 as pb
+
+SOURCE = Path(__file__).with_name("native") / "loadgen.cc"
+BUILD = REPO / "build" / "bench"
+CHANNELS = 16  # one connection each, as the Python generator's (bench/load.py CHANNELS_PER_PROCESS)
+
+_built: dict[str, Path | None] = {}
+
+
+def loadgen() -> Path | None:
+    """The built generator (rebuilt when its source changes), or None where it cannot be built."""
+    if "path" in _built:
+        return _built["path"]
+    digest = hashlib.blake2b(SOURCE.read_bytes(), digest_size=8).hexdigest()
+    binary = BUILD / f"loadgen-{digest}"
+    path = binary if binary.exists() else _build(binary)
+    _built["path"] = path
+    return path
+
+
+def _build(binary: Path) -> Path | None:
+    compiler = shutil.which("g++") or shutil.which("c++")
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True, text=True) \
+        if shutil.which("pkg-config") else None
+    if compiler is None or flags is None or flags.returncode != 0:
+        print("  (the C++ load generator needs g++ and gRPC's C++ library: apt-get install g++ pkg-config "
+              "libgrpc++-dev; using the Python generator)", flush=True)
+        return None
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_suffix(".partial")
+    print("  building the C++ load generator ...", flush=True)
+    built = subprocess.run([compiler, "-O2", "-std=c++17", str(SOURCE), *flags.stdout.split(), "-o", str(partial)],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        print(f"  (the C++ load generator did not build, using the Python generator:\n{built.stderr[-2000:]})",
+              flush=True)
+        return None
+    partial.rename(binary)
+    return binary
+
+
+def run_each_once_native(binary: Path, address: str, requests: list[pb.InferRequest], *, concurrency: int,
+                         timeout: float = 30.0) -> LoadResult:
+    """bench/load.py run_each_once through the C++ generator: every request once from `concurrency`
+    callers; sources counted from the responses."""
+    with tempfile.TemporaryDirectory(prefix="loadgen-") as tmp:
+        requests_file, answers_file = Path(tmp) / "requests", Path(tmp) / "answers"
+        with requests_file.open("wb") as f:
+            for request in requests:
+                payload = request.SerializeToString()
+                f.write(struct.pack("<I", len(payload)) + payload)
+        limit = 60 + timeout * max(1, len(requests) / concurrency)
+        subprocess.run([str(binary), address, INFER, str(concurrency), str(min(CHANNELS, concurrency)),
+                        str(timeout), str(requests_file), str(answers_file)], check=True, timeout=limit)
+        data = answers_file.read_bytes()
+    began, ended = struct.unpack_from("<dd", data)
+    offset, latencies, sources, errors = 16, [], {}, 0
+    for _ in requests:
+        code, latency_ms, length = struct.unpack_from("<idI", data, offset)
+        offset += 16
+        response, offset = data[offset:offset + length], offset + length
+        if code != 0:
+            errors += 1
+            continue
+        latencies.append(latency_ms)
+        name = pb.CacheInfo.Source.Name(pb.InferResponse.FromString(response).cache.source)
+        sources[name] = sources.get(name, 0) + 1
+    return LoadResult(len(latencies), errors, ended - began, np.array(latencies), sources)
+
