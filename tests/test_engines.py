@@ -204,3 +204,36 @@ def test_tensorrt_execution_matches_onnxruntime(tmp_path):
     want = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=1).run(batch)["embedding"]
     assert np.min(np.sum(got * want, axis=1)) > 0.999
     assert artifact_key(runtime, SPEC, "1", "fp32").device == gpu.tag
+
+
+def test_onnxruntime_runs_a_batch_beside_another_on_its_shared_threads():
+    """A lone batch runs on all the engine's threads; one that starts while another runs, on the second
+    session's share of them. Both give the same embeddings."""
+    import threading
+
+    engine = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=2, shared_threads=1)
+    encoder = TextEncoder(MODEL_VERSION_DIR / "tokenizer.json", 256)
+    batch = pad_batch([encoder.encode("where is my card"), encoder.encode("how do I top up by card")], 10)
+    alone = engine.run(batch)["embedding"]
+    assert engine.counters() == {"runs_alone": 1, "runs_shared": 0}
+    started, release = threading.Event(), threading.Event()
+    session = engine.session
+
+    class Held:  # the lone batch's session, held inside its run until the second batch has run
+        def run(self, names, feeds):
+            started.set()
+            release.wait(30)
+            return session.run(names, feeds)
+
+    engine.session = Held()
+    first = threading.Thread(target=engine.run, args=(batch,))
+    first.start()
+    assert started.wait(30)
+    beside = engine.run(batch)["embedding"]
+    release.set()
+    first.join(30)
+    assert engine.counters() == {"runs_alone": 2, "runs_shared": 1}
+    np.testing.assert_allclose(beside, alone, atol=1e-5)
+    assert OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=1).counters() == {}  # one session: nothing to count
+    wider = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=4, shared_threads=2)
+    assert len(wider.shared) == wider.slots  # a pool of 2 threads each: one session per slot, none split

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -50,24 +51,61 @@ def session_options(threads: int, level: ort.GraphOptimizationLevel) -> ort.Sess
 
 
 class OrtEngine(Engine):
-    # Two batches at once: while one is between runs (cut, padded, answered in Python), the other
-    # computes, each on all the worker's threads (a lone batch, at low load, keeps them all). Measured on
-    # 2 cores (one worker, Banking77 misses at 32 callers, bench/l2.py's setup): 2 threads x 2 slots
-    # 277-296 misses/s, 2 threads x 1 slot 233-262; 1 thread x 2 slots 304-346, but a lone miss then
-    # takes 9-10 ms instead of 5.5-6.5.
+    """Two batches at once: while one is between runs (cut, padded, answered in Python), the other
+    computes. A batch that runs alone (low load) gets all of `threads`: its latency. One that starts
+    while another runs goes to a second session of the same model with `shared_threads` (the cores
+    shared out): split over threads, a batch's operators cost more CPU in all (on the 2-core machine, a
+    Banking77 text in batches of like lengths: 11.5-12.9 ms on 2 threads, 9.2-10.3 ms on 1), and at
+    full load that decides the throughput. Before, on 2 cores (Banking77 misses at 32 callers,
+    bench/l2.py's setup, an earlier session): 2 threads x 2 slots 277-296 misses/s, 2 threads x 1 slot
+    233-262; 1 thread x 2 slots 304-346, but a lone miss then took 9-10 ms instead of 5.5-6.5. The
+    second session holds its own copy of the weights (host memory: about 100 MB for minilm)."""
+
     slots = 2
     any_length = True
 
-    def __init__(self, model_path: Path, *, threads: int = 0,
+    def __init__(self, model_path: Path, *, threads: int = 0, shared_threads: int = 0,
                  level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> None:
+        """shared_threads: the threads of a batch that starts while another runs; 0 = no second
+        session (every batch on `threads`: offline tools, references)."""
         self.session = ort.InferenceSession(str(model_path), session_options(threads, level),
                                             providers=["CPUExecutionProvider"])
+        # One session of one thread serves any number of runs at once, each on its caller's thread; one
+        # of more threads has one pool, which two runs would split: then one such session per slot.
+        sessions = 0 if not shared_threads else 1 if shared_threads == 1 else self.slots
+        self.shared = [ort.InferenceSession(str(model_path), session_options(shared_threads, level),
+                                            providers=["CPUExecutionProvider"]) for _ in range(sessions)]
+        self._free = list(range(sessions))  # shared sessions no run holds (the 1-thread one is never held)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
+        self._lock = threading.Lock()
+        self._running = 0
+        self._counters = {"runs_alone": 0, "runs_shared": 0}  # written under the lock, by the run threads
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feeds = {name: inputs[name] for name in self.input_names}
-        return dict(zip(self.output_names, self.session.run(None, feeds)))
+        held = None
+        with self._lock:
+            self._running += 1
+            session = self.session
+            if self._running > 1 and self.shared:
+                if len(self.shared) == 1:
+                    session = self.shared[0]
+                elif self._free:
+                    held = self._free.pop()
+                    session = self.shared[held]
+            self._counters["runs_alone" if session is self.session else "runs_shared"] += 1
+        try:
+            return dict(zip(self.output_names, session.run(None, feeds)))
+        finally:
+            with self._lock:
+                self._running -= 1
+                if held is not None:
+                    self._free.append(held)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters) if self.shared else {}
 
     def device_memory_bytes(self) -> int:
         return 0
@@ -93,4 +131,6 @@ class OrtRuntime(Runtime):
         return {"graph_optimization": "ORT_ENABLE_ALL", "execution_provider": "CPUExecutionProvider"}
 
     def load(self, artifact: Path, profiles: tuple[Profile, ...], *, threads: int) -> Engine:
-        return OrtEngine(artifact, threads=threads, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        shared = threads // OrtEngine.slots if threads >= OrtEngine.slots else 0  # nothing to share out of one
+        return OrtEngine(artifact, threads=threads, shared_threads=shared,
+                         level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
