@@ -125,6 +125,8 @@ class Batcher:
         self.run_batch = run_batch          # runs in a thread: token ids -> one result per sequence
         self.buckets = buckets
         self.groups = groups or buckets     # the lengths a batch is cut by (length_groups), at most the buckets'
+        if not set(buckets) <= set(self.groups) or max(self.groups) != max(buckets):
+            raise ValueError(f"length groups {self.groups} must include the buckets {buckets} and end with them")
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
@@ -214,12 +216,23 @@ class Batcher:
         batch_s = self._batch_estimate(asyncio.get_running_loop().time() if now is None else now)
         if batch_s <= 0.0:
             return 0.0
-        batches = -(-(self._waiting + 1) // self.max_batch)
+        batches = self._batches_queued() + self._starts_batch(group)
         if self.row_s:
             modelled = batches * self.fixed_s + sum(n * self._row_cost(b) for b, n in self._rows.items())
             modelled += 0.0 if group is None else self._row_cost(group)
             batch_s = max(batch_s, modelled * self.speed / batches)
         return batches / self.concurrency * batch_s
+
+    def _batches_queued(self) -> int:
+        """The batches the queue makes: each group's rows cut max_batch at a time."""
+        return sum(-(-n // self.max_batch) for n in self._rows.values() if n > 0)
+
+    def _starts_batch(self, group: int | None) -> bool:
+        """Whether a new request of `group` needs a batch of its own (its group's last is full or there
+        is none); of an unknown group, whether no queued batch has room."""
+        if group is not None:
+            return self._rows[group] % self.max_batch == 0
+        return all(n % self.max_batch == 0 for n in self._rows.values() if n > 0)
 
     def told_wait(self) -> float:
         """What the frontends are told a new request would wait (their admission control): the expected
@@ -260,9 +273,10 @@ class Batcher:
             return
         self._take_incoming()
         queued = heapq.merge(*self._pending.values(), key=lambda r: r.enqueued)
-        late, work = set(), 0.0
-        for position, request in enumerate(queued):
-            batches = position // self.max_batch + 1
+        late, work, batches, in_group = set(), 0.0, 0, Counter()
+        for request in queued:  # a request starts a batch where its group's last one is full
+            batches += in_group[request.group] % self.max_batch == 0
+            in_group[request.group] += 1
             done_at = now + batches / self.concurrency * batch_s
             if self.row_s:  # the row model: the rows ahead and this one, and a batch's own cost each
                 work += self._row_cost(request.group)

@@ -141,11 +141,12 @@ class ModelRuntime:
         labels_path = spec.version_dir(version) / LABELS_FILE
         self.labels: list[str] = json.loads(labels_path.read_text()) if spec.task == "classification" else []
         self.answers = Answers(spec, version, self.labels)
+        groups = length_groups(spec.buckets) if self.engine.any_length and config.server.length_groups else None
         self.batcher = Batcher(
             self._run_batch, buckets=spec.buckets, max_batch=spec.max_batch_size,
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
             concurrency=self.engine.slots, name=f"{spec.name}-{version}", max_wait_s=config.server.max_queue_wait_s,
-            nice=nice, groups=length_groups(spec.buckets) if self.engine.any_length and config.server.length_groups else None,
+            nice=nice, groups=groups,
         )
 
     def _run_batch(self, sequences: list) -> list[dict[str, np.ndarray]]:

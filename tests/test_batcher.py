@@ -105,6 +105,40 @@ def test_an_any_length_engine_pads_less_by_length_group(model):
     assert set(batcher.text_s) == {batcher.bucket_of(len(s)) for s in ids}
 
 
+def test_admission_counts_a_batch_per_length_group(model):
+    """Rows of three length groups queue as three batches, not one: the wait a new request is told
+    counts them (and a request of a group with room joins its batch), and the queue's row counts stay
+    whole after a cut."""
+    encoder, engine = model
+    recorder = RecordingEngine(engine)
+    recorder.gate.clear()
+    texts = ("a b", "a b c d e f g h i", "a b c d e f g h i j k l")  # 4, 11 and 14 tokens: one bucket, 3 groups
+
+    async def run(groups):
+        batcher = Batcher(recorder, buckets=BUCKETS, max_batch=8, max_delay_s=0.0, max_queue=100, groups=groups)
+        batcher.seed_timing(1.0)  # a batch takes 1 s (no row model): the held batch's age stays under it
+        held = batcher.enqueue(encoder.encode("the engine is busy with this one"), None)
+        while not batcher._running:
+            await asyncio.sleep(0.001)
+        queued = [batcher.enqueue(encoder.encode(text), None) for text in texts]
+        await asyncio.sleep(0)
+        told = (batcher.expected_wait(), batcher.expected_wait(group=batcher.group_of(4)),
+                batcher.expected_wait(group=batcher.group_of(20)))
+        recorder.gate.set()
+        await asyncio.gather(held, *queued)
+        rows = sum(batcher._rows.values())
+        await batcher.close()
+        recorder.gate.clear()
+        return told, rows, {batcher.group_of(len(encoder.encode(t))) for t in texts}
+
+    by_group, rows, groups = asyncio.run(run(length_groups(BUCKETS)))
+    assert len(groups) == 3 and rows == 0
+    # 3 queued batches; a request joins one with room (any length, or 4 tokens), or starts a 4th (20 tokens)
+    assert by_group == pytest.approx((3.0, 3.0, 4.0))
+    by_bucket, _, _ = asyncio.run(run(None))
+    assert by_bucket == pytest.approx((1.0, 1.0, 2.0))  # one bucket of 16 (the 20 tokens': 32): one batch
+
+
 def test_full_queue_rejects_at_once(model):
     encoder, engine = model
     recorder = RecordingEngine(engine)
