@@ -10,6 +10,7 @@ and a benchmark falls back to the Python generator, saying so in its results.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import struct
 import subprocess
@@ -49,7 +50,7 @@ def _build(binary: Path) -> Path | None:
               "libgrpc++-dev; using the Python generator)", flush=True)
         return None
     binary.parent.mkdir(parents=True, exist_ok=True)
-    partial = binary.with_suffix(".partial")
+    partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")  # two builds at once: each its own
     print("  building the C++ load generator ...", flush=True)
     built = subprocess.run([compiler, "-O2", "-std=c++17", str(SOURCE), *flags.stdout.split(), "-o", str(partial)],
                            capture_output=True, text=True)

@@ -102,7 +102,7 @@ bool read_requests(const char* path, std::vector<std::string>* out) {
     if (!in.read(payload.data(), length)) return false;
     out->push_back(std::move(payload));
   }
-  return in.eof();
+  return in.eof() && in.gcount() == 0;  // not a length cut short
 }
 
 double monotonic_s(Clock::time_point t) {
