@@ -43,9 +43,9 @@ import grpc
 
 from bench import BANKING77, RESULTS, echo
 from bench.engines import bench_l3, print_l3
-from bench.length_groups import bench_length_groups, print_length_groups
 from bench.fleet import bench_fleet, print_fleet
 from bench.l2 import bench_l2, print_l2
+from bench.length_groups import bench_length_groups, print_length_groups
 from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
 from bench.overload import bench_overload, print_overload
 from bench.gpu import ALTERNATING_ROUNDS, PARTS, bench_gpu, load_one, print_gpu
