@@ -27,8 +27,8 @@ burst of long texts: admitted at that estimate, most of such a burst was shed se
 warmup also times four rows, and the estimate is at least what that row model gives: a batch of n
 rows padded to length b (their group) takes fixed + n x row x b / (longest bucket), summed over the
 rows admitted, scaled by how recent batches compared with the model (its `speed`, which starts from
-the slots sharing the cores; the queue is re-checked after every batch). A GPU, where a row adds next to nothing, keeps the batch
-estimate; short texts cost a proportionally small share of a row. The frontends read the estimate from
+the slots sharing the cores; the queue is re-checked after every batch). A GPU, where a row adds next
+to nothing, keeps the batch estimate; short texts cost a proportionally small share of a row. The frontends read the estimate from
 every answer frame (`told_wait`: held at the last refused request's wait while work remains) and refuse
 before sending, against the same bound (`wait_bound`). Cancelled and expired requests are dropped when
 the batch is cut, before they reach the engine.
@@ -209,8 +209,8 @@ class Batcher:
         return max(self.batch_s, self._last_batch_s, now - oldest)
 
     def expected_wait(self, now: float | None = None, group: int | None = None) -> float:
-        """Seconds until a request (of length `group`, where known) admitted now would have its result; 0 when
-        nothing is queued (an empty queue admits anything) or there is no estimate yet."""
+        """Seconds until a request (of length `group`, where known) admitted now would have its result;
+        0 when nothing is queued (an empty queue admits anything) or there is no estimate yet."""
         if not self._waiting:
             return 0.0
         batch_s = self._batch_estimate(asyncio.get_running_loop().time() if now is None else now)
