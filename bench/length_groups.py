@@ -13,18 +13,15 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.l2 import CALLERS, LOAD_PROCESSES, distinct_texts
+from bench.l2 import CALLERS, LOAD_PROCESSES, _requests, distinct_texts
 from bench.load import minilm_only, run_each_once
 from infercache.testing import ServerProcess
-from infercache.v1 import infercache_pb2 as pb
 
 VARIANTS = {"groups": (), "buckets": ("server.length_groups=false",)}
 
 
 def _misses(server: ServerProcess, texts: list[str], tenant: str) -> dict:
-    requests = [pb.InferRequest(model="minilm", text=t, tenant=tenant, semantic=pb.SemanticPolicy(enabled=False))
-                for t in texts]
-    result = run_each_once(server.address, requests, concurrency=CALLERS, processes=LOAD_PROCESSES, timeout=120)
+    result = run_each_once(server.address, _requests("minilm", texts, tenant), concurrency=CALLERS, processes=LOAD_PROCESSES, timeout=120)
     summary = result.summary()
     assert result.errors == 0 and summary["sources"] == {"MISS": len(texts)}, summary
     return summary

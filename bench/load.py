@@ -329,14 +329,20 @@ def run_each_once(address: str, requests: list[pb.InferRequest], *, concurrency:
                 raise RuntimeError(f"load processes failed (exit codes {dead}) or ran past their deadline")
     for proc in procs:
         proc.join(10)
+    errors, sources = answered_sources(r for part in parts for r in part[3])
+    seconds = max(p[1] for p in parts) - min(p[0] for p in parts)
+    latencies = np.concatenate([np.frombuffer(p[2], dtype=np.float64) for p in parts])
+    return LoadResult(len(latencies), errors, seconds, latencies, sources)
+
+
+def answered_sources(responses) -> tuple[int, dict[str, int]]:
+    """(errors, answers by CacheInfo source) of serialized InferResponses, None for a failed call."""
     sources: dict[str, int] = {}
     errors = 0
-    for response in (r for part in parts for r in part[3]):
+    for response in responses:
         if response is None:
             errors += 1
             continue
         name = pb.CacheInfo.Source.Name(pb.InferResponse.FromString(response).cache.source)
         sources[name] = sources.get(name, 0) + 1
-    seconds = max(p[1] for p in parts) - min(p[0] for p in parts)
-    latencies = np.concatenate([np.frombuffer(p[2], dtype=np.float64) for p in parts])
-    return LoadResult(len(latencies), errors, seconds, latencies, sources)
+    return errors, sources

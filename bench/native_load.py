@@ -19,13 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.load import INFER, LoadResult
+from bench.load import CHANNELS_PER_PROCESS, INFER, LoadResult, answered_sources
 from infercache.testing import REPO
 from infercache.v1 import infercache_pb2 as pb
 
 SOURCE = Path(__file__).with_name("native") / "loadgen.cc"
 BUILD = REPO / "build" / "bench"
-CHANNELS = 16  # one connection each, as the Python generator's (bench/load.py CHANNELS_PER_PROCESS)
 
 _built: dict[str, Path | None] = {}
 
@@ -73,20 +72,18 @@ def run_each_once_native(binary: Path, address: str, requests: list[pb.InferRequ
                 payload = request.SerializeToString()
                 f.write(struct.pack("<I", len(payload)) + payload)
         limit = 60 + timeout * max(1, len(requests) / concurrency)
-        subprocess.run([str(binary), address, INFER, str(concurrency), str(min(CHANNELS, concurrency)),
-                        str(timeout), str(requests_file), str(answers_file)], check=True, timeout=limit)
+        channels = min(CHANNELS_PER_PROCESS, concurrency)  # one connection each, as the Python generator's
+        subprocess.run([str(binary), address, INFER, str(concurrency), str(channels), str(timeout), str(requests_file),
+                        str(answers_file)], check=True, timeout=limit)
         data = answers_file.read_bytes()
     began, ended = struct.unpack_from("<dd", data)
-    offset, latencies, sources, errors = 16, [], {}, 0
+    offset, latencies, responses = 16, [], []
     for _ in requests:
         code, latency_ms, length = struct.unpack_from("<idI", data, offset)
         offset += 16
         response, offset = data[offset:offset + length], offset + length
-        if code != 0:
-            errors += 1
-            continue
-        latencies.append(latency_ms)
-        name = pb.CacheInfo.Source.Name(pb.InferResponse.FromString(response).cache.source)
-        sources[name] = sources.get(name, 0) + 1
+        responses.append(response if code == 0 else None)
+        if code == 0:
+            latencies.append(latency_ms)
+    errors, sources = answered_sources(responses)
     return LoadResult(len(latencies), errors, ended - began, np.array(latencies), sources)
-
