@@ -1,6 +1,9 @@
 """Who may do what: bearer tokens in call metadata, each mapped to a role and optionally a tenant.
 
-The token file (`security.tokens_file`, YAML) is read at start and again on SIGHUP:
+The token file (`security.tokens_file`, YAML) is read at start and again on SIGHUP, by the supervisor
+alone: it writes the token set in force (digests only) to a file in its socket directory, which every
+frontend reads when it starts and when the supervisor forwards SIGHUP (so a restarted frontend serves
+the set in force, never the one the server started with):
 
     - token: "..."          # at least 24 characters; e.g. `openssl rand -base64 32`
       role: client          # Infer, InferBatch, ListModels, and GetStats of the answering process only
@@ -22,6 +25,8 @@ comparison of a secret is ever made, so there is no timing oracle). Tokens never
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,3 +123,27 @@ def bind_tenant(grant: Grant, request) -> None:
         request.tenant = grant.tenant
     elif request.tenant != grant.tenant:
         raise PermissionDenied("this token may act only as its own tenant; leave tenant empty or set it to that")
+
+
+def write_in_force(path: Path, tokens: dict[bytes, Grant]) -> None:
+    """The supervisor's token set in force, for the frontends: digests and grants, never a token; 0600,
+    replaced atomically (a frontend never reads half of it)."""
+    entries = {key.hex(): [grant.role, grant.tenant] for key, grant in tokens.items()}
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(entries, out)
+    os.replace(partial, path)
+
+
+def read_in_force(path: Path) -> dict[bytes, Grant]:
+    """What write_in_force wrote; TokenFileError if it cannot be read."""
+    try:
+        table = {}
+        for key, (role, tenant) in json.loads(path.read_text()).items():
+            if role not in _RANK:
+                raise ValueError(f"unknown role {role!r}")
+            table[bytes.fromhex(key)] = Grant(role, tenant)
+        return table
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise TokenFileError(f"cannot read the token set in force from {path}: {exc}") from None

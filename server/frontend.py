@@ -30,7 +30,7 @@ from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server import hot_keys, metrics, process, telemetry
-from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_tokens
+from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_in_force
 from server.config import Config, store_settings
 from server.batcher import bucket_of
 from server.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
@@ -729,14 +729,15 @@ def server_options(config: Config) -> list[tuple[str, int]]:
             ("grpc.server.max_pending_requests_hard_limit", pending)]
 
 
-async def reload_tokens(gate: Gate, path: str) -> None:
-    """SIGHUP (forwarded by the supervisor): the token file again; a file that does not load keeps the
-    tokens in force. Authentication cannot be turned on or off this way, only its tokens changed."""
+async def reload_tokens(gate: Gate, path: Path) -> None:
+    """At start and on SIGHUP (sent by the supervisor once it changed it): the token set in force, which
+    the supervisor alone writes (server/supervisor.py). One that cannot be read keeps the tokens this
+    frontend has."""
     try:
-        gate.tokens = await asyncio.to_thread(read_tokens, path)
-        log.info("token file reloaded: %d token(s)", len(gate.tokens))
+        gate.tokens = await asyncio.to_thread(read_in_force, path)
+        log.debug("token set in force read: %d token(s)", len(gate.tokens))
     except TokenFileError as exc:
-        log.error("token file not reloaded, the previous tokens stay in force: %s", exc)
+        log.error("token set in force not read, this frontend keeps its tokens: %s", exc)
 
 
 def listen(server: grpc.aio.Server, address: str, tls: tuple[bytes, bytes, bytes | None] | None) -> int:
@@ -813,7 +814,7 @@ async def _quiesce(servicer: FrontendServicer, limit_s: float) -> None:
 
 
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,
-                 metrics_dir: Path | None = None) -> None:
+                 metrics_dir: Path | None = None, tokens_path: Path | None = None) -> None:
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
@@ -838,14 +839,16 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     gate = Gate(config.secrets.tokens)
     servicer = FrontendServicer(core, gate)
     add_servicer(servicer, server)
-    if config.security.tokens_file:
+    if tokens_path is not None:
         loop, reloads = asyncio.get_running_loop(), set()  # tasks referenced until done
 
         def on_sighup() -> None:
-            task = loop.create_task(reload_tokens(gate, config.security.tokens_file))
+            task = loop.create_task(reload_tokens(gate, tokens_path))
             reloads.add(task)
             task.add_done_callback(reloads.discard)
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
+        # After the handler is in place: a change made while this process started reaches it either way.
+        await reload_tokens(gate, tokens_path)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -884,11 +887,12 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     log.info("frontend stopped")
 
 
-def main(config: Config, index: int, socket_paths: list[str], ready, metrics_dir: str | None = None) -> None:
+def main(config: Config, index: int, socket_paths: list[str], ready, metrics_dir: str | None = None,
+         tokens_path: Path | None = None) -> None:
     """Entry point of a spawned frontend process."""
     # The frontends are the parallelism: each tokenizes on its own thread, not on a pool per process.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload that arrives before the loop's handler is not an exit
     process.setup_logging(config.server.log_level, f"frontend-{index}")
     process.run(lambda stop: _serve(config, index, [Path(p) for p in socket_paths], ready, stop,
-                                    Path(metrics_dir) if metrics_dir else None))
+                                    Path(metrics_dir) if metrics_dir else None, tokens_path))

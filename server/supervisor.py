@@ -22,6 +22,7 @@ from pathlib import Path
 from cachestore import integrity
 from cachestore.env import DIR_MODE
 from server import devices, frontend, mps, process, worker
+from server.auth import TokenFileError, read_tokens, write_in_force
 from server.config import Config, feature_store_settings
 
 log = logging.getLogger("infercache.supervisor")
@@ -72,8 +73,12 @@ class Supervisor:
         self.workers = [_Child("worker", p.index, worker.main,
                                (config, p, cpu_workers, sockets[p.index], self.ready, figures))
                         for p in self.placements]
+        # The token set in force: this process's alone to change (SIGHUP), every frontend reads it.
+        self.tokens_path = socket_dir / "tokens.json" if config.secrets.tokens is not None else None
+        if self.tokens_path is not None:
+            write_in_force(self.tokens_path, config.secrets.tokens)
         self.frontends = [
-            _Child("frontend", i, frontend.main, (config, i, sockets, self.ready, figures))
+            _Child("frontend", i, frontend.main, (config, i, sockets, self.ready, figures, self.tokens_path))
             for i in range(config.frontend_count)
         ]
         # This process's figures for /metrics: written by the main thread, read by the metrics thread.
@@ -187,19 +192,31 @@ class Supervisor:
         self._stopping = True
 
     def _on_reload(self, signum, frame) -> None:
-        """SIGHUP: the frontends read the token file again (server/frontend.py reload_tokens)."""
+        """SIGHUP: the token file again (_reload_tokens, on the main loop)."""
         self._reload = True
 
-    def _forward_reload(self) -> None:
+    def _reload_tokens(self) -> None:
+        """Reads the token file; if it loads, makes it the set in force and tells the frontends, which read
+        it (server/frontend.py); a frontend started later reads the same. A file that does not load keeps
+        the tokens in force. Authentication cannot be turned on or off this way, only its tokens changed."""
         self._reload = False
+        if self.tokens_path is None:
+            log.info("SIGHUP: no security.tokens_file, nothing to reload")
+            return
+        try:
+            tokens = read_tokens(self.config.security.tokens_file)
+        except TokenFileError as exc:
+            log.error("token file not reloaded, the previous tokens stay in force: %s", exc)
+            return
+        write_in_force(self.tokens_path, tokens)
         live = [c.process.pid for c in self.frontends if c.process is not None and c.process.is_alive()]
         for pid in live:
             os.kill(pid, signal.SIGHUP)
-        log.info("SIGHUP: %d frontend(s) reload the token file", len(live))
+        log.info("token file reloaded: %d token(s); %d frontend(s) told", len(tokens), len(live))
 
     def _watch(self) -> None:
         if self._reload:
-            self._forward_reload()
+            self._reload_tokens()
         children = [*self.workers, *self.frontends]
         alive = [c for c in children if c.process is not None and c.process.is_alive()]
         self.live = {role: sum(c.role == role for c in alive) for role in self.live}
