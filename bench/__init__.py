@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from infercache.testing import REPO
+from tests.servers import REPO
 
 # The device machine has no shared/ beside the checkout: bench/device.sh points this at a carried copy
 # (not an INFERCACHE_ variable: the server reads those as settings).

@@ -56,7 +56,7 @@ from bench.security import bench_hit_path, bench_redaction, print_security
 from bench.semantic import bench_eval, bench_hit_latency, bench_rebuild, print_semantic
 from bench.shadow import bench_shadow, print_shadow
 from bench.load import INFER, run_load, warm
-from infercache.testing import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 

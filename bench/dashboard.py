@@ -28,8 +28,8 @@ import grpc
 
 from bench import BANKING77
 from bench.load import minilm_only
-from infercache.testing import REPO, ServerProcess, free_port
-from infercache.testing_prometheus import PrometheusProcess
+from tests.servers import REPO, ServerProcess, free_port
+from tests.prometheus_server import PrometheusProcess
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))
 from render import render  # noqa: E402

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from infercache.v1 import infercache_pb2 as pb
-from infercache.testing import free_port
+from tests.servers import free_port
 from infercache.v1 import infercache_pb2_grpc
 from server import process
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from cachestore.engines import EngineStore
-from infercache.testing import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess
 from server.engines.artifacts import get_runtime, prepare
 from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from bench.load import minilm_only, run_load, warm
-from infercache import testing_redis
-from infercache.testing import ServerProcess
+from tests import redis_servers
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import DEFAULT_STEPS, Normalizer
 
@@ -61,7 +61,7 @@ async def _redis_round_trip(port: int, key: str, calls: int) -> dict:
 
 
 def bench_fleet(workdir: Path, texts: list[str], scale: float) -> dict:
-    why = testing_redis.available()
+    why = redis_servers.available()
     if why is not None:
         return {"skipped": why}
     workdir.mkdir(parents=True)
@@ -69,7 +69,7 @@ def bench_fleet(workdir: Path, texts: list[str], scale: float) -> dict:
     pool = iter(_distinct(texts))
     sets = {name: [next(pool) for _ in range(n)] for name, n in sizes.items()}
     models = minilm_only(workdir / "models")
-    redis_server = testing_redis.RedisProcess(workdir / "redis")
+    redis_server = redis_servers.RedisProcess(workdir / "redis")
     pods = []
     try:
         for name in ("a", "b"):

@@ -31,7 +31,7 @@ import numpy as np
 
 from bench import echo
 from bench.load import INFER, run_load_processes
-from infercache.testing import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 INFER_BATCH = "/infercache.v1.InferenceCache/InferBatch"

@@ -36,7 +36,7 @@ import numpy as np
 from bench import BANKING77
 from bench.load import run_each_once
 from bench.native_load import loadgen, run_each_once_native
-from infercache.testing import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import Normalizer
 

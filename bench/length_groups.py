@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.l2 import CALLERS, LOAD_PROCESSES, _requests, distinct_texts
 from bench.load import minilm_only, run_each_once
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 
 VARIANTS = {"groups": (), "buckets": ("server.length_groups=false",)}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from infercache.testing import REPO
+from tests.servers import REPO
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from bench import cores
 from bench.load import minilm_only, run_load, warm
 from bench.security import HITS, frontend_cpu_us_per_hit
-from infercache import testing_prometheus
-from infercache.testing import ServerProcess, free_port
+from tests import prometheus_server
+from tests.servers import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 
 
@@ -35,8 +35,8 @@ class _Scraper:
     def __init__(self, workdir: Path, port: int) -> None:
         self.prometheus = None
         self._stop = threading.Event()
-        if testing_prometheus.available() is None:
-            self.prometheus = testing_prometheus.PrometheusProcess(workdir, [f"127.0.0.1:{port}"])
+        if prometheus_server.available() is None:
+            self.prometheus = prometheus_server.PrometheusProcess(workdir, [f"127.0.0.1:{port}"])
             self.kind = "prometheus"
         else:
             self.kind = "thread"

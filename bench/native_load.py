@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.load import CHANNELS_PER_PROCESS, INFER, LoadResult, answered_sources
-from infercache.testing import REPO
+from tests.servers import REPO
 from infercache.v1 import infercache_pb2 as pb
 
 SOURCE = Path(__file__).with_name("native") / "loadgen.cc"

@@ -33,7 +33,7 @@ import numpy as np
 from bench import echo
 from bench.gpu import cpu_during, frontend_pids
 from bench.load import minilm_only
-from infercache.testing import ServerProcess, free_port
+from tests.servers import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.config import Config

@@ -27,7 +27,7 @@ from bench import RESULTS
 from bench.__main__ import load_texts
 from bench.load import minilm_only, run_each_once, run_load
 from bench.overload import bench_overload
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 MISS_CALLERS, HIT_TEXTS, HITS = 32, 300, 600

@@ -37,7 +37,7 @@ import yaml
 from bench import cores
 from bench.gpu import cpu_during, frontend_pids
 from bench.load import minilm_only, run_load, warm
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 HITS = 200

@@ -17,7 +17,7 @@ from cachestore.env import Store, StoreSettings
 from cachestore.keys import Namespace, entry_key
 from cachestore.semantic import SemanticEntry
 from cachestore.writer import WriteBehind
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.model_runtime import to_tensors
 from server.normalize import Normalizer

@@ -37,7 +37,7 @@ from bench import RESULTS
 from bench.__main__ import load_texts
 from bench.gpu import INFER, server_roles
 from bench.load import warm
-from infercache.testing import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 INVALIDATE = "/infercache.v1.InferenceCache/Invalidate"

@@ -21,7 +21,7 @@ import numpy as np
 
 from bench.gpu import cpu_seconds, _task_children, make_gpu_models
 from cachestore.keys import entry_key, namespace_id
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import worker_pb2
 from server.framing import HEADER, complete_frames
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.gpu import (INFER_BATCH, batch_payloads, distinct_texts, gpu_available, long_texts, make_gpu_models,
                        measured)
 from bench.load import run_load_processes
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.devices import visible_gpus
 

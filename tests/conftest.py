@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infercache.testing import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess
 from tests.helpers import link_model
 
 MODEL_VERSION_DIR = REPO / "models" / "minilm" / "1"

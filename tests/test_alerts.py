@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infercache.testing import REPO
+from tests.servers import REPO
 
 DEPLOY = REPO / "deploy" / "prometheus"
 ALERTS = DEPLOY / "alerts.yml"

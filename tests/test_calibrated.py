@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from cachestore.results import now_us
 from server.calibration import EDGES, Calibration, load, save, wilson_upper
 from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config

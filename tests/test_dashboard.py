@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from infercache.testing import REPO
+from tests.servers import REPO
 
 GRAFANA = REPO / "deploy" / "grafana"
 DASHBOARD = json.loads((GRAFANA / "infercache.json").read_text())

@@ -18,7 +18,7 @@ from cachestore import records
 from cachestore.env import DB_RESULTS, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import Namespace
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from server.batcher import Batcher
 from server.config import Config, feature_store_settings
 from server.feature_lru import DeviceRow, FeatureLRU
@@ -159,10 +159,10 @@ def test_a_feature_answer_a_frontend_copies_is_shared_through_the_fleet(start_se
     """As a worker's answers are: a text's second FEATURE answer made in pod A's frontend reaches pod B
     through Redis, which then answers it as a fleet hit."""
     pytest.importorskip("redis")
-    from infercache import testing_redis
+    from tests import redis_servers
     from tests.test_fleet import TEST_BUDGET_MS, fleet_usable, until, worker_counter
 
-    redis = testing_redis.RedisProcess(tmp_path / "redis")
+    redis = redis_servers.RedisProcess(tmp_path / "redis")
     try:
         settings = (f"fleet.redis={redis.url}", f"fleet.timeout_ms={TEST_BUDGET_MS}")
         a, b = (start_server(head_models, frontends=1, settings=settings) for _ in range(2))

@@ -16,15 +16,15 @@ import pytest
 from cachestore import records
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from cachestore.keys import entry_key, namespace_id
-from infercache import testing_redis
-from infercache.testing import ServerProcess
+from tests import redis_servers
+from tests.servers import ServerProcess
 from server.config import ConfigError
 from server.config import load as load_config
 from server.fleet import generations
 from server.fleet.generations import Generations
 from server.normalize import DEFAULT_STEPS, Normalizer
 
-pytestmark = pytest.mark.skipif(testing_redis.available() is not None, reason=testing_redis.available() or "")
+pytestmark = pytest.mark.skipif(redis_servers.available() is not None, reason=redis_servers.available() or "")
 
 redis = pytest.importorskip("redis")
 
@@ -66,7 +66,7 @@ def entry(text: str, tenant: str = "", model: str = "minilm", version: str = "1"
 
 @pytest.fixture
 def redis_server(tmp_path):
-    server = testing_redis.RedisProcess(tmp_path / "redis")
+    server = redis_servers.RedisProcess(tmp_path / "redis")
     yield server
     server.stop()
 
@@ -325,7 +325,7 @@ def test_two_servers_on_one_engine_directory_build_once(start_server, tmp_path):
 
 @pytest.fixture
 def cluster(tmp_path):
-    made = testing_redis.RedisCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1000)
+    made = redis_servers.RedisCluster(tmp_path / "cluster", masters=3, replicas=1, node_timeout_ms=1000)
     yield made
     made.stop()
 

@@ -38,7 +38,7 @@ import pytest
 import yaml
 
 from infercache.client import Client
-from infercache.testing import REPO, free_port
+from tests.servers import REPO, free_port
 from tests.helpers import unique, wait_cached
 
 DOCKER = REPO / "deploy" / "docker"

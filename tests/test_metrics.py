@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from cachestore.keys import KEY_BYTES
-from infercache import testing_prometheus
-from infercache.testing import ServerProcess, free_port
-from infercache.testing_prometheus import PrometheusProcess, sample_value
+from tests import prometheus_server
+from tests.servers import ServerProcess, free_port
+from tests.prometheus_server import PrometheusProcess, sample_value
 from server.frontend_metrics import FrontendMetrics
 from server.hot_keys import HotKeys, merge_tops
 from server.telemetry import Recorder
@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "deploy" / "grafana"))
 from queries import panel_queries  # noqa: E402
 from render import render  # noqa: E402
 
-needs_prometheus = pytest.mark.skipif(testing_prometheus.available() is not None,
-                                      reason=testing_prometheus.available() or "")
+needs_prometheus = pytest.mark.skipif(prometheus_server.available() is not None,
+                                      reason=prometheus_server.available() or "")
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "infercache.json"
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.normalize import DEFAULT_STEPS, Normalizer
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR

@@ -16,7 +16,7 @@ from cachestore.keys import Namespace
 from cachestore.results import now_us
 from cachestore.semantic import Row, SemanticEntry
 from cachestore.writer import WriteBehind
-from infercache.testing import ServerProcess
+from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.match_policy import MatchPolicy, Neighbor
 from server.model_runtime import to_tensors

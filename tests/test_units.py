@@ -111,7 +111,7 @@ def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
 def test_a_classifiers_rendered_answers_are_protobufs_bytes():
     import dataclasses
 
-    from infercache.testing import REPO
+    from tests.servers import REPO
     from server.model_runtime import Answers, response_of
     from server.models import ModelRepository
 

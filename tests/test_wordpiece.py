@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from infercache.testing import REPO
+from tests.servers import REPO
 from server.tokenization import TextEncoder
 from server.wordpiece import FastWordPiece
 

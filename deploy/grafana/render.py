@@ -6,7 +6,7 @@ as their last value, the heatmap as its buckets' rates, tables as bars, text pan
     render(query_range, dashboard, start, end, Path("dashboard.png"))
 
 `query_range(expr, start, end, step)` is any function answering like Prometheus' /api/v1/query_range
-(infercache.testing_prometheus.PrometheusProcess.query_range). Needs matplotlib (`pip install
+(tests.prometheus_server.PrometheusProcess.query_range). Needs matplotlib (`pip install
 infercache[eval]`).
 """
 

@@ -1,4 +1,4 @@
-"""infercache/testing_prometheus.py against a real prometheus process that scrapes its own /metrics
+"""tests/prometheus_server.py against a real prometheus process that scrapes its own /metrics
 (no infercache server needed) and evaluates deploy/prometheus/alerts.yml."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from infercache import testing_prometheus
-from infercache.testing import REPO, free_port
-from infercache.testing_prometheus import PrometheusError, PrometheusProcess, sample_value
+from tests import prometheus_server
+from tests.servers import REPO, free_port
+from tests.prometheus_server import PrometheusError, PrometheusProcess, sample_value
 
-pytestmark = pytest.mark.skipif(testing_prometheus.available() is not None,
-                                reason=testing_prometheus.available() or "")
+pytestmark = pytest.mark.skipif(prometheus_server.available() is not None,
+                                reason=prometheus_server.available() or "")
 
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 
@@ -55,5 +55,5 @@ def test_it_evaluates_the_rule_files(prom):
 
 
 def test_available_says_why(monkeypatch):
-    monkeypatch.setattr(testing_prometheus.shutil, "which", lambda name: None)
-    assert "apt-get install prometheus" in testing_prometheus.available()
+    monkeypatch.setattr(prometheus_server.shutil, "which", lambda name: None)
+    assert "apt-get install prometheus" in prometheus_server.available()
