@@ -137,7 +137,15 @@ class MatchPolicy:
 def policy_from_config(section: dict | None) -> CalibratedPolicy | MatchPolicy | None:
     """The model's policy from its config.yaml `semantic:` section (None when off). Setting
     `min_similarity` chooses the fixed consensus rule; otherwise the calibrated rule applies."""
-    if not section or not section.get("enabled", False):
+    if not section:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"semantic: expected a mapping of settings, got {section!r}")
+    if not section.get("enabled", False):  # off: still no key that neither rule knows
+        names = {f.name for cls in (MatchPolicy, CalibratedPolicy) for f in fields(cls)}
+        if unknown := set(section) - names - {"enabled"}:
+            raise ValueError(f"semantic: {', '.join(sorted(unknown))} not settings of either rule "
+                             f"({', '.join(sorted(names))})")
         return None
     cls = MatchPolicy if "min_similarity" in section else CalibratedPolicy
     names = {f.name for f in fields(cls)}

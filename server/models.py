@@ -97,6 +97,35 @@ def _is_version(path: Path) -> bool:
     return any((path / name).is_file() for name in (MODEL_FILE, TORCH_WEIGHTS_FILE, HEAD_FILE))
 
 
+# Every key a config.yaml may hold: a section's own keys, or None for a value (semantic: its rule checks
+# its keys, server/match_policy.py). Anything else is an error, so that a typo never does nothing.
+KNOWN_KEYS: dict[str, frozenset[str] | None] = {
+    "task": None, "serving_version": None, "outputs": None, "semantic": None,
+    "input": frozenset({"max_text_chars", "max_tokens"}),
+    "batching": frozenset({"buckets", "max_batch_size", "max_queue_delay_ms"}),
+    "cache": frozenset({"ttl_s"}),
+    "engine": frozenset({"precision"}),
+    "privacy": frozenset({"pii"}),
+    "l2": frozenset({"share_across_tenants"}),
+    "hot_keys": frozenset({"keep_text"}),
+}
+
+
+def check_keys(data: dict) -> None:
+    """ModelConfigError naming the first key that is not a setting, and the ones that are."""
+    for key, value in data.items():
+        if key not in KNOWN_KEYS:
+            raise ModelConfigError(f"unknown key {key!r} (known: {', '.join(KNOWN_KEYS)})")
+        inner = KNOWN_KEYS[key]
+        if inner is None or value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ModelConfigError(f"{key!r} must be a mapping of {', '.join(sorted(inner))}, got {value!r}")
+        for name in value:
+            if name not in inner:
+                raise ModelConfigError(f"unknown key '{key}.{name}' (known in {key}: {', '.join(sorted(inner))})")
+
+
 def _get(data: dict, path: str, kind: type, default: Any = None) -> Any:
     node: Any = data
     for part in path.split("."):
@@ -117,7 +146,10 @@ def load_model(root: Path) -> ModelSpec:
         data = yaml.safe_load(config_path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{config_path}: expected a mapping of settings, got {type(data).__name__}")
     try:
+        check_keys(data)
         buckets = tuple(sorted(int(b) for b in _get(data, "batching.buckets", list)))
         max_tokens = _get(data, "input.max_tokens", int)
         spec = ModelSpec(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -13,6 +15,7 @@ from bench import BANKING77
 from infercache.v1 import infercache_pb2 as pb
 from server import config, errors
 from server.normalize import DEFAULT_STEPS, Normalizer
+from tests.servers import REPO
 
 
 @pytest.mark.parametrize("variant", [
@@ -111,7 +114,6 @@ def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
 def test_a_classifiers_rendered_answers_are_protobufs_bytes():
     import dataclasses
 
-    from tests.servers import REPO
     from server.model_runtime import Answers, response_of
     from server.models import ModelRepository
 
@@ -261,3 +263,32 @@ def test_pad_batch_pads_each_row_to_the_length():
         assert out["attention_mask"][n].tolist() == [1] * len(row) + [0] * (8 - len(row))
     assert out["input_ids"].dtype == out["attention_mask"].dtype == np.int64
     assert pad_batch([[5, 6]], 4)["input_ids"].tolist() == [[5, 6, 0, 0]]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.replace("cache:\n  ttl_s:", "cache:\n  ttl_sec:"), r"unknown key 'cache.ttl_sec' \(known in cache: ttl_s\)"),
+    (lambda c: c + "batchng: {max_batch_size: 4}\n", r"unknown key 'batchng' \(known: task, serving_version, outputs"),
+    (lambda c: c + "semantic: {enabled: false, max_eror: 0.01}\n", r"semantic: max_eror not settings of either rule"),
+    (lambda c: c + "privacy: redact\n", r"'privacy' must be a mapping of pii"),
+])
+def test_a_model_config_with_an_unknown_key_names_the_file_the_key_and_the_known_ones(tmp_path, edit, message):
+    from server.models import ModelConfigError, load_model
+
+    root = tmp_path / "minilm"
+    root.mkdir()
+    (root / "config.yaml").write_text(edit((REPO / "models" / "minilm" / "config.yaml").read_text()))
+    with pytest.raises(ModelConfigError, match=message) as raised:
+        load_model(root)
+    assert str(root / "config.yaml") in str(raised.value)
+
+
+def test_the_server_refuses_to_start_on_a_model_config_typo(tmp_path):
+    root = tmp_path / "models" / "minilm"
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text((REPO / "models" / "minilm" / "config.yaml").read_text()
+                                      .replace("max_queue_delay_ms", "max_queue_delay"))
+    done = subprocess.run([sys.executable, "-m", "server", "serve", "--models-dir", str(tmp_path / "models"),
+                           "--cache-dir", str(tmp_path / "cache"), "--port", "1"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "unknown key 'batching.max_queue_delay'" in done.stderr + done.stdout, done.stderr[-2000:]
