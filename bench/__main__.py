@@ -157,8 +157,8 @@ def bench_engine(texts: list[str], scale: float) -> dict:
     """The engine alone, in this process, with the servers stopped: batch 1 vs batches of 32 cut per
     bucket as the batcher cuts them. This is the ceiling of the server-level batching ratio."""
     from server.engines.onnxruntime import OrtEngine
-    from server.models import load_model
-    from server.tokenization import TextEncoder, pad_batch
+    from server.shared.models import load_model
+    from server.shared.tokenization import TextEncoder, pad_batch
 
     spec = load_model(REPO / "models" / "minilm")
     folder = spec.version_dir(spec.serving_version)
@@ -351,7 +351,7 @@ def main() -> None:
                                                 tuple(filter(None, args.overload_settings.split(","))))
             save()
         if "l2" in sections:
-            from server.devices import GPU_RUNTIMES, visible_gpus
+            from server.shared.devices import GPU_RUNTIMES, visible_gpus
 
             print("benchmarking the feature tier (L2) ...", flush=True)
             l2_settings = tuple(filter(None, args.l2_settings.split(",")))

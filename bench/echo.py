@@ -16,7 +16,7 @@ import numpy as np
 from infercache.v1 import infercache_pb2 as pb
 from tests.servers import free_port
 from infercache.v1 import infercache_pb2_grpc
-from server import process
+from server.shared import process
 
 
 class Echo(infercache_pb2_grpc.InferenceCacheServicer):

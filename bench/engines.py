@@ -14,7 +14,7 @@ from tests.servers import REPO, ServerProcess
 from server.engines.artifacts import get_runtime, prepare
 from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine
-from server.models import load_model
+from server.shared.models import load_model
 
 
 def _timed(fn) -> float:

@@ -25,7 +25,7 @@ from bench.load import minilm_only, run_load, warm
 from tests import redis_servers
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from server.normalize import DEFAULT_STEPS, Normalizer
+from server.shared.normalize import DEFAULT_STEPS, Normalizer
 
 ROUNDS = 3
 SIZES = {"l1": 200, "fleet_1": 300 * ROUNDS, "fleet_32": 1000 * ROUNDS, "miss_1": 300, "miss_32": 1500}

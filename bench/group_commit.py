@@ -32,7 +32,7 @@ from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
 from cachestore.results import now_us
 from cachestore.semantic import SemanticEntry
-from server.writer_process import WriterProcess
+from server.worker.writer import WriterProcess
 
 RECORD_BYTES = 1600
 PREFILL = 20_000  # entries in the store before a run (a store in use, not an empty one)

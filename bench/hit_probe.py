@@ -17,8 +17,8 @@ from pathlib import Path
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server import config as settings
-from server.frontend import FrontendCore
-from server.models import ModelRepository
+from server.frontend.process import FrontendCore
+from server.shared.models import ModelRepository
 
 TEXT = "how do I top up my card?"
 

@@ -38,7 +38,7 @@ from bench.load import run_each_once
 from bench.native_load import loadgen, run_each_once_native
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from server.normalize import Normalizer
+from server.shared.normalize import Normalizer
 
 CALLERS = 32
 LOAD_PROCESSES = max(1, (os.cpu_count() or 1) // 4)  # one on a small machine; enough not to set the pace on 16 cores
@@ -47,7 +47,7 @@ _native: Path | None = None  # the C++ load generator where bench_l2 chose it an
 
 def make_models(root: Path, progress=print) -> tuple[str, str]:
     """minilm, banking77 (a head, versions 1 and 2) and banking77-graph (the same weights in one graph)."""
-    from server.models import HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE
+    from server.shared.models import HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE
     from server.tools.train_head import compose, torch_source_with_head, train
 
     (root / "minilm").mkdir(parents=True)
@@ -252,8 +252,8 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
     import torch
 
     from cachestore.keys import Namespace
-    from server.feature_lru import FeatureLRU
-    from server.heads import _TorchHead
+    from server.worker.feature_lru import FeatureLRU
+    from server.worker.heads import _TorchHead
 
     lru = FeatureLRU(dim, "float16", 2 * entries * dim * 2, "cuda")  # room for all (slabs round down)
     rng = np.random.default_rng(0)

@@ -136,11 +136,11 @@ def in_process_cost(cache_dir: Path, models: Path, texts: list[str], rounds: int
     from collections import Counter
 
     from server import config as config_mod
-    from server.auth import Gate
-    from server.frontend import FrontendCore, FrontendServicer
-    from server.frontend_metrics import FrontendMetrics
-    from server.hot_keys import HotKeys
-    from server.models import ModelRepository
+    from server.shared.auth import Gate
+    from server.frontend.process import FrontendCore, FrontendServicer
+    from server.frontend.metrics import FrontendMetrics
+    from server.frontend.hot_keys import HotKeys
+    from server.shared.models import ModelRepository
 
     config = config_mod.load(None, {}, {"cache.dir": str(cache_dir), "server.models_dir": str(models)})
     repository = ModelRepository(models, 0)

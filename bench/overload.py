@@ -37,7 +37,7 @@ from tests.servers import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.config import Config
-from server.frontend import server_options
+from server.frontend.process import server_options
 
 
 def _ms(values: list[float]) -> dict:

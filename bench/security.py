@@ -128,8 +128,8 @@ def bench_hit_path(workdir: Path, texts: list[str], rounds: int, scale: float, f
 
 def bench_redaction(texts: list[str]) -> dict:
     """Per text: the PII step alone, and the whole normalizer with it against without it."""
-    from server import pii
-    from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, nfkc
+    from server.shared import pii
+    from server.shared.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, nfkc
 
     plain, redacting = Normalizer(DEFAULT_STEPS), Normalizer(REDACTING_STEPS)
     prepared = [nfkc(t) for t in texts]

@@ -19,8 +19,8 @@ from cachestore.semantic import SemanticEntry
 from cachestore.writer import WriteBehind
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from server.model_runtime import to_tensors
-from server.normalize import Normalizer
+from server.shared.answers import to_tensors
+from server.shared.normalize import Normalizer
 
 
 

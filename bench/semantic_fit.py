@@ -31,9 +31,9 @@ LEAVE_OUT, HOLDOUT = 4, 5
 
 def embed_banking77() -> tuple[np.ndarray, np.ndarray]:
     from server.engines.onnxruntime import OrtEngine
-    from server.models import MODEL_FILE, TOKENIZER_FILE, load_model
-    from server.normalize import Normalizer
-    from server.tokenization import TextEncoder
+    from server.shared.models import MODEL_FILE, TOKENIZER_FILE, load_model
+    from server.shared.normalize import Normalizer
+    from server.shared.tokenization import TextEncoder
     from server.tools.labelled_csv import read_labelled_csv
     from server.tools.train_head import embed
 
@@ -73,9 +73,9 @@ def mlp_logits(x: np.ndarray, y: np.ndarray, classes: int, hidden: int = 512, ep
 
 
 def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool) -> dict:
-    from server.calibration import Calibration
-    from server.match_policy import CalibratedPolicy, Neighbor, assess
-    from server.surrogate import Surrogate
+    from server.worker.calibration import Calibration
+    from server.shared.match_policy import CalibratedPolicy, Neighbor, assess
+    from server.shared.surrogate import Surrogate
 
     policy = CalibratedPolicy()
     model, scores = logits.argmax(axis=1), softmax(logits)

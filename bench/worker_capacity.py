@@ -23,7 +23,7 @@ from bench.gpu import cpu_seconds, _task_children, make_gpu_models
 from cachestore.keys import entry_key, namespace_id
 from tests.servers import ServerProcess
 from infercache.v1 import worker_pb2
-from server.framing import HEADER, complete_frames
+from server.shared.framing import HEADER, complete_frames
 
 IN_FLIGHT = 1024
 

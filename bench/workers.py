@@ -22,7 +22,7 @@ from bench.gpu import (INFER_BATCH, batch_payloads, distinct_texts, gpu_availabl
 from bench.load import run_load_processes
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from server.devices import visible_gpus
+from server.shared.devices import visible_gpus
 
 IN_FLIGHT = (4, 6, 8, 12)  # calls in flight per load process (8 processes: 32 to 96 calls of 8 texts)
 P99_TARGET_MS = 50.0

@@ -44,6 +44,23 @@ class Namespace:
         return cls(tenant, model, version)
 
 
+@dataclass(frozen=True)
+class Selector:
+    """What Invalidate removes; set fields combine with AND. None = any."""
+
+    tenant: str | None = None
+    model: str | None = None
+    version: str | None = None
+    key: bytes | None = None
+
+    def matches(self, ns: Namespace) -> bool:
+        return (
+            (self.tenant is None or ns.tenant == self.tenant)
+            and (self.model is None or ns.model == self.model)
+            and (self.version is None or ns.version == self.version)
+        )
+
+
 # One object per namespace, not one per stored answer (its JSON form is made once).
 namespace = lru_cache(maxsize=4096)(Namespace)
 

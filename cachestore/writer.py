@@ -24,7 +24,7 @@ import lmdb
 from cachestore import diskspace, records, results, semantic
 from cachestore.semantic import Row, SemanticEntry
 from cachestore.env import Store
-from cachestore.keys import NS_ID_BYTES, Namespace
+from cachestore.keys import NS_ID_BYTES, Namespace, Selector
 
 log = logging.getLogger("infercache.writer")
 
@@ -57,23 +57,6 @@ RUNWAY = 16 * 1024 * 1024
 # How long an invalidation keeps refusing entries created before it: a result computed before an
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
-
-
-@dataclass(frozen=True)
-class Selector:
-    """What Invalidate removes; set fields combine with AND. None = any."""
-
-    tenant: str | None = None
-    model: str | None = None
-    version: str | None = None
-    key: bytes | None = None
-
-    def matches(self, ns: Namespace) -> bool:
-        return (
-            (self.tenant is None or ns.tenant == self.tenant)
-            and (self.model is None or ns.model == self.model)
-            and (self.version is None or ns.version == self.version)
-        )
 
 
 @dataclass(slots=True)

@@ -49,7 +49,7 @@ BLAS_THREADS = {"OPENBLAS_NUM_THREADS": "1"}
 def _serve(args: argparse.Namespace) -> int:
     for name, value in BLAS_THREADS.items():
         os.environ.setdefault(name, value)
-    from server.models import ModelConfigError, ModelRepository
+    from server.shared.models import ModelConfigError, ModelRepository
     from server.supervisor import run
 
     config = _config(args)
@@ -71,7 +71,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
     import logging
 
     from server.tools.export_model import default_encoder_dir, export_sentence_encoder
-    from server.models import MODEL_FILE, load_model
+    from server.shared.models import MODEL_FILE, load_model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = load_model(Path(args.models_dir) / DEFAULT_MODEL)

@@ -20,9 +20,8 @@ import yaml
 
 from cachestore.env import StoreSettings
 from cachestore.sealing import KeyFileError, read_key_file
-from server.auth import Grant, TokenFileError, read_tokens
-from server.devices import RUNTIMES
-from server.mps import SHARING_MODES
+from server.shared.auth import Grant, TokenFileError, read_tokens
+from server.shared.devices import RUNTIMES, SHARING_MODES
 
 
 class ConfigError(ValueError):

@@ -17,7 +17,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from server.telemetry import SCHEMA, Recorder, read_snapshot
+from server.shared.telemetry import SCHEMA, Recorder, read_snapshot
 
 log = logging.getLogger("infercache.metrics")
 

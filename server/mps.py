@@ -41,7 +41,6 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0  # the workers have stopped by then: nothing keeps it
-SHARING_MODES = ("auto", "mps", "timeslice")
 
 
 class MpsUnavailable(RuntimeError):

@@ -21,8 +21,11 @@ from pathlib import Path
 
 from cachestore import integrity
 from cachestore.env import DIR_MODE
-from server import devices, frontend, mps, process, worker
-from server.auth import TokenFileError, read_tokens, write_in_force
+from server.shared import devices, process
+from server.frontend import process as frontend
+from server import mps
+from server.worker import process as worker
+from server.shared.auth import TokenFileError, read_tokens, write_in_force
 from server.config import Config, feature_store_settings
 
 log = logging.getLogger("infercache.supervisor")

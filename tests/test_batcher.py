@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from server.batcher import ADMIT_HEADROOM, Batcher, length_groups
+from server.shared.admission import ADMIT_HEADROOM
+from server.worker.batcher import Batcher, length_groups
 from server.engines.onnxruntime import OrtEngine
-from server.errors import DeadlineExceeded, Overloaded
-from server.tokenization import TextEncoder, pad_batch
+from server.shared.errors import DeadlineExceeded, Overloaded
+from server.shared.tokenization import TextEncoder, pad_batch
 from tests.conftest import MODEL_VERSION_DIR
 
 BUCKETS = (16, 32, 64, 128, 256)

@@ -21,9 +21,9 @@ import pytest
 
 from tests.servers import ServerProcess
 from cachestore.results import now_us
-from server.calibration import EDGES, Calibration, load, save, wilson_upper
-from server.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
-from server.surrogate import Surrogate
+from server.worker.calibration import EDGES, Calibration, load, save, wilson_upper
+from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
+from server.shared.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique, wait_for
 
@@ -246,7 +246,7 @@ class _Echo:
     labels = ["a", "b"]
 
     def __init__(self, batches: list, foreground_s: float, **settings) -> None:
-        from server.batcher import Batcher
+        from server.worker.batcher import Batcher
 
         self.spans: list[tuple[list[str], float, float]] = []
 
@@ -265,7 +265,7 @@ class _Echo:
 
 def _check(model: _Echo, calibration: Calibration, entry: bytes, scores=(0.9, 0.1)):
     """A hit that answered "a", from `entry`, offered for its check."""
-    from server.shadow import Check
+    from server.worker.shadow import Check
 
     return Check(model, calibration, None, np.array(scores), np.zeros(2), "a", 2.0, entry, 1.0, now_us())
 
@@ -287,7 +287,7 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
     of the worker (an encoder), wait for both to be idle: a foreground text queued after them runs first.
     Then the waiting checks go in one batch. A check whose model answer differs from the hit's contests
     the entry that answered."""
-    from server.shadow import ShadowVerifier
+    from server.worker.shadow import ShadowVerifier
 
     batches: list[list[str]] = []
 
@@ -324,7 +324,7 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
 
 
 def test_shadow_checks_of_two_models_go_in_a_batch_each_oldest_model_first():
-    from server.shadow import ShadowVerifier
+    from server.worker.shadow import ShadowVerifier
 
     batches: list[list[str]] = []
 
@@ -354,7 +354,7 @@ def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
     """A batcher kept busy without a pause by two callers (one text per batch: while one runs, the other
     waits): every MAX_DEFER_S one check runs between its batches (counted), so verification goes on
     under sustained load."""
-    from server import shadow
+    from server.worker import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.2)
     batches: list[list[str]] = []
@@ -393,7 +393,7 @@ def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
     the queue has drained."""
     import threading
 
-    from server import shadow
+    from server.worker import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.1)
     release = threading.Event()
@@ -431,7 +431,7 @@ def test_a_model_whose_queue_has_no_room_holds_back_only_its_own_checks(monkeypa
     model one's waits on; it goes once its queue has drained."""
     import threading
 
-    from server import shadow
+    from server.worker import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.1)
     release = threading.Event()
@@ -545,10 +545,11 @@ def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_i
     from cachestore.keys import Namespace
     from cachestore import records
     from cachestore.semantic import SemanticEntry
-    from cachestore.writer import Selector, WriteBehind
+    from cachestore.keys import Selector
+    from cachestore.writer import WriteBehind
     from infercache.v1 import infercache_pb2 as pb
-    from server.model_runtime import to_tensors
-    from server.semantic import SemanticTier
+    from server.shared.answers import to_tensors
+    from server.worker.semantic_index import SemanticTier
 
     rng = np.random.default_rng(2)
     dim, labels = 16, ["a", "b", "c"]

@@ -9,12 +9,12 @@ import pytest
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.compute import WorkerCore
+from server.worker.core import WorkerCore
 from server.config import Config
 from server.engines.artifacts import LoadedEngine
 from server.engines.null import NullEngine
-from server.model_runtime import ModelRuntime
-from server.models import ModelRepository
+from server.worker.model_runtime import ModelRuntime
+from server.shared.models import ModelRepository
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model
 
@@ -165,7 +165,7 @@ def test_a_model_runtime_cuts_by_length_group_where_its_engine_takes_any_length(
     server.length_groups is off); the null engine (as a profile-padded engine would) keeps the buckets."""
     import dataclasses
 
-    from server.batcher import length_groups
+    from server.worker.batcher import length_groups
     from server.engines.onnxruntime import OrtEngine
 
     link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})

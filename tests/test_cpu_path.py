@@ -14,7 +14,7 @@ import pytest
 
 from tests.servers import REPO
 from server import mps
-from server.devices import WorkerPlacement, auto_per_gpu, plan_workers, resolve_runtime, visible_gpus
+from server.shared.devices import WorkerPlacement, auto_per_gpu, plan_workers, resolve_runtime, visible_gpus
 from tests.helpers import running, unique
 
 MODEL = "minilm"
@@ -130,7 +130,7 @@ def test_a_nicer_executor_lowers_its_threads_and_what_they_start():
     it, and the thread that made the executor keeps its own."""
     code = """if True:
         import os, threading
-        from server.process import nicer_executor
+        from server.shared.process import nicer_executor
         base, ids = os.getpriority(os.PRIO_PROCESS, 0), []
         def work():
             ids.append(os.getpriority(os.PRIO_PROCESS, 0))

@@ -40,9 +40,9 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
     from collections import Counter
 
     from server import config as settings
-    from server import frontend
-    from server.errors import InvalidArgument
-    from server.models import ModelRepository
+    from server.frontend import process as frontend
+    from server.shared.errors import InvalidArgument
+    from server.shared.models import ModelRepository
 
     text = unique("asked again and again")
     with server.client() as client:
@@ -313,9 +313,9 @@ def test_a_frontend_prepares_every_version_before_it_listens_with_one_tokenizer_
     from collections import Counter
 
     from server import config as settings
-    from server.errors import ModelNotFound
-    from server.frontend import FrontendCore
-    from server.models import ModelRepository
+    from server.shared.errors import ModelNotFound
+    from server.frontend.process import FrontendCore
+    from server.shared.models import ModelRepository
     from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
     from tests.helpers import link_model
 

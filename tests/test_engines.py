@@ -21,8 +21,8 @@ from cachestore.engines import EngineStore
 from server.engines.artifacts import artifact_key, get_runtime, model_profiles, prepare
 from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine
-from server.models import load_model
-from server.tokenization import TextEncoder, pad_batch
+from server.shared.models import load_model
+from server.shared.tokenization import TextEncoder, pad_batch
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model
 

@@ -19,10 +19,10 @@ from cachestore.env import DB_RESULTS, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import Namespace
 from tests.servers import ServerProcess
-from server.batcher import Batcher
+from server.worker.batcher import Batcher
 from server.config import Config, feature_store_settings
-from server.feature_lru import DeviceRow, FeatureLRU
-from server.features import FeatureTier, decode, encode, storage_dtype
+from server.worker.feature_lru import DeviceRow, FeatureLRU
+from server.shared.feature_records import decode, encode, feature_key, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, reseal_crc, settled, unique, wait_cached
 
@@ -263,8 +263,8 @@ def _served_once(workdir: Path, models: Path, cache: Path, engines: Path, versio
 def test_a_head_whose_tokenizer_or_max_tokens_differ_from_its_encoders_is_refused(head_models):
     """A feature is keyed by the normalized text alone, so every head on an encoder must tokenize as the
     encoder does: one truncating shorter would read features computed on longer inputs."""
-    from server.heads import load_head
-    from server.models import ModelConfigError, ModelRepository
+    from server.shared.head_scoring import load_head
+    from server.shared.models import ModelConfigError, ModelRepository
 
     repository = ModelRepository(head_models)
     spec, encoder = repository.get("intents"), repository.get("minilm")
@@ -282,8 +282,8 @@ def test_a_head_whose_tokenizer_or_max_tokens_differ_from_its_encoders_is_refuse
 def test_a_truncated_head_file_is_a_model_error_not_a_crash(head_models, tmp_path):
     import shutil
 
-    from server.heads import read_weights
-    from server.models import HEAD_WEIGHTS_FILE, ModelConfigError
+    from server.shared.head_scoring import read_weights
+    from server.shared.models import HEAD_WEIGHTS_FILE, ModelConfigError
 
     version = tmp_path / "1"
     shutil.copytree(head_models / "intents" / "1", version)
@@ -389,7 +389,7 @@ def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
 
 def test_the_head_gives_the_same_scores_on_torch_for_features_in_the_lru_and_on_the_host():
     pytest.importorskip("torch", reason="the GPU head runs on torch")
-    from server.heads import _NumpyHead, _TorchHead
+    from server.worker.heads import _NumpyHead, _TorchHead
 
     rng = np.random.default_rng(1)
     weight, bias = rng.normal(size=(384, 7)).astype(np.float32), rng.normal(size=7).astype(np.float32)
@@ -426,8 +426,8 @@ def test_features_are_stored_in_fp16_only_when_the_encoder_output_survives_it():
     half = unit[0].astype(np.float16)
     assert np.array_equal(decode(encode(half), 384), half)
     # Two outputs of one encoder never share a key; two tenants' namespaces neither.
-    assert FeatureTier.key(NS_A, ("minilm", "1", "cls"), "hi") != FeatureTier.key(NS_A, ("minilm", "1", "mean"), "hi")
-    assert FeatureTier.key(NS_A, ("minilm", "1", "cls"), "hi") != FeatureTier.key(NS_B, ("minilm", "1", "cls"), "hi")
+    assert feature_key(NS_A, ("minilm", "1", "cls"), "hi") != feature_key(NS_A, ("minilm", "1", "mean"), "hi")
+    assert feature_key(NS_A, ("minilm", "1", "cls"), "hi") != feature_key(NS_B, ("minilm", "1", "cls"), "hi")
     for bad in (encode(half)[:-2], b"G" + encode(half)[1:], encode(unit[0])[:-4]):
         with pytest.raises(CorruptRecord):
             decode(bad, 384)

@@ -22,7 +22,7 @@ from server.config import ConfigError
 from server.config import load as load_config
 from server.fleet import generations
 from server.fleet.generations import Generations
-from server.normalize import DEFAULT_STEPS, Normalizer
+from server.shared.normalize import DEFAULT_STEPS, Normalizer
 
 pytestmark = pytest.mark.skipif(redis_servers.available() is not None, reason=redis_servers.available() or "")
 

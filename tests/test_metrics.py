@@ -21,9 +21,9 @@ from cachestore.keys import KEY_BYTES
 from tests import prometheus_server
 from tests.servers import ServerProcess, free_port
 from tests.prometheus_server import PrometheusProcess, sample_value
-from server.frontend_metrics import FrontendMetrics
-from server.hot_keys import HotKeys, merge_tops
-from server.telemetry import Recorder
+from server.frontend.metrics import FrontendMetrics
+from server.frontend.hot_keys import HotKeys, merge_tops
+from server.shared.telemetry import Recorder
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, unique, wait_cached
 

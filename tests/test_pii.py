@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server import pii
+from server.shared import pii
 
 BANKING77 = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "banking77" / "train.csv"
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from server.normalize import DEFAULT_STEPS, Normalizer
+from server.shared.normalize import DEFAULT_STEPS, Normalizer
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import is_cached, link_model, wait_cached
 
@@ -130,8 +130,8 @@ def test_the_frontend_keeps_no_raw_request_of_a_model_with_a_pii_setting(tmp_pat
     from collections import Counter
 
     from server import config as settings
-    from server.frontend import FrontendCore
-    from server.models import ModelRepository
+    from server.frontend.process import FrontendCore
+    from server.shared.models import ModelRepository
 
     root = tmp_path / "models"
     link_model(root, "redacting", MINILM_CONFIG + REDACT, {"1": MODEL_VERSION_DIR})
@@ -154,8 +154,8 @@ def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_pat
     from collections import Counter
 
     from server import config as settings
-    from server.frontend import FrontendCore
-    from server.models import ModelRepository
+    from server.frontend.process import FrontendCore
+    from server.shared.models import ModelRepository
 
     root = tmp_path / "models"
     link_model(root, "plain", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})

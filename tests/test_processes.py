@@ -24,7 +24,7 @@ from cachestore import records
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc, worker_pb2
-from server.framing import HEADER
+from server.shared.framing import HEADER
 from tests.conftest import MODEL_VERSION_DIR, REPO
 from tests.helpers import is_cached, running, unique, wait_cached, wait_for
 

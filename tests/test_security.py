@@ -24,7 +24,7 @@ from infercache.client import Client
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server import config as config_mod
-from server.auth import TokenFileError, read_tokens
+from server.shared.auth import TokenFileError, read_tokens
 from tests import certs
 from tests.helpers import is_cached, reseal_crc, unique, wait_cached, wait_for
 

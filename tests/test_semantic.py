@@ -18,9 +18,9 @@ from cachestore.semantic import Row, SemanticEntry
 from cachestore.writer import WriteBehind
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from server.match_policy import MatchPolicy, Neighbor
-from server.model_runtime import to_tensors
-from server.semantic import INITIAL_CAPACITY, SemanticTier, _Index
+from server.shared.match_policy import MatchPolicy, Neighbor
+from server.shared.answers import to_tensors
+from server.worker.semantic_index import INITIAL_CAPACITY, SemanticTier, _Index
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.helpers import link_model, settled, unique
 
@@ -269,7 +269,7 @@ def test_train_head_on_banking77_writes_a_servable_version(tmp_path):
     assert "embedded 600/600" in first.stdout and "holdout" in first.stdout
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and (models / "banking77" / "2" / "head.json").is_file()  # next version
-    from server.models import ModelRepository
+    from server.shared.models import ModelRepository
 
     spec = ModelRepository(models).get("banking77")
     labels = __import__("json").loads((models / "banking77" / "1" / "labels.json").read_text())

@@ -14,7 +14,8 @@ from cachestore import diskspace, integrity, records, results
 from cachestore.env import DB_EXPIRY, DB_META, DB_RESULTS, DB_STORED, Store, StoreSettings
 from cachestore.errors import CorruptRecord, StoreError, StoreFormatError
 from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
-from cachestore.writer import RUNWAY, Selector, WriteBehind
+from cachestore.keys import Selector
+from cachestore.writer import RUNWAY, WriteBehind
 
 MB = 1 << 20
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from server.engines.onnxruntime import OrtEngine
-from server.tokenization import TextEncoder, pad_batch
+from server.shared.tokenization import TextEncoder, pad_batch
 
 try:
     import torch

@@ -22,8 +22,8 @@ from server.engines.artifacts import get_runtime, prepare  # noqa: E402
 from server.engines.onnxruntime import OrtEngine  # noqa: E402
 from server import mps  # noqa: E402
 from server.engines.torch_cuda import TorchCudaRuntime, batch_classes  # noqa: E402
-from server.models import load_model  # noqa: E402
-from server.tokenization import TextEncoder, pad_batch  # noqa: E402
+from server.shared.models import load_model  # noqa: E402
+from server.shared.tokenization import TextEncoder, pad_batch  # noqa: E402
 from tests.helpers import link_model  # noqa: E402
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)")

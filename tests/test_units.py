@@ -13,8 +13,9 @@ import pytest
 
 from bench import BANKING77
 from infercache.v1 import infercache_pb2 as pb
-from server import config, errors
-from server.normalize import DEFAULT_STEPS, Normalizer
+from server import config
+from server.shared import errors
+from server.shared.normalize import DEFAULT_STEPS, Normalizer
 from tests.servers import REPO
 
 
@@ -92,7 +93,7 @@ def test_every_domain_error_has_one_status_code():
 
 
 def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
-    from server.model_runtime import _Template, to_tensors
+    from server.shared.answers import _Template, to_tensors
 
     rng = np.random.default_rng(3)
     first = rng.standard_normal(384).astype(np.float32)
@@ -114,8 +115,8 @@ def test_answers_from_the_template_equal_protobuf_answers_field_for_field():
 def test_a_classifiers_rendered_answers_are_protobufs_bytes():
     import dataclasses
 
-    from server.model_runtime import Answers, response_of
-    from server.models import ModelRepository
+    from server.shared.answers import Answers, response_of
+    from server.shared.models import ModelRepository
 
     spec = dataclasses.replace(ModelRepository(REPO / "models").get("minilm"), outputs=("scores",))
     labels = ["card_arrival", "", "é" * 100, "x" * 300]  # an empty label, and labels of 2-byte lengths
@@ -135,7 +136,7 @@ def test_a_classifiers_rendered_answers_are_protobufs_bytes():
 
 
 def test_frames_split_anywhere_arrive_whole_and_a_bad_one_closes_the_connection():
-    from server.framing import HEADER, FrameProtocol
+    from server.shared.framing import HEADER, FrameProtocol
 
     class Transport:
         closed = False
@@ -167,7 +168,7 @@ def test_flush_later_gathers_items_into_one_write_that_a_flush_soon_brings_forwa
     import socket
 
     from infercache.v1 import worker_pb2
-    from server.framing import FrameProtocol, complete_frames
+    from server.shared.framing import FrameProtocol, complete_frames
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -216,9 +217,9 @@ def test_compute_fails_at_its_deadline_and_tells_the_worker_to_drop_the_item(tmp
     from collections import Counter
 
     from infercache.v1 import worker_pb2
-    from server.errors import DeadlineExceeded
-    from server.framing import complete_frames
-    from server.worker_pool import WorkerPool
+    from server.shared.errors import DeadlineExceeded
+    from server.shared.framing import complete_frames
+    from server.frontend.workers import WorkerPool
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -254,7 +255,7 @@ def test_compute_fails_at_its_deadline_and_tells_the_worker_to_drop_the_item(tmp
 
 
 def test_pad_batch_pads_each_row_to_the_length():
-    from server.tokenization import pad_batch
+    from server.shared.tokenization import pad_batch
 
     rows = [[101, 7, 102], np.array([101, 102], dtype="<i4"), [], list(range(1, 9))]
     out = pad_batch(rows, 8)
@@ -272,7 +273,7 @@ def test_pad_batch_pads_each_row_to_the_length():
     (lambda c: c + "privacy: redact\n", r"'privacy' must be a mapping of pii"),
 ])
 def test_a_model_config_with_an_unknown_key_names_the_file_the_key_and_the_known_ones(tmp_path, edit, message):
-    from server.models import ModelConfigError, load_model
+    from server.shared.models import ModelConfigError, load_model
 
     root = tmp_path / "minilm"
     root.mkdir()

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from tests.servers import REPO
-from server.tokenization import TextEncoder
-from server.wordpiece import FastWordPiece
+from server.shared.tokenization import TextEncoder
+from server.shared.wordpiece import FastWordPiece
 
 MINILM_TOKENIZER = REPO / "models" / "minilm" / "1" / "tokenizer.json"
 BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"

@@ -20,9 +20,9 @@ from cachestore.errors import StoreError
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
-from cachestore.writer import Selector
-from server.errors import WorkerUnavailable
-from server.writer_process import WriterProcess
+from cachestore.keys import Selector
+from server.shared.errors import WorkerUnavailable
+from server.worker.writer import WriterProcess
 from tests.helpers import running
 
 MB = 1 << 20

@@ -246,9 +246,9 @@ stage_runtime() {
     (cd / && "$prefix/bin/python" - "$prefix" <<'EOF'
 import sys
 prefix = sys.argv[1]
-import infercache, server.__main__, server.supervisor, server.frontend, server.worker  # noqa: E401
+import infercache, server.__main__, server.supervisor, server.frontend.process, server.worker.process  # noqa: E401
 from infercache.v1 import infercache_pb2, infercache_pb2_grpc, worker_pb2, worker_pb2_grpc, writer_pb2  # noqa: F401
-for module in (infercache, server.worker, infercache_pb2):
+for module in (infercache, server.worker.process, infercache_pb2):
     if not module.__file__.startswith(prefix + "/"):
         sys.exit(f"{module.__name__} imported from {module.__file__}, not from the virtualenv {prefix}")
 if "torch" in sys.modules:

@@ -12,8 +12,8 @@ from pathlib import Path
 from cachestore.engines import ArtifactKey, EngineStore, Loaded
 from server.config import Config
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
-from server.devices import RUNTIMES, resolve_runtime, visible_gpus
-from server.models import ModelConfigError, ModelRepository, ModelSpec
+from server.shared.devices import RUNTIMES, resolve_runtime, visible_gpus
+from server.shared.models import ModelConfigError, ModelRepository, ModelSpec
 
 log = logging.getLogger("infercache.engines")
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from server.models import TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE
+from server.shared.models import TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE
 
 FORMAT = 1
 _SOURCE = {"format": FORMAT, "pooling": "mean", "normalize": True}  # what the module computes

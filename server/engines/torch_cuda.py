@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable
-from server.models import TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE
+from server.shared.models import TORCH_CONFIG_FILE, TORCH_WEIGHTS_FILE
 
 log = logging.getLogger("infercache.torch_cuda")
 

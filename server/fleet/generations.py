@@ -21,8 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 
-from cachestore.keys import NS_ID_BYTES, Namespace
-from cachestore.writer import Selector
+from cachestore.keys import NS_ID_BYTES, Namespace, Selector
 
 
 def field(tenant: str | None, model: str | None, version: str | None) -> str:

@@ -42,10 +42,9 @@ from typing import Callable
 
 from cachestore import records
 from cachestore.errors import CorruptRecord
-from cachestore.keys import Namespace
+from cachestore.keys import Namespace, Selector
 from cachestore.records import Record
 from cachestore.sealing import KeyRing
-from cachestore.writer import Selector
 from cachestore.results import now_us
 from server.config import Config, FleetSection
 from server.fleet import generations

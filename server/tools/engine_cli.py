@@ -11,11 +11,11 @@ from pathlib import Path
 
 from cachestore.engines import EngineStore, Manifest
 from server.config import Config
-from server.devices import GPU_RUNTIMES
+from server.shared.devices import GPU_RUNTIMES
 from server.engines.artifacts import artifact_key, engine_versions, get_runtime, prepare
 from server.engines.base import EngineBuildError, RuntimeUnavailable
-from server.errors import ModelNotFound
-from server.models import ModelRepository
+from server.shared.errors import ModelNotFound
+from server.shared.models import ModelRepository
 
 
 def _say(text: str) -> None:

@@ -29,7 +29,7 @@ import grpc
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.tools.labelled_csv import read_labelled_csv
-from server.match_policy import MatchPolicy, Neighbor
+from server.shared.match_policy import MatchPolicy, Neighbor
 
 THRESHOLDS = tuple(round(0.60 + 0.02 * i, 2) for i in range(20))  # 0.60 .. 0.98
 NEIGHBORHOODS = (0.55, 0.60, 0.65, 0.70, 0.75)

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from server.engines.onnxruntime import OrtEngine
-from server.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
+from server.shared.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
                            TORCH_WEIGHTS_FILE, load_model)
-from server.match_policy import CalibratedPolicy, MatchPolicy
+from server.shared.match_policy import CalibratedPolicy, MatchPolicy
 from server.tools.labelled_csv import read_labelled_csv
-from server.normalize import Normalizer
-from server.tokenization import TextEncoder, pad_batch
+from server.shared.normalize import Normalizer
+from server.shared.tokenization import TextEncoder, pad_batch
 
 class TrainError(ValueError):
     pass

@@ -21,7 +21,6 @@ answer see the same input. The event loop is the only user of this object.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import Counter
 
@@ -29,60 +28,18 @@ import numpy as np
 
 from cachestore import records
 from cachestore.errors import CorruptRecord
-from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, namespace
+from cachestore.keys import Namespace, Selector
 from cachestore.results import ResultCache, now_us
-from cachestore.writer import Selector
-from server.feature_lru import DeviceRow, FeatureLRU
-from server.writer_process import WriterProcess
+from server.shared.feature_records import Source, decode, encode, feature_tenant, storage_dtype
+from server.worker.feature_lru import DeviceRow, FeatureLRU
+from server.worker.writer import WriterProcess
 
 log = logging.getLogger("infercache.features")
 
-SHARED_TENANT = "*"        # features of models that share them across tenants
-_PRIVATE = "t:"            # prefix of a tenant's own features: never equal to SHARED_TENANT
-_MAGIC = b"F"
-_DTYPES = {b"h": np.dtype("<f2"), b"f": np.dtype("<f4")}
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-FP16_MIN_COSINE = 0.999
-
-
-def feature_tenant(tenant: str, shared: bool) -> str:
-    return SHARED_TENANT if shared else _PRIVATE + tenant
-
-
-def feature_namespace(tenant: str, shared: bool, source: Source) -> Namespace:
-    """The namespace of a request's features of `source`: its tenant's, or the shared one."""
-    return namespace(feature_tenant(tenant, shared), *source[:2])
-
-
 def feature_selector(selector: Selector) -> Selector:
     """A request's selector (tenant, encoder model, encoder version) in feature namespaces."""
-    tenant = None if selector.tenant is None else _PRIVATE + selector.tenant
+    tenant = None if selector.tenant is None else feature_tenant(selector.tenant, shared=False)
     return Selector(tenant=tenant, model=selector.model, version=selector.version, key=selector.key)
-
-
-def storage_dtype(samples: np.ndarray) -> np.dtype:
-    """FP16 when every sample row survives it (finite, cosine >= 0.999 with the FP32 row), else FP32."""
-    samples = np.asarray(samples, dtype=np.float32)
-    with np.errstate(over="ignore"):
-        half = samples.astype(np.float16).astype(np.float32)
-    if not np.isfinite(half).all():
-        return _DTYPES[b"f"]
-    norms = np.linalg.norm(samples, axis=1) * np.linalg.norm(half, axis=1)
-    zero = ~np.any(samples, axis=1)  # a zero row stays zero; a row that FP16 zeroes does not survive
-    cosine = np.divide((samples * half).sum(axis=1), norms, out=zero.astype(np.float64), where=norms > 0)
-    return _DTYPES[b"h"] if float(cosine.min()) >= FP16_MIN_COSINE else _DTYPES[b"f"]
-
-
-def encode(vector: np.ndarray) -> bytes:
-    return _MAGIC + _CODES[vector.dtype] + vector.tobytes()
-
-
-def decode(payload: bytes, dim: int) -> np.ndarray:
-    """The stored vector; CorruptRecord when it is not a feature of this dimension."""
-    dtype = _DTYPES.get(payload[1:2])
-    if payload[:1] != _MAGIC or dtype is None or len(payload) != 2 + dim * dtype.itemsize:
-        raise CorruptRecord(f"not a feature of dimension {dim}")
-    return np.frombuffer(payload, dtype=dtype, offset=2)
 
 
 INDEX_BYTES_PER_ROW = 200  # host memory a memory-LRU row costs in its index (key, OrderedDict entry, group)
@@ -98,7 +55,6 @@ class _Encoder:
         self.lru: FeatureLRU | None = None
 
 
-Source = tuple[str, str, str]  # (encoder model, version, output): what a head reads
 
 
 class FeatureTier:
@@ -127,14 +83,6 @@ class FeatureTier:
         added = self._encoders[source]
         log.info("feature tier: %s stored as %s, up to %d rows in %s memory", "/".join(source), added.dtype.name,
                  added.lru.capacity, self.device or "host")
-
-    @staticmethod
-    def key(ns: Namespace, source: Source, normalized: str) -> bytes:
-        """ns_id + blake2b(ns_id, the output's name, the normalized text): namespaced like every cache key.
-        Frontends derive it (worker.proto ComputeItem.feature_key) without tokenizing."""
-        ns_id = ns.ns_id
-        material = ns_id + source[2].encode() + b"\0" + normalized.encode()
-        return ns_id + hashlib.blake2b(material, digest_size=KEY_BYTES - NS_ID_BYTES, person=b"icache-feat").digest()
 
     def get(self, ns: Namespace, source: Source, key: bytes):
         """(feature, level) with level "l2_device" (the memory LRU) or "l2_host" (LMDB), or None. A device

@@ -29,21 +29,23 @@ from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, entry_key, namesp
 from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from server import hot_keys, metrics, process, telemetry
-from server.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_in_force
+from server.frontend import hot_keys
+from server.shared import process, telemetry
+from server.shared.stats import process_stats
+from server.shared.auth import ADMIN, CLIENT, Gate, Grant, TokenFileError, bind_tenant, read_in_force
 from server.config import Config, store_settings
-from server.batcher import bucket_of
-from server.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
+from server.shared.admission import bucket_of
+from server.shared.errors import (Disabled, InvalidArgument, ModelNotFound, NotCached, WorkerUnavailable,
                            grpc_errors, lenient, parsed, quoted, status_of)
-from server.frontend_metrics import (FEATURE, MISS, RESULT_EXACT, RESULT_FLEET, RESULT_SEMANTIC, SAVING,
+from server.frontend.metrics import (FEATURE, MISS, RESULT_EXACT, RESULT_FLEET, RESULT_SEMANTIC, SAVING,
                                      FrontendMetrics)
-from server.front_features import FeatureAnswers, FrontHead, feature_key
-from server.hot_keys import HotKeys
-from server.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
-from server.read_cache import ReadCache
-from server.tokenization import TextEncoder
-from server.worker_pool import WorkerPool
+from server.frontend.features import FeatureAnswers, FrontHead, feature_key
+from server.frontend.hot_keys import HotKeys
+from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
+from server.shared.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
+from server.frontend.read_cache import ReadCache
+from server.shared.tokenization import TextEncoder
+from server.frontend.workers import WorkerPool
 
 log = logging.getLogger("infercache.frontend")
 
@@ -566,7 +568,7 @@ class FrontendCore:
         if self.fleet is not None:
             groups.append(("fleet", {**self.fleet.counters, "ready": int(self.fleet.ready),
                                      "breaker_open": int(self.fleet.link.open)}))
-        response = pb.GetStatsResponse(frontend=metrics.process_stats("frontend", *groups))
+        response = pb.GetStatsResponse(frontend=process_stats("frontend", *groups))
         if not full:
             return response
         workers = await self._worker_stats()

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from cachestore.env import DIR_MODE
-from server.telemetry import write_snapshot
+from server.shared.telemetry import write_snapshot
 
 log = logging.getLogger("infercache.calibration")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from server.errors import ModelNotFound
-from server.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
+from server.shared.errors import ModelNotFound
+from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
 TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch_bert.py): its architecture

@@ -43,10 +43,11 @@ from cachestore.env import Store, StoreSettings
 from cachestore.errors import StoreError
 from cachestore.keys import NS_ID_BYTES, Namespace, namespace
 from cachestore.semantic import Row, SemanticEntry
-from cachestore.writer import Selector, WriteBehind
+from cachestore.keys import Selector
+from cachestore.writer import WriteBehind
 from infercache.v1 import writer_pb2
-from server.errors import WorkerUnavailable
-from server.framing import HEADER, FrameProtocol, complete_frames
+from server.shared.errors import WorkerUnavailable
+from server.shared.framing import HEADER, FrameProtocol, complete_frames
 
 log = logging.getLogger("infercache.writer_process")
 
@@ -332,7 +333,7 @@ def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
 
 def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, group_commit_s: float,
           sock: socket.socket, log_level: str, role: str) -> None:
-    from server import process
+    from server.shared import process
 
     # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
     for sig in (signal.SIGINT, signal.SIGTERM):

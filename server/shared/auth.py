@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from server.errors import PermissionDenied, Unauthenticated
+from server.shared.errors import PermissionDenied, Unauthenticated
 
 CLIENT, ADMIN = "client", "admin"
 _RANK = {CLIENT: 0, ADMIN: 1}

@@ -19,7 +19,7 @@ import bisect
 from collections import Counter, defaultdict
 
 from infercache.v1 import infercache_pb2 as pb
-from server.telemetry import LATENCY_BOUNDS, Recorder
+from server.shared.telemetry import LATENCY_BOUNDS, Recorder
 
 Source = pb.CacheInfo.Source
 # As plain ints: an attribute of a protobuf enum wrapper costs about a microsecond, on every hit.

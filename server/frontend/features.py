@@ -24,18 +24,18 @@ from cachestore import records
 from cachestore.errors import CorruptRecord
 from cachestore.results import now_us
 from server.config import Config, feature_store_settings
-from server.features import FeatureTier, Source, decode, feature_namespace
-from server.heads import head_scores, load_head
-from server.model_runtime import Answers, answer_record
-from server.models import HeadRef, ModelConfigError, ModelRepository, ModelSpec
-from server.read_cache import ReadCache
+from server.shared.feature_records import Source, decode, feature_key as stored_feature_key, feature_namespace
+from server.shared.head_scoring import head_scores, load_head
+from server.shared.answers import Answers, answer_record
+from server.shared.models import HeadRef, ModelConfigError, ModelRepository, ModelSpec
+from server.frontend.read_cache import ReadCache
 
 DOORKEEPER = 65536  # keys of recent FEATURE answers kept to copy a text's second one into L1
 
 
 def feature_key(spec: ModelSpec, source: Source, tenant: str, normalized: str) -> bytes:
     """The feature tier's key of the encoder output `source` for a head model's text."""
-    return FeatureTier.key(feature_namespace(tenant, spec.share_features, source), source, normalized)
+    return stored_feature_key(feature_namespace(tenant, spec.share_features, source), source, normalized)
 
 
 @dataclass(frozen=True, slots=True)

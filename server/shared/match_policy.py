@@ -29,8 +29,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from server.surrogate import RIDGE as FIT_RIDGE
-from server.surrogate import log_scores
+from server.shared.surrogate import RIDGE as FIT_RIDGE
+from server.shared.surrogate import log_scores
 
 RIDGE = 0.01  # keeps the weights bounded when neighbours nearly coincide
 

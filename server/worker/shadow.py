@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from cachestore.results import now_us
-from server.calibration import Calibration
+from server.worker.calibration import Calibration
 
 log = logging.getLogger("infercache.shadow")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-from server.compute import WorkerCore
-from server.devices import WorkerPlacement
-from server.heads import HeadRuntime
-from server.telemetry import MEANS_SEP, Recorder
+from server.worker.core import WorkerCore
+from server.shared.devices import WorkerPlacement
+from server.worker.heads import HeadRuntime
+from server.shared.telemetry import MEANS_SEP, Recorder
 
 
 class WorkerMetrics:

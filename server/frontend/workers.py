@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server.batcher import admits, discounted, over, wait_bound
-from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, from_worker_error, from_wire
-from server.framing import FrameProtocol, items_socket
+from server.shared.admission import admits, discounted, over, wait_bound
+from server.shared.errors import DeadlineExceeded, Overloaded, WorkerUnavailable, from_worker_error, from_wire
+from server.shared.framing import FrameProtocol, items_socket
 
 log = logging.getLogger("infercache.workers")
 
@@ -234,7 +234,7 @@ class WorkerPool:
     def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
         """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
         that new items of this model version would wait longer than allowed (with the worker's own
-        headroom: batcher.admits): the budget the items carry (the caller's deadline, at most
+        headroom: admission.admits): the budget the items carry (the caller's deadline, at most
         worker_timeout_s) or server.max_queue_wait_s. What the worker tells is held at its last refusal's
         wait while work remains (Batcher.told_wait), so a burst is refused here, not sent to be refused
         there. The worker checks again when the items arrive (its queue may have grown)."""

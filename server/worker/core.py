@@ -34,19 +34,21 @@ from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic import SemanticEntry
-from cachestore.writer import Selector
+from cachestore.keys import Selector
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.errors import InferCacheError, ModelNotFound, WorkerUnavailable
-from server.calibration import Calibration
-from server.match_policy import Assessment, Neighbor
-from server.features import FeatureTier, feature_namespace, feature_selector
-from server.heads import HeadRuntime
-from server.model_runtime import ModelRuntime, answer_record
-from server.shadow import Check, ShadowVerifier
-from server.models import ModelRepository
-from server.telemetry import Recorder
-from server.writer_process import WriterProcess
+from server.shared.errors import InferCacheError, ModelNotFound, WorkerUnavailable
+from server.worker.calibration import Calibration
+from server.shared.match_policy import Assessment, Neighbor
+from server.shared.feature_records import feature_namespace
+from server.worker.features import FeatureTier, feature_selector
+from server.worker.heads import HeadRuntime
+from server.shared.answers import answer_record
+from server.worker.model_runtime import ModelRuntime
+from server.worker.shadow import Check, ShadowVerifier
+from server.shared.models import ModelRepository
+from server.shared.telemetry import Recorder
+from server.worker.writer import WriterProcess
 
 log = logging.getLogger("infercache.compute")
 

@@ -23,20 +23,23 @@ from cachestore.env import FILE_MODE, StoreSettings
 from cachestore.errors import StoreError
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server import calibration, metrics, mps, process, telemetry
-from server.compute import WorkerCore
-from server.batcher import discounted
+from server.worker import calibration
+from server.shared import process, telemetry
+from server.shared.stats import process_stats
+from server import mps
+from server.worker.core import WorkerCore
+from server.shared.admission import discounted
 from server.config import Config, feature_store_settings, store_settings
-from server.devices import WorkerPlacement
+from server.shared.devices import WorkerPlacement
 from server.engines.artifacts import load_engines
-from server.errors import grpc_errors, to_wire
-from server.framing import FrameProtocol, items_socket
-from server.features import FeatureTier
-from server.heads import HeadRuntime
-from server.model_runtime import ModelRuntime
-from server.models import ModelConfigError, ModelRepository
-from server.worker_metrics import WorkerMetrics
-from server.writer_process import WriterProcess
+from server.shared.errors import grpc_errors, to_wire
+from server.shared.framing import FrameProtocol, items_socket
+from server.worker.features import FeatureTier
+from server.worker.heads import HeadRuntime
+from server.worker.model_runtime import ModelRuntime
+from server.shared.models import ModelConfigError, ModelRepository
+from server.worker.metrics import WorkerMetrics
+from server.worker.writer import WriterProcess
 
 log = logging.getLogger("infercache.worker")
 
@@ -156,7 +159,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @grpc_errors
     async def Stats(self, request, context):
-        stats = metrics.process_stats("worker", *self.core.stat_groups())
+        stats = process_stats("worker", *self.core.stat_groups())
         stats.index, stats.device = self.placement.index, self.placement.device
         stats.engines.extend(runtime.info for runtime in self.core.runtimes.values())
         return stats
@@ -197,7 +200,7 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     if len(dims) != 1:
         log.error("semantic matching off: embedders of different dimensions %s", sorted(dims))
         return None
-    from server.semantic import SemanticTier
+    from server.worker.semantic_index import SemanticTier
 
     # Each worker keeps its own indexes (frontends route a semantic model's namespace to one worker).
     snapshots = Path(config.cache.dir) / "semantic" / f"worker-{index}"

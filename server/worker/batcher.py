@@ -37,15 +37,15 @@ the batch is cut, before they reach the engine.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import heapq
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from server.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
-from server.process import nicer_executor
+from server.shared.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
+from server.shared.admission import admits, bucket_of, discounted, over, wait_bound
+from server.shared.process import nicer_executor
 
 log = logging.getLogger("infercache.batcher")
 
@@ -54,11 +54,6 @@ DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch du
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
 ROW_MODEL_MIN = 0.5         # the row model is on where a row adds at least this share of one row's batch
-ADMIT_HEADROOM = 1.5        # a request is admitted where its expected wait is within 2/3 of what it may
-                            # wait: the slack absorbs batches slower than the estimate (a burst's frontends
-                            # take CPU from a CPU engine), which would otherwise shed admitted requests
-                            # later, a late refusal (bench/overload.py, 2 cores: 0-23 shed against 71 at
-                            # 1.25 and 97 at 1.0)
 
 
 def length_groups(buckets: tuple[int, ...], shortest: int = 8) -> tuple[int, ...]:
@@ -70,37 +65,6 @@ def length_groups(buckets: tuple[int, ...], shortest: int = 8) -> tuple[int, ...
         out.add(length)
         length += max(2, (1 << (length.bit_length() - 1)) // 4)
     return tuple(sorted(b for b in out if b <= buckets[-1]))
-
-
-def bucket_of(buckets: tuple[int, ...], length: int) -> int:
-    """The sequence-length bucket (engine profile) of a sequence of `length` tokens: the smallest that
-    holds it, else the largest (the tokenizer truncates to it)."""
-    return buckets[min(bisect.bisect_left(buckets, length), len(buckets) - 1)]
-
-
-def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:
-    """The longest a request may wait for its answer: its deadline's remaining seconds, at most
-    max_wait_s when that is set (0: unset); None when neither bounds it."""
-    if remaining is None:
-        return max_wait_s or None
-    return min(max_wait_s, remaining) if max_wait_s else remaining
-
-
-def admits(expected: float, bound: float | None) -> bool:
-    """Whether a request expected to be answered in `expected` seconds may wait for it (wait_bound),
-    with ADMIT_HEADROOM to spare. The frontends' admission and the worker's on arrival both use it."""
-    return bound is None or expected * ADMIT_HEADROOM <= bound
-
-
-def over(bound: float) -> str:
-    """What a refused request's expected wait exceeded, for its error message."""
-    return f"the {max(bound, 0) / ADMIT_HEADROOM:.2f} s admitted (the {max(bound, 0):.2f} s allowed, less headroom)"
-
-
-def discounted(seconds: float, told_at: float, now: float) -> float:
-    """A queue wait estimated at `told_at`, as it stands at `now` (the queue drains meanwhile): how the
-    frontends read the waits their worker sends, and how the worker reckons what they hold."""
-    return max(0.0, seconds - (now - told_at))
 
 
 @dataclass(eq=False, slots=True)

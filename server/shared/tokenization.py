@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from server.wordpiece import FastWordPiece
+from server.shared.wordpiece import FastWordPiece
 
 
 class TextEncoder:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 GPU_RUNTIMES = ("torch-cuda", "tensorrt")
 RUNTIMES = ("auto", "onnxruntime", *GPU_RUNTIMES, "null")  # null: benchmarks only (server/engines/null.py)
+SHARING_MODES = ("auto", "mps", "timeslice")  # server.gpu_sharing: how workers share a GPU (server/mps.py)
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:

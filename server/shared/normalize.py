@@ -12,7 +12,7 @@ import re
 import unicodedata
 from typing import Callable
 
-from server import pii
+from server.shared import pii
 
 Step = Callable[[str], str]
 

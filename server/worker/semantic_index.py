@@ -35,8 +35,8 @@ from cachestore.errors import CorruptRecord
 from cachestore.results import now_us
 from cachestore.semantic import Row
 from infercache.v1 import infercache_pb2 as pb
-from server.match_policy import Assessment, Neighbor, assess
-from server.surrogate import Surrogate
+from server.shared.match_policy import Assessment, Neighbor, assess
+from server.shared.surrogate import Surrogate
 
 log = logging.getLogger("infercache.semantic")
 
