@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import multiprocessing
 import platform
@@ -39,10 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
-from bench import BANKING77, RESULTS, echo
-from bench.engines import bench_l3, print_l3
+from bench import RESULTS, echo
+from bench.l3 import bench_l3, print_l3
+from bench.fixtures import first_success, load_texts
 from bench.fleet import bench_fleet, print_fleet
 from bench.l2 import bench_l2, print_l2
 from bench.length_groups import bench_length_groups, print_length_groups
@@ -58,15 +56,6 @@ from bench.shadow import bench_shadow, print_shadow
 from bench.load import INFER, run_load, warm
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-from infercache.v1 import infercache_pb2_grpc
-
-
-
-def load_texts() -> list[str]:
-    if BANKING77.is_file():
-        with open(BANKING77, newline="") as f:
-            return [row["text"] for row in csv.DictReader(f)]
-    return [f"customer question number {i} about cards, refunds and transfers" for i in range(10_000)]
 
 
 def make_models(root: Path) -> Path:
@@ -116,7 +105,7 @@ def bench_hits(server: ServerProcess, baselines: dict[str, str], texts: list[str
 
 
 def _cpu_per_hit(server: ServerProcess, requests: list[pb.InferRequest], total: int) -> dict:
-    from bench.gpu import measured
+    from bench.probes import measured
 
     row = measured(server, "minilm", lambda: _LoadRun(asyncio.run(run_load(server.address, requests, concurrency=32,
                                                                             total=total))), profile="frontend")
@@ -181,23 +170,6 @@ def bench_engine(texts: list[str], scale: float) -> dict:
         out[name] = {"sequences_per_s": round(len(sequences) / (time.perf_counter() - started), 1)}
     out["throughput_ratio"] = round(out["batch_32"]["sequences_per_s"] / out["batch_1"]["sequences_per_s"], 2)
     return out
-
-
-def first_success(address: str, request: pb.InferRequest, started: float, timeout: float = 120,
-                  server: ServerProcess | None = None) -> float:
-    """Seconds from `started` until `request` succeeds (polling every 5 ms on fresh connections)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_text()[-3000:]}")
-        with grpc.insecure_channel(address) as channel:
-            try:
-                infercache_pb2_grpc.InferenceCacheStub(channel).Infer(request, timeout=5)
-                return time.monotonic() - started
-            except grpc.RpcError:
-                pass
-        time.sleep(0.005)
-    raise TimeoutError(f"no answer within {timeout} s")
 
 
 def bench_startup(workdir: Path, models: Path, cache_dir: Path, texts: list[str], rounds: int) -> dict:
@@ -368,7 +340,7 @@ def main() -> None:
             save()
         if "worker" in sections:
             print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)
-            from bench.gpu import gpu_available
+            from bench.probes import gpu_available
 
             report["worker_capacity"] = bench_worker_capacity(workdir / "worker", 2.0 if args.quick else 5.0,
                                                               ("null", "torch-cuda") if gpu_available() else ("null",))

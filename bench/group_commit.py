@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import cpu_seconds
+from bench.probes import cpu_seconds
 from cachestore import records
 from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
 from cachestore.results import now_us
-from cachestore.semantic import SemanticEntry
+from cachestore.semantic_log import SemanticEntry
 from server.worker.writer import WriterProcess
 
 RECORD_BYTES = 1600

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from bench import echo
-from bench.gpu import cpu_during, frontend_pids
+from bench.probes import cpu_during, frontend_pids
 from bench.load import minilm_only
 from tests.servers import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb

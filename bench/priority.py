@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 from bench import RESULTS
-from bench.__main__ import load_texts
+from bench.fixtures import load_texts
 from bench.load import minilm_only, run_each_once, run_load
 from bench.overload import bench_overload
 from tests.servers import ServerProcess

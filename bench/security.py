@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from bench import cores
-from bench.gpu import cpu_during, frontend_pids
+from bench.probes import cpu_during, frontend_pids
 from bench.load import minilm_only, run_load, warm
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb

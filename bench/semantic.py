@@ -15,7 +15,7 @@ from bench.load import run_load
 from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.keys import Namespace, entry_key
-from cachestore.semantic import SemanticEntry
+from cachestore.semantic_log import SemanticEntry
 from cachestore.writer import WriteBehind
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb

@@ -34,8 +34,9 @@ from pathlib import Path
 import grpc
 
 from bench import RESULTS
-from bench.__main__ import load_texts
-from bench.gpu import INFER, server_roles
+from bench.fixtures import load_texts
+from bench.load import INFER
+from bench.probes import server_roles
 from bench.load import warm
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import cpu_seconds, _task_children, make_gpu_models
+from bench.fixtures import make_gpu_models
+from bench.probes import _task_children, cpu_seconds
 from cachestore.keys import entry_key, namespace_id
 from tests.servers import ServerProcess
 from infercache.v1 import worker_pb2

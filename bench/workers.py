@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.gpu import (INFER_BATCH, batch_payloads, distinct_texts, gpu_available, long_texts, make_gpu_models,
-                       measured)
+from bench.fixtures import INFER_BATCH, batch_payloads, distinct_texts, long_texts, make_gpu_models
+from bench.probes import gpu_available, measured
 from bench.load import run_load_processes
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb

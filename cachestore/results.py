@@ -17,7 +17,7 @@ from collections import Counter
 import lmdb
 from google.protobuf.message import DecodeError
 
-from cachestore import records, semantic, wire
+from cachestore import records, semantic_log, wire
 from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
 from cachestore.errors import CorruptRecord, Unsealable
 from cachestore.keys import NS_ID_BYTES, Namespace
@@ -151,7 +151,7 @@ def delete(store: Store, txn: lmdb.Transaction, key: bytes, removed: list | None
     raw = txn.get(key, db=dbs[DB_RESULTS])
     if raw is None:
         return False
-    gone = semantic.remove(store, txn, key)
+    gone = semantic_log.remove(store, txn, key)
     if gone is not None and removed is not None:
         removed.append(gone)
     try:

@@ -21,8 +21,8 @@ from typing import Callable
 
 import lmdb
 
-from cachestore import diskspace, records, results, semantic
-from cachestore.semantic import Row, SemanticEntry
+from cachestore import diskspace, records, results, semantic_log
+from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.env import Store
 from cachestore.keys import NS_ID_BYTES, Namespace, Selector
 
@@ -224,7 +224,7 @@ class WriteBehind:
                         continue
                     results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces)
                     if op.semantic is not None:
-                        added.append(semantic.add(self.store, txn, op.key, op.semantic))
+                        added.append(semantic_log.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
                     self._fence(op.selector)

@@ -544,7 +544,7 @@ def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_i
     from cachestore.env import Store, StoreSettings
     from cachestore.keys import Namespace
     from cachestore import records
-    from cachestore.semantic import SemanticEntry
+    from cachestore.semantic_log import SemanticEntry
     from cachestore.keys import Selector
     from cachestore.writer import WriteBehind
     from infercache.v1 import infercache_pb2 as pb

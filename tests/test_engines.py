@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachestore.engines import EngineStore
+from cachestore.engine_store import EngineStore
 from server.engines.artifacts import artifact_key, get_runtime, model_profiles, prepare
 from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine

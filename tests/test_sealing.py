@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from cachestore import records, results, semantic
+from cachestore import records, results, semantic_log
 from cachestore.env import DB_RESULTS, DB_SEMLOG, Store, StoreSettings
 from cachestore.errors import Unsealable
 from cachestore.keys import Namespace, entry_key
@@ -31,7 +31,7 @@ def write(store: Store, text: str, payload: bytes = PLANTED, embedding: np.ndarr
     key = entry_key(NS.ns_id, text)
     writer = WriteBehind(store, sweep_interval_s=60)
     now = results.now_us()
-    entry = None if embedding is None else semantic.SemanticEntry(NS.ns_id, "card_arrival", embedding)
+    entry = None if embedding is None else semantic_log.SemanticEntry(NS.ns_id, "card_arrival", embedding)
     writer.put(key, NS, records.Record(now, now + 60_000_000, payload), semantic=entry)
     writer.flush().result(10)
     writer.close()
@@ -59,7 +59,7 @@ def test_plaintext_is_in_a_clear_store_and_nowhere_in_a_sealed_one(tmp_path):
         assert found == (name == "clear")
         store = open_store(tmp_path / name, keys)
         with store.begin() as txn:
-            [row] = semantic.scan(store, txn, NS.ns_id)
+            [row] = semantic_log.scan(store, txn, NS.ns_id)
         assert row.answer == "card_arrival" and np.array_equal(row.embedding, vector)
         assert results.ResultCache(store).get(entry_key(NS.ns_id, "hello"), results.now_us()).payload == PLANTED
         store.close()
@@ -119,7 +119,7 @@ def test_a_semantic_row_moved_or_tampered_is_skipped(tmp_path):
         (first_key, first), (_, second) = [(bytes(k), bytes(v)) for k, v in rows]
         txn.put(first_key, second, db=store.dbs[DB_SEMLOG])  # the second row's value under the first's label
     with store.begin() as txn:
-        assert [row.key for row in semantic.scan(store, txn, NS.ns_id)] == [entry_key(NS.ns_id, "y")]
+        assert [row.key for row in semantic_log.scan(store, txn, NS.ns_id)] == [entry_key(NS.ns_id, "y")]
     store.close()
 
 

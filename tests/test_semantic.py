@@ -14,7 +14,7 @@ from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.keys import Namespace
 from cachestore.results import now_us
-from cachestore.semantic import Row, SemanticEntry
+from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.writer import WriteBehind
 from tests.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (the prepare extra)")
 
-from cachestore.engines import EngineStore  # noqa: E402
+from cachestore.engine_store import EngineStore  # noqa: E402
 from tests.servers import REPO  # noqa: E402
 from server.engines.artifacts import get_runtime, prepare  # noqa: E402
 from server.engines.onnxruntime import OrtEngine  # noqa: E402

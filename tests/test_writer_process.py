@@ -19,7 +19,7 @@ from cachestore.env import Store, StoreSettings
 from cachestore.errors import StoreError
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
 from cachestore.results import ResultCache, now_us
-from cachestore.semantic import SemanticEntry
+from cachestore.semantic_log import SemanticEntry
 from cachestore.keys import Selector
 from server.shared.errors import WorkerUnavailable
 from server.worker.writer import WriterProcess

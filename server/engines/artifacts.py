@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachestore.engines import ArtifactKey, EngineStore, Loaded
+from cachestore.engine_store import ArtifactKey, EngineStore, Loaded
 from server.config import Config
 from server.engines.base import Engine, Profile, Runtime, RuntimeUnavailable, profiles_for
 from server.shared.devices import RUNTIMES, resolve_runtime, visible_gpus

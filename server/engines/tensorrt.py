@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachestore.engines import write_atomic
+from cachestore.engine_store import write_atomic
 from server.engines.base import Engine, EngineBuildError, Profile, Runtime, RuntimeUnavailable
 
 log = logging.getLogger("infercache.tensorrt")

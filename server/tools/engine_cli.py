@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from cachestore.engines import EngineStore, Manifest
+from cachestore.engine_store import EngineStore, Manifest
 from server.config import Config
 from server.shared.devices import GPU_RUNTIMES
 from server.engines.artifacts import artifact_key, engine_versions, get_runtime, prepare

@@ -33,7 +33,7 @@ from cachestore import records, wire
 from cachestore.errors import CorruptRecord
 from cachestore.keys import NS_ID_BYTES, namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
-from cachestore.semantic import SemanticEntry
+from cachestore.semantic_log import SemanticEntry
 from cachestore.keys import Selector
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2

@@ -29,11 +29,11 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from cachestore import records
-from cachestore import semantic as log_rows
+from cachestore import semantic_log as log_rows
 from cachestore.env import DB_RESULTS, DIR_MODE, FILE_MODE, Store
 from cachestore.errors import CorruptRecord
 from cachestore.results import now_us
-from cachestore.semantic import Row
+from cachestore.semantic_log import Row
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.match_policy import Assessment, Neighbor, assess
 from server.shared.surrogate import Surrogate

@@ -42,7 +42,7 @@ from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.errors import StoreError
 from cachestore.keys import NS_ID_BYTES, Namespace, namespace
-from cachestore.semantic import Row, SemanticEntry
+from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.keys import Selector
 from cachestore.writer import WriteBehind
 from infercache.v1 import writer_pb2

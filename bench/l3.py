@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from cachestore.engines import EngineStore
+from cachestore.engine_store import EngineStore
 from tests.servers import REPO, ServerProcess
 from server.engines.artifacts import get_runtime, prepare
 from server.engines.base import RuntimeUnavailable
