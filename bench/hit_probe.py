@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server import config as settings
-from server.frontend.process import FrontendCore
+from server.frontend.core import FrontendCore
 from server.shared.models import ModelRepository
 
 TEXT = "how do I top up my card?"
@@ -35,9 +35,9 @@ async def _probe(cache_dir: Path, calls: int) -> None:
             if gap:
                 time.sleep(gap)
             t0 = time.perf_counter()
-            plan = core._plan(request)
+            plan = core.planner.plan(request)
             t1 = time.perf_counter()
-            _, key, _ = core._keyed(request.tenant, plan.served, request.text)
+            _, key, _ = core.planner.keyed(request.tenant, plan.served, request.text)
             t2 = time.perf_counter()
             cache.lookup(key, None)
             t3 = time.perf_counter()

@@ -137,7 +137,8 @@ def in_process_cost(cache_dir: Path, models: Path, texts: list[str], rounds: int
 
     from server import config as config_mod
     from server.shared.auth import Gate
-    from server.frontend.process import FrontendCore, FrontendServicer
+    from server.frontend.core import FrontendCore
+    from server.frontend.servicer import FrontendServicer
     from server.frontend.metrics import FrontendMetrics
     from server.frontend.hot_keys import HotKeys
     from server.shared.models import ModelRepository

@@ -34,13 +34,14 @@ def test_first_call_misses_second_hits_with_identical_outputs(server):
 
 
 def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(server, models_dir, monkeypatch):
-    """FrontendCore.prepared keeps a serialized request's plan and key: the answer to its bytes equals
+    """Planner.prepared keeps a serialized request's plan and key: the answer to its bytes equals
     the answer to the parsed message, for a hit and a miss; only what depends on the bytes alone is kept."""
     import asyncio
     from collections import Counter
 
     from server import config as settings
-    from server.frontend import process as frontend
+    from server.frontend import plan as plan_module
+    from server.frontend.core import FrontendCore
     from server.shared.errors import InvalidArgument
     from server.shared.models import ModelRepository
 
@@ -49,7 +50,7 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
         client.infer(MODEL, text)
         wait_cached(client, MODEL, text)
     config = settings.load(None, {}, {"cache.dir": str(server.cache_dir), "server.models_dir": str(models_dir)})
-    core = frontend.FrontendCore(config, ModelRepository(models_dir), None, Counter())
+    core = FrontendCore(config, ModelRepository(models_dir), None, Counter())
     request = pb.InferRequest(model=MODEL, text=text)
     raw = request.SerializeToString()
 
@@ -57,7 +58,7 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
         return pb.InferResponse.FromString(await core.infer(call, None))
 
     first, again, parsed = asyncio.run(answer(raw)), asyncio.run(answer(raw)), asyncio.run(answer(request))
-    assert raw in core._prepared
+    assert raw in core.planner._prepared
     for got in (first, again):
         assert got.cache.source == pb.CacheInfo.RESULT_EXACT and got.cache.key == parsed.cache.key
         assert list(got.outputs) == list(parsed.outputs) and got.cache.model_version == parsed.cache.model_version
@@ -66,13 +67,13 @@ def test_a_request_repeated_byte_for_byte_is_answered_without_parsing_and_alike(
     for request, kept in ((pb.InferRequest(model=MODEL, text=text, cache=pb.CachePolicy(max_age_s=3600)), False),
                           (pb.InferRequest(model=MODEL, text=text, semantic=pb.SemanticPolicy(min_similarity=0.99)), True)):
         assert asyncio.run(answer(request.SerializeToString())).cache.source == pb.CacheInfo.RESULT_EXACT
-        assert (request.SerializeToString() in core._prepared) == kept
+        assert (request.SerializeToString() in core.planner._prepared) == kept
     with pytest.raises(InvalidArgument, match="not a valid InferRequest"):
         asyncio.run(answer(b"\xff\xff\xff"))
-    monkeypatch.setattr(frontend, "PREPARED_KEPT", 2)  # bounded: past it the kept requests start over
+    monkeypatch.setattr(plan_module, "PREPARED_KEPT", 2)  # bounded: past it the kept requests start over
     for n in range(5):
-        core.prepared(pb.InferRequest(model=MODEL, text=f"{text} {n}").SerializeToString())
-        assert len(core._prepared) <= 2
+        core.planner.prepared(pb.InferRequest(model=MODEL, text=f"{text} {n}").SerializeToString())
+        assert len(core.planner._prepared) <= 2
 
 
 def test_normalized_variants_share_one_entry(server):
@@ -314,7 +315,7 @@ def test_a_frontend_prepares_every_version_before_it_listens_with_one_tokenizer_
 
     from server import config as settings
     from server.shared.errors import ModelNotFound
-    from server.frontend.process import FrontendCore
+    from server.frontend.core import FrontendCore
     from server.shared.models import ModelRepository
     from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
     from tests.helpers import link_model
@@ -328,9 +329,9 @@ def test_a_frontend_prepares_every_version_before_it_listens_with_one_tokenizer_
     link_model(root, "enc", MINILM_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR, "3": missing, "4": garbled})
     config = settings.load(None, {}, {"cache.dir": str(tmp_path / "cache"), "server.models_dir": str(root)})
     core = FrontendCore(config, ModelRepository(root), None, Counter())
-    core.prepare_models()  # returns: the broken versions are left to their requests
-    assert set(core._served) == {("enc", "1"), ("enc", "2")}
-    assert core._served["enc", "1"].encoder is core._served["enc", "2"].encoder and len(core._encoders) == 1
+    core.planner.prepare_models()  # returns: the broken versions are left to their requests
+    assert set(core.planner._served) == {("enc", "1"), ("enc", "2")}
+    assert core.planner._served["enc", "1"].encoder is core.planner._served["enc", "2"].encoder and len(core.planner._encoders) == 1
     for version in ("3", "4"):
         with pytest.raises(ModelNotFound, match=f"version '{version}' cannot be served here"):
-            core.prepare(pb.InferRequest(model="enc", version=version, text="hello"))
+            core.planner.prepare(pb.InferRequest(model="enc", version=version, text="hello"))

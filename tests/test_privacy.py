@@ -125,12 +125,12 @@ def test_planted_pii_is_nowhere_on_disk_nor_in_the_log_and_variants_share_entrie
 
 
 def test_the_frontend_keeps_no_raw_request_of_a_model_with_a_pii_setting(tmp_path):
-    """Frontends keep serialized requests that repeat (FrontendCore.prepared: their plan and key), but
+    """Frontends keep serialized requests that repeat (Planner.prepared: their plan and key), but
     never those of a model whose privacy.pii is set: the bytes hold the text as sent."""
     from collections import Counter
 
     from server import config as settings
-    from server.frontend.process import FrontendCore
+    from server.frontend.core import FrontendCore
     from server.shared.models import ModelRepository
 
     root = tmp_path / "models"
@@ -141,10 +141,10 @@ def test_the_frontend_keeps_no_raw_request_of_a_model_with_a_pii_setting(tmp_pat
     text = "my card 4111 1111 1111 1111 was declined"
     for model in ("redacting", "plain"):
         raw = pb.InferRequest(model=model, text=text).SerializeToString()
-        plan, (normalized, _, _) = core.prepared(raw)
+        plan, (normalized, _, _) = core.planner.prepared(raw)
         assert plan.served.spec.name == model
         assert ("4111" in normalized) == (model == "plain")  # redacted before keying
-        assert (raw in core._prepared) == (model == "plain")
+        assert (raw in core.planner._prepared) == (model == "plain")
 
 
 def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_path):
@@ -154,7 +154,7 @@ def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_pat
     from collections import Counter
 
     from server import config as settings
-    from server.frontend.process import FrontendCore
+    from server.frontend.core import FrontendCore
     from server.shared.models import ModelRepository
 
     root = tmp_path / "models"
@@ -165,7 +165,7 @@ def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_pat
     def plan(**semantic):
         request = pb.InferRequest(model="plain", text="a private question",
                                   semantic=pb.SemanticPolicy(**semantic) if semantic else None)
-        return core.prepare(request)[0], request
+        return core.planner.prepare(request)[0], request
 
     none, _ = plan()
     off, request = plan(enabled=False)
@@ -179,8 +179,8 @@ def test_a_kept_plan_follows_the_semantic_overrides_and_holds_no_request(tmp_pat
     padded = pb.InferRequest.FromString(pb.InferRequest(model="plain", text="a private question").SerializeToString()
                                         + b"\x32" + _length_delimited(b"\xa2\x06" + _length_delimited(b"x" * (1 << 20))))
     assert padded.HasField("semantic") and padded.semantic.ByteSize() > 1 << 20
-    kept = core.prepare(padded)[0]
-    assert kept is core.prepare(pb.InferRequest(model="plain", text="a", semantic=pb.SemanticPolicy()))[0]
+    kept = core.planner.prepare(padded)[0]
+    assert kept is core.planner.prepare(pb.InferRequest(model="plain", text="a", semantic=pb.SemanticPolicy()))[0]
     assert kept.semantic.ByteSize() == 0
 
 
