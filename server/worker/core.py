@@ -3,7 +3,7 @@
 Items arrive already normalized, keyed and tokenized. For each, on the event loop and without
 awaiting: join the identical computation in flight (coalescing), else answer from L1 if the entry was
 committed since the frontend looked, else start one computation: straight into the model's batcher, or,
-for a head model or a model with semantic matching, the `_answer` coroutine (the head's features from the
+for a head model or a model with semantic matching, the `Matching.answer` coroutine (server/worker/matching.py) (the head's features from the
 feature tier or the encoder; embed -> search -> match; else the model or head). When it finishes,
 every waiter gets its answer through its frontend's connection, then the result is written behind.
 A joiner shares the first item's deadline and policy (as before this worker core existed). A flight stays
@@ -23,100 +23,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
-
-import numpy as np
 
 from cachestore import records, wire
 from cachestore.errors import CorruptRecord
-from cachestore.keys import NS_ID_BYTES, namespace, parse_hex_key
+from cachestore.keys import NS_ID_BYTES, Selector, namespace, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.semantic_log import SemanticEntry
-from cachestore.keys import Selector
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.shared.errors import InferCacheError, ModelNotFound, WorkerUnavailable
-from server.worker.calibration import Calibration
-from server.shared.match_policy import Assessment, Neighbor
-from server.shared.feature_records import feature_namespace
-from server.worker.features import FeatureTier, feature_selector
-from server.worker.heads import HeadRuntime
 from server.shared.answers import answer_record
-from server.worker.model_runtime import ModelRuntime
-from server.worker.shadow import Check, ShadowVerifier
+from server.shared.errors import InferCacheError, ModelNotFound, WorkerUnavailable
 from server.shared.models import ModelRepository
 from server.shared.telemetry import Recorder
+from server.worker.features import FeatureTier, feature_selector
+from server.worker.flights import Flight, Outcome, Replies, Source, may_join, token_ids
+from server.worker.heads import HeadRuntime
+from server.worker.matching import Matching
+from server.worker.model_runtime import ModelRuntime
 from server.worker.writer import WriterProcess
 
 log = logging.getLogger("infercache.compute")
 
-Source = pb.CacheInfo.Source
 _MISS, _COALESCED = Source.MISS, Source.COALESCED  # per item, as plain ints (an enum wrapper's attribute costs ~1 us)
-
-
-class Replies(Protocol):
-    """Where a connection's answers go (server/worker.py: one per frontend connection)."""
-
-    waiting: dict[int, "_Flight"]
-
-    def ok(self, item_id: int, source: int, payload: bytes, rejected: bool = False) -> None: ...
-
-    def fail(self, item_id: int, exc: BaseException) -> None: ...
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """What a flight produced: the answer's serialized response, and what to store."""
-
-    payload: bytes
-    source: int = Source.MISS
-    stored: bytes | None = None               # when it differs from payload (explain adds neighbours)
-    embedding: np.ndarray | None = None       # the query's embedding (semantic models)
-    label: str = ""
-    matched: records.Record | None = None     # a stored record this answer came from (RESULT_SEMANTIC, RESULT_FLEET)
-    rejected: bool = False                    # computed although a semantic search found neighbours
-
-
-class _Flight:
-    """One computation that identical concurrent items share."""
-
-    __slots__ = ("key", "runtime", "item", "future", "waiters", "store", "outcome", "created_us", "leased")
-
-    def __init__(self, key: bytes, runtime: ModelRuntime, item: worker_pb2.ComputeItem) -> None:
-        self.key = key
-        self.runtime = runtime
-        self.item = item
-        self.future: asyncio.Future | None = None
-        self.waiters: dict[tuple[Replies, int], bool] = {}  # (connection, item id) -> joined
-        self.store = False
-        self.outcome: _Outcome | None = None
-        self.created_us = now_us()
-        self.leased = False  # this pod holds the key's fleet lease (dropped when the flight ends)
-
-
-def _may_join(flight: _Flight, item: worker_pb2.ComputeItem) -> bool:
-    """Whether an item may take a flight's answer. A finished flight whose entry is not committed yet
-    stands for that entry: it answers an item that may use a stored answer (not BYPASS) no older than
-    the item's max_age. A running one may end in a stored answer too (a near-duplicate's, the fleet's)
-    as old as the item that started it allowed: a stricter item joins only a flight at least as strict."""
-    max_age = item.max_age_us if item.HasField("max_age_us") else None
-    if flight.outcome is not None:
-        if not item.cached_ok:
-            return False
-        matched = flight.outcome.matched  # a near-duplicate's or the fleet's record: its own age
-        created_us = matched.created_us if matched is not None else flight.created_us
-        return max_age is None or now_us() - created_us <= max_age
-    first = flight.item
-    if not first.cached_ok or (item.cached_ok and max_age is None):
-        return True
-    return item.cached_ok and first.HasField("max_age_us") and first.max_age_us <= max_age
-
-
-def token_ids(packed: bytes) -> np.ndarray:
-    """An item's token ids (int32 little-endian bytes, see worker.proto)."""
-    return np.frombuffer(packed, dtype="<i4")
 
 
 _COUNTED = {Source.MISS: "computed", Source.RESULT_SEMANTIC: "semantic_hits", Source.RESULT_FLEET: "fleet_hits",
@@ -140,16 +69,14 @@ class WorkerCore:
         self.writer = writer
         self.semantic = semantic
         self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
-        self.features = features  # L2 (server/features.py); every head model has one
+        self.features = features  # L2 (server/worker/features.py); every head model has one
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters: Counter[str] = Counter()
-        self.metrics: Recorder | None = None  # /metrics on (server/worker_metrics.py)
-        self._inflight: dict[bytes, _Flight] = {}
-        # The calibrated semantic rule: outcomes per model version, and the hits' background checks.
-        self.calibrations: dict[tuple[str, str], Calibration] = {}
-        self.shadow = ShadowVerifier(self._checked, self._batchers) if semantic is not None else None
+        self.metrics: Recorder | None = None  # /metrics on (server/worker/metrics.py)
+        self._inflight: dict[bytes, Flight] = {}
+        self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
 
-    def _batchers(self):
+    def batchers(self):
         return (runtime.batcher for runtime in self.runtimes.values())
 
     def runtime(self, model: str, version: str) -> ModelRuntime:
@@ -187,7 +114,7 @@ class WorkerCore:
             return
         try:
             flight = self._inflight.get(item.key)
-            if flight is not None and not _may_join(flight, item):
+            if flight is not None and not may_join(flight, item):
                 flight = None  # it wants a fresher answer than this flight may give: compute anew
             joined = flight is not None
             if flight is None:
@@ -236,8 +163,8 @@ class WorkerCore:
             flight.future.cancel()  # the batcher drops it before the engine
             self._forget(flight)    # at once: an identical item arriving meanwhile starts a new flight
 
-    def _start(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Flight:
-        flight = _Flight(item.key, runtime, item)
+    def _start(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> Flight:
+        flight = Flight(item.key, runtime, item)
         if self.fleet is not None and self.fleet.usable:
             flight.future = asyncio.get_running_loop().create_task(self._through_fleet(flight, deadline))
         else:
@@ -248,10 +175,10 @@ class WorkerCore:
 
     def _compute(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> asyncio.Future:
         if isinstance(runtime, HeadRuntime) or (runtime.spec.semantic is not None and self.semantic is not None):
-            return asyncio.get_running_loop().create_task(self._answer(runtime, item, deadline))
+            return asyncio.get_running_loop().create_task(self.matching.answer(runtime, item, deadline))
         return runtime.batcher.enqueue(token_ids(item.ids), deadline)  # Overloaded when full
 
-    async def _through_fleet(self, flight: _Flight, deadline: float | None):
+    async def _through_fleet(self, flight: Flight, deadline: float | None):
         """The fleet's record of the flight's key, another pod's result once it lands, or a computation."""
         fleet, item = self.fleet, flight.item
         ns = namespace(item.tenant, item.model, item.version)
@@ -278,13 +205,13 @@ class WorkerCore:
         return await self._compute(flight.runtime, item, deadline)
 
     @staticmethod
-    def _fleet_outcome(record: records.Record) -> _Outcome:
+    def _fleet_outcome(record: records.Record) -> Outcome:
         payload = record.payload + wire.cache_info(Source.RESULT_FLEET, record.age_s(now_us()))
-        return _Outcome(payload, Source.RESULT_FLEET, matched=record)
+        return Outcome(payload, Source.RESULT_FLEET, matched=record)
 
     # ---- answers out -------------------------------------------------------------------------------
 
-    def _finished(self, flight: _Flight, future: asyncio.Future) -> None:
+    def _finished(self, flight: Flight, future: asyncio.Future) -> None:
         if future.cancelled():  # nobody waits (see cancel); a waiter left over must still hear
             exc: BaseException | None = WorkerUnavailable("the computation was cancelled; retry")
         else:
@@ -297,7 +224,7 @@ class WorkerCore:
                 replies.fail(item_id, exc)
             return
         result = future.result()
-        outcome = result if isinstance(result, _Outcome) else _Outcome(flight.runtime.payload(result, flight.key))
+        outcome = result if isinstance(result, Outcome) else Outcome(flight.runtime.payload(result, flight.key))
         flight.outcome = outcome
         flight.future = None  # (with the engine's outputs: a flight waiting for its commit keeps only its answer)
         joined = 0
@@ -314,17 +241,17 @@ class WorkerCore:
             self._forget(flight)
             self._release(flight)
 
-    def _release(self, flight: _Flight) -> None:
+    def _release(self, flight: Flight) -> None:
         if flight.leased:
             flight.leased = False
             self.fleet.release(flight.key, namespace(flight.item.tenant, flight.item.model, flight.item.version))
 
-    def _reply(self, replies: Replies, item_id: int, outcome: _Outcome, joined: bool) -> None:
+    def _reply(self, replies: Replies, item_id: int, outcome: Outcome, joined: bool) -> None:
         replies.waiting.pop(item_id, None)
         source = _COALESCED if joined and outcome.source == _MISS else outcome.source
         replies.ok(item_id, source, outcome.payload, outcome.rejected)
 
-    def _store(self, flight: _Flight, outcome: _Outcome) -> None:
+    def _store(self, flight: Flight, outcome: Outcome) -> None:
         item = flight.item
         ns = namespace(item.tenant, item.model, item.version)
         done = partial(self._forget, flight)  # told on the loop once the entry is committed (or dropped)
@@ -343,151 +270,9 @@ class WorkerCore:
             self.fleet.put(flight.key, ns, record, release=flight.leased)
             flight.leased = False
 
-    def _forget(self, flight: _Flight) -> None:
+    def _forget(self, flight: Flight) -> None:
         if self._inflight.get(flight.key) is flight:
             del self._inflight[flight.key]
-
-    # ---- head models and semantic models ------------------------------------------------------------
-
-    async def _answer(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> _Outcome:
-        """A head model's or a semantic model's miss: the head's features from L2 or the encoder (which
-        runs once: its output is also the semantic embedding when the encoder is the embedder), then a
-        near-duplicate's answer if the policy trusts one, else the model."""
-        feature = embedding = None
-        policy = runtime.spec.semantic if self.semantic is not None else None
-        if isinstance(runtime, HeadRuntime):
-            started = now_us()
-            source = runtime.source
-            ns = feature_namespace(item.tenant, runtime.spec.share_features, source)
-            key = item.feature_key  # derived by the frontend; empty would mean no feature tier for this item
-            if key and item.cached_ok and (found := self.features.get(ns, source, key)) is not None:
-                feature, level = found
-                self.counters[f"{level}_hits"] += 1
-                try:
-                    outputs = await runtime.batcher.submit(feature, deadline)
-                finally:
-                    self.features.release(feature)
-                # Not indexed for semantic matching: when the encoder is the embedder, a near-duplicate
-                # runs it anyway to search, so a semantic hit would save only the head; indexing every
-                # answer of a version bump doubled its cost (bench/l2.py: 3.8 s vs 1.7 s for 9,972 texts).
-                return _Outcome(runtime.payload(outputs, item.key), Source.FEATURE)
-            embedding = (await runtime.encoder_runtime.batcher.submit(token_ids(item.ids), deadline))[source[2]]
-            feature = self.features.stored_form(source, embedding)
-            if feature is None:  # out of the stored form's range: the head reads it as computed, not kept
-                feature = embedding
-            elif item.store and key:
-                self.features.put(ns, source, key, feature, started)
-        neighbors: list[Neighbor] = []
-        assessment: Assessment | None = None
-        rejected = False  # neighbours found, none the policy trusts (/metrics miss reason)
-        if policy is not None:
-            overrides = item.semantic
-            lookup = not overrides.HasField("enabled") or overrides.enabled
-            embedder = self._embedder(policy)
-            if embedding is None or item.embed_ids or not runtime.reads(embedder, "embedding"):
-                embedding = None
-                if lookup or item.store:  # a stored result is indexed even when its request does not search
-                    ids = token_ids(item.embed_ids or item.ids)
-                    embedding = (await embedder.batcher.submit(ids, deadline))["embedding"]
-            if embedding is not None and lookup:
-                k, labels = (policy.k, runtime.labels) if policy.calibrated else (max(policy.k, 5), None)
-                neighbors, assessment = await self.semantic.search(item.key[:NS_ID_BYTES], embedding, k, labels)
-                if neighbors and self.metrics is not None:
-                    self.metrics.observe(("infercache_semantic_nearest_similarity", runtime.spec.name),
-                                         neighbors[0].similarity)
-                floor = overrides.min_similarity if overrides.HasField("min_similarity") else None
-                if item.cached_ok:
-                    if policy.calibrated:
-                        calibration = self._calibration(runtime)
-                        fitted = assessment is not None and assessment.fitted is not None
-                        chosen = policy.decide(neighbors, assessment, calibration.threshold_for(fitted), floor)
-                        if chosen is not None and self.shadow.contested(chosen.key):
-                            chosen = None  # a check found this entry answering wrongly: it answers no more
-                    else:
-                        chosen = policy.decide(neighbors, floor)
-                    if chosen is not None and (matched := self._matched(chosen, item, neighbors)) is not None:
-                        if policy.calibrated:
-                            self._verify(runtime, calibration, item, feature, embedding, chosen, assessment)
-                        return matched
-                    rejected = bool(neighbors) and chosen is None
-        outputs = await runtime.batcher.submit(token_ids(item.ids) if feature is None else feature, deadline)
-        if policy is None:
-            return _Outcome(runtime.payload(outputs, item.key))
-        response = runtime.response(outputs, item.key)
-        if assessment is not None and policy.covers(neighbors, assessment):  # what the rule would have said
-            self._calibration(runtime).record(assessment.margin, assessment.answer == response.classification.label,
-                                              fit_agreed=assessment.fitted == assessment.answer)
-        stored = response.SerializeToString()
-        payload = stored
-        if self._explain(response, item, neighbors):
-            payload = response.SerializeToString()
-        return _Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
-                        rejected=rejected)
-
-    def calibrated_versions(self) -> dict[tuple[str, str], tuple[float, str]]:
-        """(model, version) -> (max_error, the rule's settings) of each version under the calibrated rule."""
-        return {key: (runtime.spec.semantic.max_error, self._rule(runtime)) for key, runtime in self.runtimes.items()
-                if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
-
-    def _rule(self, runtime: ModelRuntime) -> str:
-        policy = runtime.spec.semantic
-        return policy.settings(self.repository.get(policy.embedder).serving_version)
-
-    def _calibration(self, runtime: ModelRuntime) -> Calibration:
-        key = (runtime.spec.name, runtime.version)
-        if (calibration := self.calibrations.get(key)) is None:
-            calibration = self.calibrations[key] = Calibration(runtime.spec.semantic.max_error, self._rule(runtime))
-        return calibration
-
-    def _verify(self, runtime: ModelRuntime, calibration: Calibration, item: worker_pb2.ComputeItem, feature,
-                embedding, chosen: Neighbor, assessment: Assessment) -> None:
-        """Offers a semantic hit for shadow verification: always while its entry is unproven, else at
-        the model's verify_fraction."""
-        fraction = runtime.spec.semantic.verify_fraction
-        if fraction == 0:  # verification off: no checks, no live fidelity
-            return
-        chance = self.shadow.chance(chosen.key, fraction)
-        if chance < 1.0 and np.random.random() >= chance:
-            return
-        model_input = token_ids(item.ids) if feature is None else feature
-        self.shadow.offer(Check(runtime, calibration, item, model_input, embedding, chosen.answer,
-                                assessment.margin, chosen.key, chance, now_us(), assessment.fitted is not None))
-
-    def _checked(self, check: Check, outputs: dict, agreed: bool) -> None:
-        """A verified hit: the model's answer replaces the alias the hit wrote (when its request stored
-        one) and joins the index, so the same text gets the model's own answer, and its neighbours one
-        more verified entry (a wrong hit's correction among them)."""
-        item = check.item
-        if not item.store or self.writer is None:
-            return
-        runtime = check.runtime
-        response = runtime.response(outputs, item.key)
-        # Dated at the hit, not now: an invalidation since then covers it (the writer's fences drop it).
-        record = answer_record(runtime.spec, check.created_us, response.SerializeToString())
-        self.writer.put(item.key, namespace(item.tenant, item.model, item.version), record,
-                        semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label, check.embedding))
-        self.counters["semantic_verified_stored" if agreed else "semantic_corrected"] += 1
-
-    def _embedder(self, policy) -> ModelRuntime:
-        return self.runtime(policy.embedder, self.repository.get(policy.embedder).serving_version)
-
-    def _matched(self, chosen: Neighbor, item: worker_pb2.ComputeItem, neighbors: list[Neighbor]) -> _Outcome | None:
-        """The chosen neighbour's entry as a RESULT_SEMANTIC answer, if it is still fresh."""
-        max_age = item.max_age_us if item.HasField("max_age_us") else None
-        found = self.cache.answer(chosen.key, max_age, Source.RESULT_SEMANTIC) if self.cache is not None else None
-        if found is None:
-            return None  # expired or gone since it was indexed: compute instead
-        record, response = found
-        response.cache.similarity = chosen.similarity
-        self._explain(response, item, neighbors)
-        return _Outcome(response.SerializeToString(), Source.RESULT_SEMANTIC, matched=record)
-
-    @staticmethod
-    def _explain(response: pb.InferResponse, item: worker_pb2.ComputeItem, neighbors: list[Neighbor]) -> bool:
-        if not item.semantic.explain:
-            return False
-        response.cache.neighbors.extend(pb.Neighbor(similarity=n.similarity, answer=n.answer) for n in neighbors)
-        return True
 
     # ---- the rest of the API -----------------------------------------------------------------------
 
@@ -534,8 +319,8 @@ class WorkerCore:
         if self.writer is not None:
             groups.append(("writer", self.writer.counters))
         if self.semantic is not None:
-            groups.append(("semantic", {**self.semantic.counters, **self.shadow.stats()}))
-            for (model, version), calibration in self.calibrations.items():
+            groups.append(("semantic", {**self.semantic.counters, **self.matching.shadow.stats()}))
+            for (model, version), calibration in self.matching.calibrations.items():
                 groups.append((f"semantic.{model}.{version}", calibration.stats()))
         if self.features is not None:
             groups.append(("features", self.features.stats()))
@@ -548,8 +333,8 @@ class WorkerCore:
         return groups
 
     async def close(self) -> None:
-        if self.shadow is not None:
-            await self.shadow.close()
+        if self.matching.shadow is not None:
+            await self.matching.shadow.close()
         for runtime in self.runtimes.values():
             await runtime.batcher.close()
         pending = [f.future for f in list(self._inflight.values()) if f.future is not None and f.outcome is None]

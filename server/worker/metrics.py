@@ -35,7 +35,7 @@ class WorkerMetrics:
             # 0 for an engine loaded from the store: the series exists, so increase() sees a build
             out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device),
                     1 if runtime.built_s else 0)
-        for (model, _), calibration in self.core.calibrations.items():  # this process's checks (the base has
+        for (model, _), calibration in self.core.matching.calibrations.items():  # this process's checks (the base has
             disagreed = calibration.disagreed - calibration.disagreed_at_start  # its predecessor's)
             out.inc(("infercache_semantic_verifications_total", model, "agreed"),
                     calibration.verified - calibration.verified_at_start - disagreed)
@@ -66,7 +66,7 @@ class WorkerMetrics:
             gauges[("infercache_store_write_backlog", name)] = writer.counters["backlog"]
         if self.core.semantic is not None:
             gauges[("infercache_semantic_index_entries",)] = self.core.semantic.entries()
-        for (model, version), calibration in self.core.calibrations.items():
+        for (model, version), calibration in self.core.matching.calibrations.items():
             labels = (model, version, str(self.placement.index))
             if calibration.fidelity is not None:
                 gauges[("infercache_semantic_fidelity", *labels)] = calibration.fidelity

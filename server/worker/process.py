@@ -342,8 +342,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features)
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
-        core.calibrations.update(await asyncio.to_thread(
-            calibration.load, calibration.path_for(tier.snapshot_dir), core.calibrated_versions()))
+        core.matching.calibrations.update(await asyncio.to_thread(
+            calibration.load, calibration.path_for(tier.snapshot_dir), core.matching.calibrated_versions()))
     publisher = _publisher(core, placement, metrics_dir if config.server.metrics_port else None)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
@@ -374,7 +374,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     await server.stop(config.server.drain_s)
     await core.close()
     if tier is not None:
-        await asyncio.to_thread(calibration.save, core.calibrations, calibration.path_for(tier.snapshot_dir))
+        await asyncio.to_thread(calibration.save, core.matching.calibrations, calibration.path_for(tier.snapshot_dir))
     await asyncio.sleep(0)  # the last answers' writes
     for conn in list(frontends.open):
         conn.protocol.close()

@@ -1,0 +1,82 @@
+"""A worker's flights: one computation that identical concurrent items share (coalescing), what it
+produced, and which later items may take its answer. Owned by the worker core's event loop
+(server/worker/core.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from cachestore import records
+from cachestore.results import now_us
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import worker_pb2
+from server.worker.model_runtime import ModelRuntime
+
+Source = pb.CacheInfo.Source
+
+
+class Replies(Protocol):
+    """Where a connection's answers go (server/worker.py: one per frontend connection)."""
+
+    waiting: dict[int, "Flight"]
+
+    def ok(self, item_id: int, source: int, payload: bytes, rejected: bool = False) -> None: ...
+
+    def fail(self, item_id: int, exc: BaseException) -> None: ...
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a flight produced: the answer's serialized response, and what to store."""
+
+    payload: bytes
+    source: int = Source.MISS
+    stored: bytes | None = None               # when it differs from payload (explain adds neighbours)
+    embedding: np.ndarray | None = None       # the query's embedding (semantic models)
+    label: str = ""
+    matched: records.Record | None = None     # a stored record this answer came from (RESULT_SEMANTIC, RESULT_FLEET)
+    rejected: bool = False                    # computed although a semantic search found neighbours
+
+
+class Flight:
+    """One computation that identical concurrent items share."""
+
+    __slots__ = ("key", "runtime", "item", "future", "waiters", "store", "outcome", "created_us", "leased")
+
+    def __init__(self, key: bytes, runtime: ModelRuntime, item: worker_pb2.ComputeItem) -> None:
+        self.key = key
+        self.runtime = runtime
+        self.item = item
+        self.future: asyncio.Future | None = None
+        self.waiters: dict[tuple[Replies, int], bool] = {}  # (connection, item id) -> joined
+        self.store = False
+        self.outcome: Outcome | None = None
+        self.created_us = now_us()
+        self.leased = False  # this pod holds the key's fleet lease (dropped when the flight ends)
+
+
+def may_join(flight: Flight, item: worker_pb2.ComputeItem) -> bool:
+    """Whether an item may take a flight's answer. A finished flight whose entry is not committed yet
+    stands for that entry: it answers an item that may use a stored answer (not BYPASS) no older than
+    the item's max_age. A running one may end in a stored answer too (a near-duplicate's, the fleet's)
+    as old as the item that started it allowed: a stricter item joins only a flight at least as strict."""
+    max_age = item.max_age_us if item.HasField("max_age_us") else None
+    if flight.outcome is not None:
+        if not item.cached_ok:
+            return False
+        matched = flight.outcome.matched  # a near-duplicate's or the fleet's record: its own age
+        created_us = matched.created_us if matched is not None else flight.created_us
+        return max_age is None or now_us() - created_us <= max_age
+    first = flight.item
+    if not first.cached_ok or (item.cached_ok and max_age is None):
+        return True
+    return item.cached_ok and first.HasField("max_age_us") and first.max_age_us <= max_age
+
+
+def token_ids(packed: bytes) -> np.ndarray:
+    """An item's token ids (int32 little-endian bytes, see worker.proto)."""
+    return np.frombuffer(packed, dtype="<i4")
