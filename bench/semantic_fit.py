@@ -3,7 +3,7 @@
 What the server's eval (bench/semantic.py) cannot show: how the rule does for a model that is not a
 linear head on the embedder. Banking77 train is embedded once with MiniLM; two models answer it:
 - `linear`: the head train-head fits (multinomial logistic regression on the embedding), which the fit
-  (server/surrogate.py) can reproduce;
+  (server/shared/surrogate.py) can reproduce;
 - `mlp`: a two-layer network trained to memorize every row (train accuracy ~100%), whose scores
   saturate: the stress case, where cached entries hold next to nothing of classes they do not answer.
 

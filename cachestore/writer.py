@@ -86,7 +86,7 @@ class WriteBehind:
     def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0,
                  on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None,
                  max_ttl_s: int = 0, threaded: bool = True) -> None:
-        """threaded=False: no thread of its own; whoever owns it calls `drain` (server/writer_process.py,
+        """threaded=False: no thread of its own; whoever owns it calls `drain` (server/worker/writer.py,
         where py-lmdb's releasing the GIL on every call would hand it back and forth between two threads)."""
         self.store = store
         self.max_ttl_us = max_ttl_s * 1_000_000  # retention: the sweep also deletes entries older than this

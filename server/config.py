@@ -35,7 +35,7 @@ class ServerSection:
     frontends: int = 0                 # 0 = one per CPU
     workers: int = 0                   # inference workers; 0 = workers_per_gpu per visible GPU (GPU runtime), else 1
     workers_per_gpu: int = 0           # with workers = 0 on a GPU host: worker processes feeding each GPU;
-                                       # 0 = one per 4 CPUs per GPU, 1 to 4 (server/devices.py auto_per_gpu)
+                                       # 0 = one per 4 CPUs per GPU, 1 to 4 (server/shared/devices.py auto_per_gpu)
     gpu_sharing: str = "auto"          # workers sharing a GPU: auto (a private CUDA MPS daemon where installed),
                                        # mps (required), timeslice (never MPS): server/mps.py
     models_dir: str = "models"
@@ -50,7 +50,7 @@ class ServerSection:
                                        # it gRPC itself cancels new ones (CANCELLED), so keep it above bursts
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
     length_groups: bool = True         # an engine that pads a batch to its longest row (ONNX Runtime) gets
-                                       # batches of like lengths, finer than the buckets (server/batcher.py)
+                                       # batches of like lengths, finer than the buckets (server/worker/batcher.py)
     cpu_worker_nice: int = 19          # how much nicer a CPU worker's engine (its batches' threads, its work off
                                        # the event loop) runs than its event loop and the frontends: on shared
                                        # cores hits and refusals go before engine batches; 0 = the same priority
@@ -75,7 +75,7 @@ class CacheSection:
 
 @dataclass(frozen=True)
 class L2Section:
-    """The feature tier (server/features.py): encoder outputs that head models read."""
+    """The feature tier (server/worker/features.py): encoder outputs that head models read."""
 
     enabled: bool = True
     device_fraction: float = 0.2       # GPU hosts: the memory LRU's cap, a share of the GPU's memory (divided
@@ -86,21 +86,21 @@ class L2Section:
     budget_mb: int = 768               # eviction keeps live features under this; must be below map_size_mb
     ttl_s: int = 7 * 86400             # a feature's life (cache.max_ttl_s caps it too); 0 = no expiry
     frontend_head_mb: int = 16         # heads (weights) up to this size also run in frontends, on features
-                                       # read from the host's store (server/front_features.py); 0 = only
+                                       # read from the host's store (server/frontend/features.py); 0 = only
                                        # workers answer FEATURE
 
 
 @dataclass(frozen=True)
 class EnginesSection:
     dir: str = "var/engines"           # L3 engine store (may be shared by pods: NFS, a PVC)
-    runtime: str = "auto"              # auto, onnxruntime (CPU), torch-cuda or tensorrt (GPU): server/devices.py
+    runtime: str = "auto"              # auto, onnxruntime (CPU), torch-cuda or tensorrt (GPU): server/shared/devices.py
     precision: str = "fp16"            # requested; a runtime without FP16 builds fp32; config.yaml may override
     build_missing: bool = True         # build at start when the store lacks an engine (logged and counted)
 
 
 @dataclass(frozen=True)
 class SecuritySection:
-    tokens_file: str = ""              # bearer tokens (server/auth.py); "" = no authentication
+    tokens_file: str = ""              # bearer tokens (server/shared/auth.py); "" = no authentication
     allow_anonymous: bool = False      # serve a non-loopback address without tokens_file (not advised)
     tls_cert_file: str = ""            # PEM certificate chain of the public port; "" = plaintext
     tls_key_file: str = ""             # its PEM private key

@@ -1,4 +1,4 @@
-"""GET /metrics in the supervisor: the snapshots every process published (server/telemetry.py), added up.
+"""GET /metrics in the supervisor: the snapshots every process published (server/shared/telemetry.py), added up.
 
 Counters and histograms are summed over the processes' files. Gauges are summed too: each series has one
 publisher (the store's figures come from worker 0 only, an engine's from its worker, named by the

@@ -67,7 +67,7 @@ class Supervisor:
         shared = any(p.sharing > 1 for p in self.placements)
         self.mps = mps.MpsDaemon(socket_dir) if mps.wanted(config.server.gpu_sharing, shared) else None
         sockets = [str(socket_dir / f"worker-{p.index}.sock") for p in self.placements]
-        # The children's published figures (server/telemetry.py): /metrics and hot keys. Emptied here:
+        # The children's published figures (server/shared/telemetry.py): /metrics and hot keys. Emptied here:
         # counters start at zero with each run of the server.
         self.metrics_dir = socket_dir / "metrics"
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -176,7 +176,7 @@ class Supervisor:
 
     def _restart_mps(self) -> None:
         """Before a worker starts again: the daemon, if it exited. If it cannot start again, workers that
-        start from now on share their GPU time-sliced (and name it by its id again: server/worker.py)."""
+        start from now on share their GPU time-sliced (and name it by its id again: server/worker/process.py)."""
         log.error("the CUDA MPS daemon has exited; starting it again")
         try:
             self.mps.start()
@@ -200,7 +200,7 @@ class Supervisor:
 
     def _reload_tokens(self) -> None:
         """Reads the token file; if it loads, makes it the set in force and tells the frontends, which read
-        it (server/frontend.py); a frontend started later reads the same. A file that does not load keeps
+        it (server/frontend/process.py); a frontend started later reads the same. A file that does not load keeps
         the tokens in force. Authentication cannot be turned on or off this way, only its tokens changed."""
         self._reload = False
         if self.tokens_path is None:

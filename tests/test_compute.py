@@ -1,4 +1,4 @@
-"""The worker core (server/compute.py) without processes: coalescing and cancellation on one event loop."""
+"""The worker core (server/worker/core.py) without processes: coalescing and cancellation on one event loop."""
 
 from __future__ import annotations
 

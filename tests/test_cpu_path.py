@@ -1,5 +1,5 @@
 """The CPU path: on a host without GPUs the default runtime (auto) is ONNX Runtime and no server
-process loads torch; worker placement (server/devices.py); the null runtime."""
+process loads torch; worker placement (server/shared/devices.py); the null runtime."""
 
 from __future__ import annotations
 

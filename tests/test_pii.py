@@ -1,4 +1,4 @@
-"""PII detection and redaction (server/pii.py): what is found, what is left alone, real queries."""
+"""PII detection and redaction (server/shared/pii.py): what is found, what is left alone, real queries."""
 
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ def test_store_and_sockets_are_private_and_names_never_become_paths(start_server
     (cache_dir / "stray").write_text("left by hand")
     os.chmod(cache_dir, 0o755)
     srv = start_server(frontends=1, cache_dir=cache_dir)
-    figures = srv.workdir / "run" / "metrics"  # rewritten every second by design (server/telemetry.py)
+    figures = srv.workdir / "run" / "metrics"  # rewritten every second by design (server/shared/telemetry.py)
 
     def paths() -> list[Path]:
         return sorted(p.relative_to(srv.workdir) for p in srv.workdir.rglob("*")

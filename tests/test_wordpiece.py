@@ -1,4 +1,4 @@
-"""The WordPiece fast path (server/wordpiece.py) gives exactly the tokenizer's ids, or does not answer."""
+"""The WordPiece fast path (server/shared/wordpiece.py) gives exactly the tokenizer's ids, or does not answer."""
 
 from __future__ import annotations
 

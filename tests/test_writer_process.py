@@ -1,4 +1,4 @@
-"""The worker's store writer in its own process (server/writer_process.py): a real child process on a real
+"""The worker's store writer in its own process (server/worker/writer.py): a real child process on a real
 LMDB store, driven from an event loop as the worker drives it."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fleet tier of one process: lookups, write-behind, leases, invalidation (see __init__.py).
 
 A frontend looks an L1 miss up here (`get`) before sending it to a worker; a worker uses the rest
-(server/compute.py):
+(server/worker/core.py):
 
 1. `get`: the entry under its current fleet key (generations.py); a fresh record is the answer, and the
    key's worker copies it into L1 (read-through). A worker looks itself only when the frontend did not.

@@ -1,7 +1,7 @@
 """FEATURE answers made in a frontend: a head model's text that L1 missed, whose encoder output the
-host's LMDB feature store holds (server/features.py), is answered here, without the worker and without
+host's LMDB feature store holds (server/worker/features.py), is answered here, without the worker and without
 tokenizing (features are keyed by the normalized text). The head is one matrix product and a softmax
-(server/heads.py), so such an answer costs a frontend little more than an exact hit, where a round trip
+(server/shared/head_scoring.py), so such an answer costs a frontend little more than an exact hit, where a round trip
 to the worker costs several times that (bench/l2.py: a head version bump).
 
 The answer is the worker's for the same stored feature (the same stored form, head and response; the
@@ -49,7 +49,7 @@ class FrontHead:
     @classmethod
     def load(cls, repository: ModelRepository, spec: ModelSpec, version: str, ref: HeadRef, max_bytes: int
              ) -> FrontHead | None:
-        """The head `ref` of a version, checked as the workers check its files (heads.load_head; the
+        """The head `ref` of a version, checked as the workers check its files (head_scoring.load_head; the
         feature length only when a feature is read: one of another length does not decode), or None when
         its weights are over max_bytes (left to the workers). ModelConfigError for a head they refuse too."""
         encoder = repository.models.get(ref.encoder)

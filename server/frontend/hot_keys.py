@@ -9,7 +9,7 @@ above the largest count dropped, its `floor` (the same bounds; a hit on a held k
 
 Keys are the cache keys (hashes of tenant, model, version and normalized text); a key's text and tenant
 are kept only for models whose config sets `hot_keys.keep_text`. Each frontend publishes its sketches
-(server/frontend.py), with their floors; GetHotKeys merges them: a key another frontend does not list
+(server/frontend/process.py), with their floors; GetHotKeys merges them: a key another frontend does not list
 may have been counted there up to that frontend's floor, which the merge adds to its count and error,
 so the bounds hold for the merged list too. A restarted frontend adopts what its predecessor published.
 """

@@ -1,4 +1,4 @@
-"""A frontend's Prometheus figures (server/telemetry.py): calls, miss reasons, model time saved.
+"""A frontend's Prometheus figures (server/shared/telemetry.py): calls, miss reasons, model time saved.
 
 Only made when /metrics is on (server.metrics_port); with it off, calls record none of this.
 

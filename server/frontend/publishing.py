@@ -12,7 +12,7 @@ from server.shared import telemetry
 
 
 class Published:
-    """This frontend's figures out, the other processes' in, through the files of server/telemetry.py:
+    """This frontend's figures out, the other processes' in, through the files of server/shared/telemetry.py:
     its /metrics snapshot (frontend-N.json, summed by the supervisor) and its hot keys (frontend-N.hot,
     read by the frontend that answers GetHotKeys; apart, so that no scrape parses them, and rewritten
     only when they changed)."""

@@ -63,7 +63,7 @@ def _expire(sent: dict, expired: list) -> None:
 
 
 class WorkerLink:
-    """One worker: its item connection (server/framing.py) and a gRPC channel for unary calls. One task
+    """One worker: its item connection (server/shared/framing.py) and a gRPC channel for unary calls. One task
     owns the connection: it (re)connects and waits for the connection to end."""
 
     def __init__(self, index: int, socket_path: Path, on_change, counters: Counter) -> None:

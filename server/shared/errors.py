@@ -49,7 +49,7 @@ class DeadlineExceeded(InferCacheError):
 
 
 class Unauthenticated(InferCacheError):
-    """No token, or one the server does not know (server/auth.py)."""
+    """No token, or one the server does not know (server/shared/auth.py)."""
 
 
 class PermissionDenied(InferCacheError):

@@ -9,15 +9,15 @@ A wrong cached answer is worse than a slow one. Two rules:
   this is a first-order estimate of the model's scores at the query; for a linear head on the embedder it
   is exact when the query lies in the neighbours' affine hull. The predicted answer must lead its
   runner-up by a margin that verified outcomes say keeps the error under `max_error`
-  (server/calibration.py), and the query must be covered: its distance from the neighbours' hull
+  (server/worker/calibration.py), and the query must be covered: its distance from the neighbours' hull
   (`residual`) at most `coverage`. A query far from everything cached is a miss whatever its nearest label.
-  And the namespace's cache-wide fit of the model's scores (server/surrogate.py) must not rank another
+  And the namespace's cache-wide fit of the model's scores (server/shared/surrogate.py) must not rank another
   answer first: the interpolation cannot see where the query leaves the neighbours' hull, the fit can,
   from the scores every entry holds for classes no entry answers. A query of a topic the cache has never
   stored, beside one it has, is a miss when the fit says the model would answer the new topic. A hit
   decided with the fit has a threshold of its own, learnt from the outcomes the fit agreed with; one
   decided without (a namespace with fewer entries than the embedding has dimensions, beyond the worker's
-  MAX_FITS, or with scores of another length) uses the threshold of every outcome (server/calibration.py).
+  MAX_FITS, or with scores of another length) uses the threshold of every outcome (server/worker/calibration.py).
 - **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
   similarity floor and agreement among the nearest neighbours.
 """
@@ -55,7 +55,7 @@ class Assessment:
 def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: list[str],
            fitted: str | None = None) -> Assessment:
     """`vectors` (k x dim) and `scores` (k x classes, probabilities) of the k nearest entries; `fitted`:
-    what the namespace's fit (server/surrogate.py) answers at the query."""
+    what the namespace's fit (server/shared/surrogate.py) answers at the query."""
     k = len(vectors)
     gram = vectors @ vectors.T + RIDGE * np.eye(k)
     toward_query, toward_ones = np.linalg.solve(gram, np.stack([vectors @ query, np.ones(k)], axis=1)).T
@@ -96,14 +96,14 @@ class CalibratedPolicy:
         return next(n for n in neighbors if n.answer == assessment.answer)
 
     def settings(self, embedder_version: str) -> str:
-        """What outcomes learnt under this rule depend on (server/calibration.py keeps them with it)."""
+        """What outcomes learnt under this rule depend on (server/worker/calibration.py keeps them with it)."""
         return (f"{self.embedder}/{embedder_version} k={self.k} coverage={self.coverage} ridge={RIDGE} "
                 f"fit_ridge={FIT_RIDGE}")
 
     def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
         """The query is near enough to what is cached and an entry holds the predicted answer: the
         interpolation would answer at a low enough threshold, so such a miss is an outcome to calibrate
-        on (for hits with a fit too when the fit agreed: server/calibration.py)."""
+        on (for hits with a fit too when the fit agreed: server/worker/calibration.py)."""
         return assessment.residual <= self.coverage and any(n.answer == assessment.answer for n in neighbors)
 
 

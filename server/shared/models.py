@@ -6,7 +6,7 @@ the cache policy. Frontends read it to validate requests; the worker also loads 
 A version is either a whole graph (model.onnx, and/or the torch form) or a head on an encoder of the
 repository: head.json names the encoder model and version whose output it reads, head.npz holds its
 weights (`infercache train-head` writes this form). The worker runs the encoder once per miss and keeps
-its output in the feature tier (L2, server/features.py), so a new head version reuses it.
+its output in the feature tier (L2, server/worker/features.py), so a new head version reuses it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.json"       # classification models: score column -> label
 HEAD_FILE = "head.json"           # a head version: {"encoder": model, "encoder_version": v, "input": output name}
 HEAD_WEIGHTS_FILE = "head.npz"    # its weights: "weight" (dim x classes), "bias" (numpy, read without pickle)
-PII_MODES = ("off", "redact", "no_store")  # privacy.pii: see server/pii.py and README "Security"
+PII_MODES = ("off", "redact", "no_store")  # privacy.pii: see server/shared/pii.py and README "Security"
 
 
 class ModelConfigError(ValueError):
@@ -98,7 +98,7 @@ def _is_version(path: Path) -> bool:
 
 
 # Every key a config.yaml may hold: a section's own keys, or None for a value (semantic: its rule checks
-# its keys, server/match_policy.py). Anything else is an error, so that a typo never does nothing.
+# its keys, server/shared/match_policy.py). Anything else is an error, so that a typo never does nothing.
 KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "task": None, "serving_version": None, "outputs": None, "semantic": None,
     "input": frozenset({"max_text_chars", "max_tokens"}),

@@ -1,5 +1,5 @@
 """Tokenization and padding for encoder models (Hugging Face `tokenizers`, no Python model code; BERT
-WordPiece tokenizers answer printable-ASCII texts through server/wordpiece.py, to the same ids)."""
+WordPiece tokenizers answer printable-ASCII texts through server/shared/wordpiece.py, to the same ids)."""
 
 from __future__ import annotations
 

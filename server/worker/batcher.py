@@ -105,7 +105,7 @@ class Batcher:
         self._rows: Counter[int] = Counter()  # admitted rows not yet cut, by group (the length they pad to)
         self._started: dict[asyncio.Task, float] = {}  # running batches -> loop time they started
         self.counters: Counter[str] = Counter()
-        # For /metrics (server/worker_metrics.py): launches by size, engine seconds, and each bucket's
+        # For /metrics (server/worker/metrics.py): launches by size, engine seconds, and each bucket's
         # recent engine seconds per text (what a hit of that bucket saves).
         self.sizes: Counter[int] = Counter()
         self.seconds = 0.0
@@ -129,7 +129,7 @@ class Batcher:
 
     @property
     def idle(self) -> bool:
-        """Nothing waits and no batch runs (low-priority work may go in: server/shadow.py)."""
+        """Nothing waits and no batch runs (low-priority work may go in: server/worker/shadow.py)."""
         return self._waiting == 0 and not self._running and not self._incoming
 
     async def wait_idle(self) -> None:
@@ -148,7 +148,7 @@ class Batcher:
     def enqueue(self, ids, deadline: float | None, waits: bool = False) -> asyncio.Future:
         """Admits one sequence; its future gets the engine's result for it. Cancelling the future
         drops the sequence before it reaches the engine. Raises Overloaded when the queue is full.
-        `waits`: low-priority work with no deadline that may wait however long (server/shadow.py): no
+        `waits`: low-priority work with no deadline that may wait however long (server/worker/shadow.py): no
         bound on its wait applies (max_wait_s is for callers), only max_queue."""
         if self._closed:
             raise WorkerUnavailable("inference worker is shutting down")

@@ -2,10 +2,10 @@
 
 Outcomes come from two places, both the model's own answer beside what the rule would have answered:
 - every covered miss (the neighbours were searched, the rule did not answer, the model computed);
-- shadow verification of semantic hits (server/shadow.py), recomputed in the background.
+- shadow verification of semantic hits (server/worker/shadow.py), recomputed in the background.
 
 They are counted by the assessment's margin, in bins, in two sets: every outcome (the interpolation's own),
-and those where the namespace's fit (server/surrogate.py) agreed with the answer. A hit decided with a fit
+and those where the namespace's fit (server/shared/surrogate.py) agreed with the answer. A hit decided with a fit
 uses the second set's threshold (or the first's, if lower); one decided without (no fit ready, beyond the
 worker's fits, scores of another length, a fit dropped on an error) the first's, which bounds the
 interpolation alone. One pool for both let outcomes the fit had filtered teach a near-zero threshold to

@@ -8,7 +8,7 @@ version finds none of the old ones.
 
 Two levels, looked up in order:
 - memory: an LRU on the worker's GPU (`l2.device_fraction` of the GPU's memory, shared by the workers on
-  it), or in host memory on a CPU host (`l2.memory_mb`): server/feature_lru.py;
+  it), or in host memory on a CPU host (`l2.memory_mb`): server/worker/feature_lru.py;
 - the host's LMDB feature store (`<cache.dir>/features`, its own TTL and byte budget, written behind by
   a writer process like the result store's, shared by every worker of the host, surviving restarts).
 A level that fails (a corrupt or unsealable record, an unreadable store) is a miss.

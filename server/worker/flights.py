@@ -20,7 +20,7 @@ Source = pb.CacheInfo.Source
 
 
 class Replies(Protocol):
-    """Where a connection's answers go (server/worker.py: one per frontend connection)."""
+    """Where a connection's answers go (server/worker/process.py: one per frontend connection)."""
 
     waiting: dict[int, "Flight"]
 

@@ -1,6 +1,6 @@
 """A head model version in an inference worker: a small layer (one matrix product and a softmax) on the
 output of an encoder the worker serves. Its misses run the encoder's batcher once per text, then the head;
-the feature tier (server/features.py) keeps the encoder output, so the next head version, or the same one
+the feature tier (server/worker/features.py) keeps the encoder output, so the next head version, or the same one
 after its result expired, runs the head only.
 
 Heads batch like any other work: their own batcher (one bucket: the feature dimension) cuts batches of
@@ -99,7 +99,7 @@ class HeadRuntime(ModelRuntime):
 
     @property
     def source(self) -> tuple[str, str, str]:
-        """(encoder model, version, output): what this head reads (server/features.py Source)."""
+        """(encoder model, version, output): what this head reads (server/worker/features.py Source)."""
         return self.ref.encoder, self.ref.encoder_version, self.ref.input
 
     def reads(self, runtime: ModelRuntime, output: str) -> bool:

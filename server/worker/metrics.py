@@ -1,4 +1,4 @@
-"""A worker's Prometheus figures (server/telemetry.py), read off the owners that keep them.
+"""A worker's Prometheus figures (server/shared/telemetry.py), read off the owners that keep them.
 
 Batchers count launches by size, engine seconds and each bucket's recent seconds per text; the writers
 count evictions and sweeps; the runtimes know how their engines were built and warmed up. At each

@@ -16,7 +16,7 @@ from server.engines.artifacts import LoadedEngine, model_profiles
 from server.shared.models import LABELS_FILE, TOKENIZER_FILE, ModelSpec
 from server.shared.tokenization import TextEncoder, pad_batch
 
-SEED_ROWS = 4  # rows of the longest profile the warmup times, beside one (server/batcher.py's row model)
+SEED_ROWS = 4  # rows of the longest profile the warmup times, beside one (server/worker/batcher.py's row model)
 
 
 class ModelRuntime:

@@ -1,8 +1,8 @@
 """Inference worker process: one per device (each GPU, or the CPU).
 
 Frontends reach it over two unix sockets of its own: items (one connection per frontend, length-prefixed
-frames carrying micro-batches of tokenized items in and of answers out: server/framing.py) and gRPC for
-Invalidate and Stats. The core (server/compute.py) joins, batches and runs the items; this module is the
+frames carrying micro-batches of tokenized items in and of answers out: server/shared/framing.py) and gRPC for
+Invalidate and Stats. The core (server/worker/core.py) joins, batches and runs the items; this module is the
 shell around it and the process start-up: pin the device, load every engine from the L3 store, warm
 up, open the store, start the semantic tier.
 """
@@ -80,7 +80,7 @@ class _Frontends:
 
 
 class _Connection:
-    """One frontend's item connection (server/framing.py): items in, answers out in micro-batches."""
+    """One frontend's item connection (server/shared/framing.py): items in, answers out in micro-batches."""
 
     def __init__(self, core: WorkerCore, frontends: _Frontends) -> None:
         self.core = core
@@ -167,7 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 async def _open_writer(config: Config, role: str, stop: asyncio.Event, settings: StoreSettings | None = None,
                        what: str = "result store") -> WriterProcess | None:
-    """The store's writer, in a process of its own (server/writer_process.py); None when the store cannot
+    """The store's writer, in a process of its own (server/worker/writer.py); None when the store cannot
     be opened (served without it). Losing the writer later stops this worker, which the supervisor
     restarts with a new one."""
     try:

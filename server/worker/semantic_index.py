@@ -8,7 +8,7 @@ rows the snapshot lacks. Until that finishes, lookups report no neighbours (requ
 With encryption at rest on, no snapshot is written (an hnswlib file holds the embeddings in clear) and
 any left from before is deleted: indexes are rebuilt from the sealed log alone.
 
-The same thread keeps a cache-wide fit of the model's scores (server/surrogate.py) for each namespace that
+The same thread keeps a cache-wide fit of the model's scores (server/shared/surrogate.py) for each namespace that
 a calibrated search has asked for: built from its indexed entries at the first such search (that search
 goes without it), then fed every entry indexed after.
 """

@@ -1,11 +1,11 @@
-"""Shadow verification of semantic hits (calibrated rule, server/match_policy.py).
+"""Shadow verification of semantic hits (calibrated rule, server/shared/match_policy.py).
 
 A share of the semantic hits served (`semantic.verify_fraction`), and every hit answered by an entry no
 verification has proven yet, is recomputed by the model in the background and compared with the answer
 served. Checks run at low priority: only while every batcher of the worker is idle (nothing queued, no
 batch running: on one CPU or one GPU the encoder's batches and the heads' compete for the same device, so
 an idle head batcher beside a busy encoder is no idle capacity). Waiting checks of one model and length
-group (server/batcher.py) go together: up to the batcher's max_batch where a row costs next to nothing (a
+group (server/worker/batcher.py) go together: up to the batcher's max_batch where a row costs next to nothing (a
 head, a GPU), one at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a
 foreground miss that arrives meanwhile waits for at most one such batch. Where no idle moment comes
 within MAX_DEFER_S, one batch of checks goes anyway, so verification goes on, slowly, under sustained
@@ -15,7 +15,7 @@ none has room, they wait on, counted in shadow_deferred once per MAX_DEFER_S). A
 which would count as a user's refusal and raise the wait the frontends are told, and no wait bound
 applies to it (it has no deadline). When checks come faster than that, the oldest are dropped, and so is
 one that waited over a minute (all counted). Each outcome feeds the model version's calibration
-(threshold, live fidelity, guard: server/calibration.py). An agreement proves the entry; a disagreement
+(threshold, live fidelity, guard: server/worker/calibration.py). An agreement proves the entry; a disagreement
 contests it: it answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the
 worker stores it under the query's key, replacing the alias the hit wrote, and indexes it: a verified
 answer is an entry of its own). One owner: the worker's event loop."""
@@ -54,7 +54,7 @@ class Check:
     entry: bytes               # the key of the entry that answered
     chance: float              # the probability this hit was verified
     created_us: int            # when the hit was served
-    fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/calibration.py)
+    fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/worker/calibration.py)
 
 
 class ShadowVerifier:
