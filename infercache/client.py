@@ -4,6 +4,8 @@
     with Client("127.0.0.1:50051") as client:
         result = client.infer("minilm", "How do I return an item?")
         print(result.source, result.outputs["embedding"].shape)
+        for piece in client.generate_stream("smollm2", "How do I return an item?"):
+            print(piece.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ class Result:
     label: str = ""      # classification models: the answer ...
     probability: float = 0.0  # ... and its probability
     similarity: float = 0.0   # RESULT_SEMANTIC: similarity of the matched request
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A whole generated answer (Client.generate)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str   # "STOP" (the model ended, or a stop string came) or "LENGTH"
+    prompt_tokens: int
+    source: str          # "MISS", "RESULT_EXACT", "COALESCED", ...
+    age_s: float
+    model_version: str
+    key: str
 
 
 def decode_outputs(response: pb.InferResponse) -> dict[str, np.ndarray]:
@@ -85,6 +101,34 @@ class Client:
         )
         response = self.stub.InferBatch(request, timeout=self.timeout_s, metadata=self.metadata)
         return [to_result(r) for r in response.results]
+
+    def generate_stream(self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None,
+                        version: str = "", tenant: str = "", max_new_tokens: int = 0, stop: list[str] | None = None,
+                        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                        seed: int | None = None, mode: str = "DEFAULT", max_age_s: int | None = None):
+        """The GenerateResponse messages as they come, an iterator with cancel(): a user's question
+        (`prompt`, with the model's chat template) or `messages` ([{"role": "user", "content": "..."},
+        ...]); the last message has `end` set."""
+        if messages is None:
+            messages = [{"role": "user", "content": prompt}]
+        request = pb.GenerateRequest(
+            model=model, version=version, tenant=tenant, messages=[pb.ChatMessage(**m) for m in messages],
+            max_new_tokens=max_new_tokens, stop=stop or [], temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s))
+        return self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
+
+    def generate(self, model: str, prompt: str | None = None, **options) -> Generated:
+        """The whole answer (options as for generate_stream)."""
+        text, ids = [], []
+        for message in self.generate_stream(model, prompt, **options):
+            text.append(message.text)
+            ids.extend(message.token_ids)
+            if message.HasField("end"):
+                end = message.end
+                return Generated("".join(text), ids, pb.GenerationEnd.FinishReason.Name(end.finish_reason),
+                                 end.prompt_tokens, pb.CacheInfo.Source.Name(end.cache.source), end.cache.age_s,
+                                 end.cache.model_version, end.cache.key)
+        raise RuntimeError("the stream ended without its last message")
 
     def invalidate(self, **selector) -> int:
         request = pb.InvalidateRequest(**selector)

@@ -4,6 +4,7 @@
     infercache engines build|list|verify|prune [--runtime onnxruntime|tensorrt] [--model NAME]
     infercache cache stats|readers [--cache-dir DIR]
     infercache prepare-model [--models-dir DIR] [--force]
+    infercache generate "question" [--model smollm2] [--address HOST:PORT] [--max-new-tokens N]
     infercache train-head data.csv --name NAME [--text-column text] [--label-column label] [--whole-graph]
 """
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 DEFAULT_MODEL = "minilm"
+DEFAULT_GENERATIVE_MODEL = "smollm2"
 DEFAULT_VERSION = "1"
 
 
@@ -68,9 +70,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
+    """The default models into the repository: the sentence encoder, and the generative model where
+    the repository has its config."""
     import logging
 
-    from server.tools.export_model import default_encoder_dir, export_sentence_encoder
+    from server.shared.generation_spec import DECODER_FILE
     from server.shared.models import MODEL_FILE, load_model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -78,10 +82,57 @@ def _prepare_model(args: argparse.Namespace) -> int:
     target = spec.version_dir(DEFAULT_VERSION)
     if (target / MODEL_FILE).is_file() and not args.force:
         print(f"infercache: {target / MODEL_FILE} exists (use --force to export again)")
+    else:
+        from server.tools.export_model import default_encoder_dir, export_sentence_encoder
+
+        print(f"infercache: exporting all-MiniLM-L6-v2 to {target} ...", flush=True)
+        export_sentence_encoder(default_encoder_dir(), target, spec.max_tokens)
+        print(f"infercache: wrote {target / MODEL_FILE}")
+    generative = Path(args.models_dir) / DEFAULT_GENERATIVE_MODEL
+    if not (generative / "config.yaml").is_file():
         return 0
-    print(f"infercache: exporting all-MiniLM-L6-v2 to {target} ...", flush=True)
-    export_sentence_encoder(default_encoder_dir(), target, spec.max_tokens)
-    print(f"infercache: wrote {target / MODEL_FILE}")
+    target = load_model(generative).version_dir(DEFAULT_VERSION)
+    if (target / DECODER_FILE).is_file() and not args.force:
+        print(f"infercache: {target / DECODER_FILE} exists (use --force to export again)")
+        return 0
+    from server.tools.export_decoder import default_gguf, export_decoder
+
+    try:
+        gguf = default_gguf()
+    except FileNotFoundError as exc:
+        print(f"infercache: {exc}", file=sys.stderr)
+        return 2
+    export_decoder(gguf, target)
+    print(f"infercache: wrote {target / DECODER_FILE}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Prints the answer as it streams, then how it ended and where it came from."""
+    import grpc
+
+    from infercache.client import Client
+    from infercache.v1 import infercache_pb2 as pb
+
+    try:
+        token = Path(args.token_file).read_text().strip() or None if args.token_file else None
+    except OSError as exc:
+        print(f"infercache: --token-file: {exc}", file=sys.stderr)
+        return 2
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}]
+    try:
+        with Client(args.address, timeout_s=600, token=token) as client:
+            for message in client.generate_stream(args.model, messages=messages, max_new_tokens=args.max_new_tokens,
+                                                  temperature=args.temperature, seed=args.seed):
+                print(message.text, end="", flush=True)
+                if message.HasField("end"):
+                    end = message.end
+                    print(f"\n[{pb.GenerationEnd.FinishReason.Name(end.finish_reason)}, {end.prompt_tokens} + "
+                          f"{end.completion_tokens} tokens, {pb.CacheInfo.Source.Name(end.cache.source)}]")
+    except grpc.RpcError as exc:
+        print(f"\ninfercache: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -193,7 +244,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     engines.add_argument("--dry-run", action="store_true", help="prune: only say what would be removed")
     engines.set_defaults(func=_engines)
 
-    prepare = commands.add_parser("prepare-model", help="export the default model to the model repository")
+    generate = commands.add_parser("generate", help="stream a generative model's answer from a running server")
+    generate.add_argument("prompt", help="the user's message")
+    generate.add_argument("--model", default=DEFAULT_GENERATIVE_MODEL)
+    generate.add_argument("--address", default="127.0.0.1:50051")
+    generate.add_argument("--system", help="a system message before it")
+    generate.add_argument("--max-new-tokens", type=int, default=0, help="0: the model's default")
+    generate.add_argument("--temperature", type=float, help="unset: the model's default (0: greedy)")
+    generate.add_argument("--seed", type=int, help="makes a sampled answer reproducible (and cacheable)")
+    generate.add_argument("--token-file", help="a file holding the bearer token, where tokens are on")
+    generate.set_defaults(func=_generate)
+
+    prepare = commands.add_parser("prepare-model", help="export the default models to the model repository")
     prepare.add_argument("--models-dir", default="models")
     prepare.add_argument("--force", action="store_true", help="export even if the files exist")
     prepare.set_defaults(func=_prepare_model)

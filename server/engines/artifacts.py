@@ -70,8 +70,11 @@ def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str,
 
 
 def engine_versions(spec: ModelSpec) -> list[str]:
-    """The versions that need an engine: not heads (they run on their encoder's), and not a version whose
-    head.json is malformed (logged: it is not served)."""
+    """The versions that need an engine: not heads (they run on their encoder's), not a generative
+    model's (their decoder runs in server/worker/generation.py), and not a version whose head.json is
+    malformed (logged: it is not served)."""
+    if spec.task == "generate":
+        return []
     out = []
     for version in spec.versions:
         try:

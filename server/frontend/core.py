@@ -18,9 +18,11 @@ from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from server.config import Config, store_settings
 from server.frontend.features import FeatureAnswers, feature_key
+from server.frontend.generation import GenerateCalls
 from server.frontend.hot_keys import HotKeys
 from server.frontend.metrics import FEATURE, RESULT_EXACT, RESULT_FLEET, FrontendMetrics
 from server.frontend.plan import Keyed, Plan, Planner
+from server.frontend.prompts import Prompts
 from server.frontend.read_cache import ReadCache
 from server.frontend.tally import NO_TALLY
 from server.frontend.workers import WorkerPool
@@ -62,6 +64,12 @@ class FrontendCore:
         # FEATURE answers made here (server/frontend/features.py), where heads may run in frontends
         self.features = FeatureAnswers(config, counters) if config.l2.enabled and config.l2.frontend_head_mb else None
         self.planner = Planner(repository, counters, self.features.max_head_bytes if self.features else None)
+        self.generation = GenerateCalls(Prompts(repository), self._l1, workers, counters, metrics)
+
+    def prepare_models(self) -> None:
+        """Tokenizers, heads and chat templates of every served version, made before the frontend listens."""
+        self.planner.prepare_models()
+        self.generation.prompts.prepare_models()
 
     def l1(self) -> ResultCache | None:
         """The result cache, opened on first use and re-tried while the store is unavailable."""

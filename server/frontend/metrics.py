@@ -81,6 +81,14 @@ class FrontendMetrics:
         self.recorder.inc(("infercache_requests_total", model, "none", code), texts)
         self.recorder.observe(("infercache_request_duration_seconds", model, "none"), seconds)
 
+    def generated(self, model: str, source: int, first_s: float, total_s: float, tokens: int) -> None:
+        """A Generate call answered: its time to first token and to the end, and the tokens it got (for a
+        hit, tokens the model did not have to generate)."""
+        name = SOURCE_NAMES[source]
+        self.recorder.observe(("infercache_generate_ttft_seconds", model, name), first_s)
+        self.recorder.observe(("infercache_generate_duration_seconds", model, name), total_s)
+        self.recorder.inc(("infercache_generated_tokens_total", model, name), tokens)
+
     def missed(self, model: str, reason: str) -> None:
         self.recorder.inc(("infercache_misses_total", model, reason))
 

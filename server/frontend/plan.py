@@ -143,6 +143,8 @@ class Planner:
         frontend) for the tokenizer's loading, 85 ms on the 2-core machine. A version that cannot be
         prepared is left to its requests, which say why; it never stops the frontend."""
         for spec in self.repository.servable():
+            if spec.task == "generate":  # (server/frontend/prompts.py)
+                continue
             for version in spec.versions:
                 try:
                     self.served(spec, version)
@@ -218,6 +220,8 @@ class Planner:
         if not request.model:
             raise InvalidArgument("model is required; ListModels shows the served models")
         spec = self.repository.get(request.model)
+        if spec.task == "generate":
+            raise InvalidArgument(f"model {spec.name!r} generates text: call Generate, not Infer")
         version = spec.resolve_version(request.version)
         mode = request.cache.mode
         if mode not in _MODES:

@@ -98,7 +98,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     metrics = FrontendMetrics(repository.models) if config.server.metrics_port else None
     hot = HotKeys(config.server.hot_keys) if config.server.hot_keys else None
     core = FrontendCore(config, repository, workers, counters, fleet, metrics, hot)
-    core.planner.prepare_models()
+    core.prepare_models()
     core.l1()
     publisher = None
     if metrics_dir is not None and (metrics is not None or hot is not None):

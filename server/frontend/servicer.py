@@ -17,7 +17,7 @@ from server.frontend.core import FrontendCore
 from server.frontend.plan import INFER_REQUEST
 from server.frontend.tally import CallTally
 from server.shared.auth import ADMIN, CLIENT, Gate, Grant, bind_tenant
-from server.shared.errors import grpc_errors, lenient, parsed, status_of
+from server.shared.errors import grpc_errors, grpc_stream_errors, lenient, parsed, status_of
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 
@@ -82,6 +82,12 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         metrics.answered(self.core.planner.model_named(request), tally.sources, time.perf_counter() - started)
         return answer
 
+    @grpc_stream_errors
+    async def Generate(self, request, context):
+        self._admit(request, context, CLIENT)
+        async for message in self.core.generation.generate(request, context.time_remaining()):
+            yield message
+
     @grpc_errors
     async def Invalidate(self, request, context):
         self._admit(request, context, ADMIN)
@@ -116,7 +122,8 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     handlers = {}
     for method in service.methods:
         response = getattr(pb, method.output_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=None if method.name in RAW_REQUESTS else lenient(getattr(pb, method.input_type.name)),
             response_serializer=None if method.name in PASS_THROUGH else response.SerializeToString,

@@ -76,6 +76,7 @@ class WorkerLink:
         self._on_change = on_change          # called when `up` flips
         self._protocol: FrameProtocol | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # generations: their frames as they come
         # (model, version) -> (seconds to answer a new item, loop time told): from the last answer frame
         self._waits: dict[tuple[str, str], tuple[float, float]] = {}
         self._ids = itertools.count(1)
@@ -95,6 +96,20 @@ class WorkerLink:
         self._protocol.flush_soon()
         return item_id, future
 
+    def submit_stream(self, fill, timeout_s: float) -> tuple[int, asyncio.Queue]:
+        """Queues one generation item: its id and the queue its frames arrive in (ComputeResults, the
+        last without `more`; LinkLost if the connection breaks first). Whoever stops reading calls
+        forget(id)."""
+        if not self.up:
+            raise LinkLost()
+        item = self._protocol.out.items.add()
+        fill(item)
+        item.timeout_s = timeout_s
+        item.id = item_id = next(self._ids)
+        frames = self._streams[item_id] = asyncio.Queue()
+        self._protocol.flush_soon()
+        return item_id, frames
+
     def send(self, fill) -> None:
         """Queues one item that gets no answer (a record a frontend answered from, to copy into L1): it
         goes with the next items sent, or within COPY_DELAY_S."""
@@ -103,7 +118,7 @@ class WorkerLink:
 
     def forget(self, item_id: int) -> None:
         """Nobody waits for the item any more: its worker is told, so it need not compute it."""
-        if self._pending.pop(item_id, None) is not None and self.up:
+        if (self._pending.pop(item_id, None) or self._streams.pop(item_id, None)) is not None and self.up:
             self._protocol.out.cancel.append(item_id)
             self._protocol.flush_soon()
 
@@ -111,8 +126,13 @@ class WorkerLink:
         batch = worker_pb2.ResultBatch.FromString(frame)
         for result in batch.results:
             future = self._pending.pop(result.id, None)
-            if future is not None and not future.done():
-                future.set_result(result)
+            if future is not None:
+                if not future.done():
+                    future.set_result(result)
+            elif (frames := self._streams.get(result.id)) is not None:
+                frames.put_nowait(result)
+                if not result.more:
+                    del self._streams[result.id]
         now = asyncio.get_running_loop().time()
         self._waits = {(w.model, w.version): (w.seconds, now) for w in batch.waits}
 
@@ -162,9 +182,12 @@ class WorkerLink:
             for future in pending.values():
                 if not future.done():
                     future.set_exception(LinkLost())
+            streams, self._streams = self._streams, {}
+            for frames in streams.values():
+                frames.put_nowait(LinkLost())
             if not self._closing:
                 self.counters["worker_lost"] += 1
-                self.counters["items_lost_with_worker"] += len(pending)
+                self.counters["items_lost_with_worker"] += len(pending) + len(streams)
                 log.warning("worker %d unreachable; its keys go to the other workers meanwhile", self.index)
         else:
             log.info("worker %d connected", self.index)
@@ -311,6 +334,45 @@ class WorkerPool:
             sent.clear()
             future = None
         return results
+
+    async def stream(self, route: int, fill, time_remaining: float | None):
+        """The frames of one generation item (ComputeResults; the last one has no `more`), as they come.
+        Before its first frame, a generation lost with its worker is sent to another one; after it, the
+        caller has part of the answer and the call fails with UNAVAILABLE (never a hang). Ends with an
+        error frame's error, or DeadlineExceeded at the deadline. Closing the iterator early (the caller
+        went away) tells the worker, which frees the generation's place at its next step."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._budget(time_remaining)
+        avoid: set[WorkerLink] = set()
+        started = False
+        while True:
+            link = self._live_link(route, avoid) or await self._link_for(route, avoid, deadline)
+            avoid.add(link)
+            try:
+                item_id, frames = link.submit_stream(fill, max(0.001, deadline - loop.time()))
+            except LinkLost:
+                continue
+            try:
+                while True:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise _deadline_passed()
+                    try:
+                        frame = await asyncio.wait_for(frames.get(), remaining)
+                    except TimeoutError:
+                        raise _deadline_passed() from None
+                    if isinstance(frame, LinkLost):
+                        break
+                    if frame.code:
+                        raise from_wire(frame.code, frame.error)
+                    started = True
+                    yield frame
+                    if not frame.more:
+                        return
+            finally:
+                link.forget(item_id)
+            if started or len(avoid) > len(self.links):
+                raise WorkerUnavailable("the inference worker was lost while it generated this answer; retry")
 
     def send(self, route: int, fill) -> bool:
         """An item without an answer to the route's worker, or the next live one; False when none is up

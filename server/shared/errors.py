@@ -178,3 +178,24 @@ def grpc_errors(handler):
         await context.abort(code, message)
 
     return wrapper
+
+
+def grpc_stream_errors(handler):
+    """grpc_errors for a server-streaming servicer method (an async generator): the messages it yields
+    go out; a domain error ends the stream with its status code, anything else with INTERNAL."""
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            async for message in handler(self, request, context):
+                yield message
+            return
+        except InferCacheError as exc:
+            code, message = status_of(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error in %s", handler.__name__)
+            code, message = status_of(RuntimeError())
+        await context.abort(code, message)
+
+    return wrapper

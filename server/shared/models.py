@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from server.shared.errors import ModelNotFound
+from server.shared.generation_spec import DECODER_FILE, GENERATION_KEYS, GenerationSpec, generation_from_config
 from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
@@ -29,6 +30,7 @@ TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.json"       # classification models: score column -> label
 HEAD_FILE = "head.json"           # a head version: {"encoder": model, "encoder_version": v, "input": output name}
 HEAD_WEIGHTS_FILE = "head.npz"    # its weights: "weight" (dim x classes), "bias" (numpy, read without pickle)
+TASKS = ("embedding", "classification", "generate")
 PII_MODES = ("off", "redact", "no_store")  # privacy.pii: see server/shared/pii.py and README "Security"
 
 
@@ -56,6 +58,7 @@ class ModelSpec:
     share_features: bool = False      # l2.share_across_tenants: a head model's encoder outputs (L2)
                                       # are keyed without the tenant (the text alone decides them)
     hot_key_text: bool = False        # hot_keys.keep_text: GetHotKeys shows the hottest keys' texts
+    generation: GenerationSpec | None = None  # task generate: the `generate:` section (server/shared/generation_spec.py)
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -94,7 +97,7 @@ def read_head(version_dir: Path) -> HeadRef | None:
 
 
 def _is_version(path: Path) -> bool:
-    return any((path / name).is_file() for name in (MODEL_FILE, TORCH_WEIGHTS_FILE, HEAD_FILE))
+    return any((path / name).is_file() for name in (MODEL_FILE, TORCH_WEIGHTS_FILE, HEAD_FILE, DECODER_FILE))
 
 
 # Every key a config.yaml may hold: a section's own keys, or None for a value (semantic: its rule checks
@@ -108,6 +111,7 @@ KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "privacy": frozenset({"pii"}),
     "l2": frozenset({"share_across_tenants"}),
     "hot_keys": frozenset({"keep_text"}),
+    "generate": GENERATION_KEYS,
 }
 
 
@@ -150,26 +154,39 @@ def load_model(root: Path) -> ModelSpec:
         raise ModelConfigError(f"{config_path}: expected a mapping of settings, got {type(data).__name__}")
     try:
         check_keys(data)
-        buckets = tuple(sorted(int(b) for b in _get(data, "batching.buckets", list)))
-        max_tokens = _get(data, "input.max_tokens", int)
+        task = _get(data, "task", str)
+        if task not in TASKS:
+            raise ModelConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        generation = None
+        if task == "generate":  # no batching, input or outputs: the generate section says it all
+            generation = generation_from_config(data.get("generate"))
+            shape = {"outputs": ("text",), "max_tokens": generation.context_length,
+                     "max_text_chars": _get(data, "input.max_text_chars", int, 8 * generation.context_length),
+                     "buckets": (generation.context_length,), "max_batch_size": generation.max_streams,
+                     "max_queue_delay_ms": 0.0}
+        elif "generate" in data:
+            raise ModelConfigError(f"a generate section needs task: generate (this model's task is {task})")
+        else:
+            shape = {"outputs": tuple(_get(data, "outputs", list)), "max_tokens": _get(data, "input.max_tokens", int),
+                     "max_text_chars": _get(data, "input.max_text_chars", int),
+                     "buckets": tuple(sorted(int(b) for b in _get(data, "batching.buckets", list))),
+                     "max_batch_size": _get(data, "batching.max_batch_size", int),
+                     "max_queue_delay_ms": _get(data, "batching.max_queue_delay_ms", float)}
+        buckets, max_tokens = shape["buckets"], shape["max_tokens"]
         spec = ModelSpec(
             name=root.name,
             root=root,
-            task=_get(data, "task", str),
+            task=task,
             serving_version=str(_get(data, "serving_version", str)),
             versions=tuple(sorted(p.name for p in root.iterdir() if _is_version(p))),
-            outputs=tuple(_get(data, "outputs", list)),
-            max_text_chars=_get(data, "input.max_text_chars", int),
-            max_tokens=max_tokens,
-            buckets=buckets,
-            max_batch_size=_get(data, "batching.max_batch_size", int),
-            max_queue_delay_ms=_get(data, "batching.max_queue_delay_ms", float),
             ttl_s=_get(data, "cache.ttl_s", int),
             precision=str((data.get("engine") or {}).get("precision", "")),
             semantic=policy_from_config(data.get("semantic")),
             pii=str((data.get("privacy") or {}).get("pii", "off")),
             share_features=bool((data.get("l2") or {}).get("share_across_tenants", False)),
             hot_key_text=bool((data.get("hot_keys") or {}).get("keep_text", False)),
+            generation=generation,
+            **shape,
         )
     except (ModelConfigError, ValueError) as exc:
         raise ModelConfigError(f"{config_path}: {exc}") from None

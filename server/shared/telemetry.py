@@ -37,6 +37,15 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
     "infercache_request_duration_seconds": (
         "histogram", "Infer and InferBatch call latency in the frontend, by the call's costliest source.",
         ("model", "source"), LATENCY_BOUNDS),
+    "infercache_generate_ttft_seconds": (
+        "histogram", "Generate calls' time to the first text, by where the answer came from.",
+        ("model", "source"), LATENCY_BOUNDS),
+    "infercache_generate_duration_seconds": (
+        "histogram", "Generate calls' time to the whole answer, by where it came from.", ("model", "source"),
+        LATENCY_BOUNDS),
+    "infercache_generated_tokens_total": (
+        "counter", "Tokens of the answers Generate calls got, by where they came from (all but miss: tokens "
+        "the model did not generate again).", ("model", "source"), ()),
     "infercache_misses_total": (
         "counter", "Texts the model computed for their request, by why no cache tier answered.",
         ("model", "reason"), ()),

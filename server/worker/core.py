@@ -38,6 +38,7 @@ from server.shared.models import ModelRepository
 from server.shared.telemetry import Recorder
 from server.worker.features import FeatureTier, feature_selector
 from server.worker.flights import Flight, Outcome, Replies, Source, may_join, token_ids
+from server.worker.generation import Generation, Generations
 from server.worker.heads import HeadRuntime
 from server.worker.matching import Matching
 from server.worker.model_runtime import ModelRuntime
@@ -63,7 +64,8 @@ def _selector(request: pb.InvalidateRequest) -> Selector:
 
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 writer: WriterProcess | None, semantic=None, fleet=None, features: FeatureTier | None = None) -> None:
+                 writer: WriterProcess | None, semantic=None, fleet=None, features: FeatureTier | None = None,
+                 generative: dict | None = None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
@@ -75,6 +77,8 @@ class WorkerCore:
         self.metrics: Recorder | None = None  # /metrics on (server/worker/metrics.py)
         self._inflight: dict[bytes, Flight] = {}
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
+        # Generative models (server/worker/generation.py): their own flights and schedulers.
+        self.generations = Generations(generative, writer, self.counters) if generative else None
 
     def batchers(self):
         return (runtime.batcher for runtime in self.runtimes.values())
@@ -111,6 +115,15 @@ class WorkerCore:
         """Takes one item; its answer (or error) reaches `replies` later, or at once."""
         if item.answered_record:
             self._copy(item)
+            return
+        if item.HasField("generate"):
+            try:
+                if self.generations is None:
+                    self.repository.get(item.model).resolve_version(item.version)
+                    raise ModelNotFound(f"model {item.model!r} version {item.version!r} is not loaded by this worker")
+                self.generations.submit(replies, item, deadline)
+            except InferCacheError as exc:
+                replies.fail(item.id, exc)
             return
         try:
             flight = self._inflight.get(item.key)
@@ -157,6 +170,9 @@ class WorkerCore:
         """The item's caller went away; the computation is dropped when nobody else waits for it."""
         flight = replies.waiting.pop(item_id, None)
         if flight is None:
+            return
+        if isinstance(flight, Generation):
+            self.generations.cancel(replies, item_id, flight)
             return
         flight.waiters.pop((replies, item_id), None)
         if not flight.waiters and flight.outcome is None:
@@ -333,6 +349,8 @@ class WorkerCore:
         return groups
 
     async def close(self) -> None:
+        if self.generations is not None:
+            await self.generations.close()
         if self.matching.shadow is not None:
             await self.matching.shadow.close()
         for runtime in self.runtimes.values():

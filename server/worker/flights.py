@@ -28,6 +28,10 @@ class Replies(Protocol):
 
     def fail(self, item_id: int, exc: BaseException) -> None: ...
 
+    def stream(self, item_id: int, text: str, token_ids: list[int]) -> None: ...  # a generation's next piece
+
+    def finish(self, item_id: int, source: int, answer) -> None: ...  # its end (worker.proto GeneratedAnswer)
+
 
 @dataclass(slots=True)
 class Outcome:

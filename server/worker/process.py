@@ -35,6 +35,7 @@ from server.engines.artifacts import load_engines
 from server.shared.errors import grpc_errors, to_wire
 from server.shared.framing import FrameProtocol, items_socket
 from server.worker.features import FeatureTier
+from server.worker.generation import GenerativeRuntime
 from server.worker.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
 from server.shared.models import ModelConfigError, ModelRepository
@@ -140,6 +141,14 @@ class _Connection:
         self.protocol.out.results.add(id=item_id, response=payload, source=source, semantic_rejected=rejected)
         self.protocol.flush_soon()
 
+    def stream(self, item_id: int, text: str, token_ids: list[int]) -> None:
+        self.protocol.out.results.add(id=item_id, more=True, text=text, token_ids=token_ids)
+        self.protocol.flush_soon()
+
+    def finish(self, item_id: int, source: int, answer: worker_pb2.GeneratedAnswer) -> None:
+        self.protocol.out.results.add(id=item_id, source=source, answer=answer)
+        self.protocol.flush_soon()
+
     def fail(self, item_id: int, exc: BaseException) -> None:
         code, message = to_wire(exc)
         if code == grpc.StatusCode.INTERNAL.value[0]:
@@ -162,6 +171,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stats = process_stats("worker", *self.core.stat_groups())
         stats.index, stats.device = self.placement.index, self.placement.device
         stats.engines.extend(runtime.info for runtime in self.core.runtimes.values())
+        if self.core.generations is not None:
+            stats.engines.extend(runtime.info for runtime in self.core.generations.runtimes.values())
         return stats
 
 
@@ -292,6 +303,25 @@ def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
                       state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
 
 
+def _generative(repository: ModelRepository, threads: int) -> dict[tuple[str, str], GenerativeRuntime]:
+    """A runtime for every version of the served generative models (their decoders on ONNX Runtime);
+    one that cannot be loaded is logged and left out."""
+    found = {}
+    for spec in repository.servable():
+        if spec.task != "generate":
+            continue
+        for version in spec.versions:
+            started = time.monotonic()
+            try:
+                found[(spec.name, version)] = GenerativeRuntime(spec, version, threads)
+            except Exception as exc:  # noqa: BLE001 (whatever a broken version's files raise)
+                log.error("%s version %s not served: %s", spec.name, version, exc)
+                continue
+            log.info("loaded %s version %s (decoder on onnxruntime) in %.2f s", spec.name, version,
+                     time.monotonic() - started)
+    return found
+
+
 def _engine_threads(config: Config, cpu_workers: int) -> int:
     return config.server.engine_threads or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
@@ -339,7 +369,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await _warm(runtime)
     runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
-    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features)
+    generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers))
+    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features,
+                      generative)
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
         core.matching.calibrations.update(await asyncio.to_thread(

@@ -1,0 +1,178 @@
+"""A Generate call's plan in a frontend: the model version (a generative one), its prompt rendered with the
+model's chat template and tokenized, the generation settings with the model's defaults filled in, and the
+cache key, which covers the namespace, the prompt as the model sees it and every setting that changes
+the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
+are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split keys, and the
+model answers the normalized question, so an answer is a function of its key alone).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from cachestore.keys import Namespace, entry_key, namespace_id
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import worker_pb2
+from server.frontend.plan import check_identifiers
+from server.shared.errors import InvalidArgument, ModelNotFound
+from server.shared.generation_spec import PromptFormat
+from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
+from server.shared.normalize import DEFAULT_STEPS, Normalizer
+
+Mode = pb.CachePolicy.Mode
+ROLES = ("system", "user", "assistant")
+MAX_STOPS, MAX_STOP_CHARS = 4, 64
+MAX_MESSAGES = 256
+
+
+@dataclass(slots=True)
+class GenerativeModel:
+    """What a frontend needs of one generative model version."""
+
+    spec: ModelSpec
+    version: str
+    tokenizer: Tokenizer
+    template: object            # the compiled chat template
+    normalize: Normalizer | None
+
+    def route(self, key: bytes) -> int:
+        return int.from_bytes(key[8:16], "little")
+
+
+@dataclass(slots=True)
+class GeneratePlan:
+    model: GenerativeModel
+    tenant: str
+    ids: list[int]               # the prompt's token ids
+    params: worker_pb2.GenerateParams
+    key: bytes
+    cached_ok: bool              # a stored answer may answer (deterministic, not BYPASS, TTL > 0)
+    store: bool                  # the answer is stored
+    only_if_cached: bool
+    max_age_us: int
+    ns: Namespace
+
+
+def _template(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(source)
+
+
+class Prompts:
+    """Generate plans; the models' tokenizers and templates, made once per version. Event loop only."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+        self._models: dict[tuple[str, str], GenerativeModel] = {}
+
+    def model(self, spec: ModelSpec, version: str) -> GenerativeModel:
+        found = self._models.get((spec.name, version))
+        if found is None:
+            directory = spec.version_dir(version)
+            try:
+                tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+                template = _template(PromptFormat.read(directory).chat_template)
+            except Exception as exc:  # (tokenizers raises a bare Exception for a file it cannot read)
+                raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
+            tokenizer.no_truncation()
+            tokenizer.no_padding()
+            normalize = Normalizer(DEFAULT_STEPS) if spec.generation.normalize == "text" else None
+            found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize)
+        return found
+
+    def prepare_models(self) -> None:
+        """Tokenizers and templates of every served generative version, before the frontend listens."""
+        for spec in self.repository.servable():
+            if spec.task == "generate":
+                for version in spec.versions:
+                    try:
+                        self.model(spec, version)
+                    except ModelNotFound:
+                        pass  # left to its requests, which say why
+
+    def plan(self, request: pb.GenerateRequest) -> GeneratePlan:
+        check_identifiers(request)
+        if not request.model:
+            raise InvalidArgument("model is required; ListModels shows the served models")
+        spec = self.repository.get(request.model)
+        if spec.task != "generate":
+            raise InvalidArgument(f"model {spec.name!r} is an {spec.task} model; Generate needs a generative one "
+                                  "(task: generate); use Infer")
+        version = spec.resolve_version(request.version)
+        model = self.model(spec, version)
+        generation = spec.generation
+        text = self._prompt(model, request)
+        if len(text) > spec.max_text_chars:
+            raise InvalidArgument(f"the prompt has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
+        ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise InvalidArgument("the prompt is empty; send messages or a prompt")
+        if len(ids) >= generation.context_length:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this model's context is {generation.context_length} "
+                                  f"tokens (prompt and answer), so a prompt may have at most {generation.context_length - 1}")
+        params = _params(request, generation)
+        mode = request.cache.mode
+        if mode not in Mode.values():
+            raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
+        deterministic = params.temperature == 0 or params.HasField("seed")
+        cached_at_all = spec.ttl_s > 0 and deterministic
+        max_age_us = spec.ttl_s * 1_000_000
+        if request.cache.HasField("max_age_s"):
+            max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
+        return GeneratePlan(
+            model=model, tenant=request.tenant, ids=ids, params=params,
+            key=entry_key(namespace_id(request.tenant, spec.name, version), _canonical(text, params)),
+            cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
+            only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
+            ns=Namespace(request.tenant, spec.name, version))
+
+    @staticmethod
+    def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> str:
+        """The prompt as the model sees it: the messages rendered with its chat template, or the raw one."""
+        if bool(request.messages) == bool(request.prompt):
+            raise InvalidArgument("set exactly one of messages and prompt")
+        normalize = model.normalize or (lambda text: text)
+        if request.prompt:
+            return normalize(request.prompt)
+        if len(request.messages) > MAX_MESSAGES:
+            raise InvalidArgument(f"messages has {len(request.messages)} turns; at most {MAX_MESSAGES}")
+        turns = []
+        for n, message in enumerate(request.messages):
+            if message.role not in ROLES:
+                raise InvalidArgument(f"messages[{n}].role must be one of {', '.join(ROLES)}, got {message.role!r}")
+            turns.append({"role": message.role, "content": normalize(message.content)})
+        if turns[-1]["role"] == "assistant":
+            raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
+        return model.template.render(messages=turns, add_generation_prompt=True)
+
+
+def _params(request: pb.GenerateRequest, generation) -> worker_pb2.GenerateParams:
+    """The request's settings with the model's defaults filled in, checked."""
+    if request.max_new_tokens > generation.max_new_tokens:
+        raise InvalidArgument(f"max_new_tokens is {request.max_new_tokens}; this model allows at most "
+                              f"{generation.max_new_tokens}")
+    if len(request.stop) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in request.stop):
+        raise InvalidArgument(f"stop: at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
+    temperature = request.temperature if request.HasField("temperature") else generation.temperature
+    top_p = request.top_p if request.HasField("top_p") else generation.top_p
+    top_k = request.top_k if request.HasField("top_k") else generation.top_k
+    if not (temperature >= 0 and 0 < top_p <= 1):
+        raise InvalidArgument("temperature must be >= 0 and top_p within (0, 1]")
+    params = worker_pb2.GenerateParams(max_new_tokens=request.max_new_tokens or generation.max_new_tokens,
+                                       stop=list(request.stop), temperature=temperature)
+    if temperature > 0:  # greedy: the rest does not change the answer, so it does not split keys
+        params.top_p, params.top_k = top_p, top_k
+        if request.HasField("seed"):
+            params.seed = request.seed
+    return params
+
+
+def _canonical(prompt: str, params: worker_pb2.GenerateParams) -> str:
+    """What the key hashes beside the namespace: the prompt and every setting that changes the answer."""
+    return json.dumps([prompt, params.max_new_tokens, list(params.stop), round(params.temperature, 6),
+                       round(params.top_p, 6), params.top_k, params.seed if params.HasField("seed") else None],
+                      ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,65 @@
+"""A generative model's settings (`task: generate`, the config.yaml `generate:` section) and what its
+version directory holds. Both sides read them: a frontend renders, tokenizes and keys prompts with them;
+a worker runs the decoder and its scheduler within them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+GENERATION_FILE = "generation.json"  # chat template, end-of-answer token ids, the context the weights know
+DECODER_FILE = "decoder.onnx"  # the decoder with its past keys and values (server/worker/decoder.py runs it)
+DECODER_CONFIG_FILE = "decoder.json"  # its architecture
+NORMALIZE_MODES = ("none", "text")  # none: keys and prompts as sent; text: Infer's normalization of each turn
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    context_length: int = 2048      # prompt plus answer, in tokens; a longer prompt is INVALID_ARGUMENT
+    max_new_tokens: int = 256       # default of a request that sets none; also the most a request may ask
+    temperature: float = 0.0        # defaults of a request that sets none (0: greedy)
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: no top-k cut
+    normalize: str = "none"         # NORMALIZE_MODES: "text" for FAQ-style traffic (case, punctuation, spaces)
+    max_streams: int = 8            # generations in the running batch at once
+    max_waiting: int = 64           # generations queued behind them; past it RESOURCE_EXHAUSTED
+
+    def check(self) -> None:
+        """ValueError naming the first setting out of range."""
+        if self.context_length < 2 or not 1 <= self.max_new_tokens < self.context_length:
+            raise ValueError("generate: context_length must be >= 2 and 1 <= max_new_tokens < context_length")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0):
+            raise ValueError("generate: temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if self.normalize not in NORMALIZE_MODES:
+            raise ValueError(f"generate: normalize must be one of {', '.join(NORMALIZE_MODES)}, got {self.normalize!r}")
+        if self.max_streams < 1 or self.max_waiting < 0:
+            raise ValueError("generate: max_streams must be >= 1 and max_waiting >= 0")
+
+
+GENERATION_KEYS = frozenset(f.name for f in fields(GenerationSpec))
+
+
+def generation_from_config(section: dict | None) -> GenerationSpec:
+    section = section or {}
+    try:
+        spec = GenerationSpec(**{k: type(getattr(GenerationSpec, k))(v) for k, v in section.items()})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"generate: {exc}") from None
+    spec.check()
+    return spec
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """What a version's generation.json says: its chat template (Jinja, as the model was trained with),
+    the token ids that end an answer, and the longest context its weights know."""
+
+    chat_template: str
+    end_ids: tuple[int, ...]
+    max_positions: int
+
+    @classmethod
+    def read(cls, version_dir: Path) -> "PromptFormat":
+        data = json.loads((version_dir / GENERATION_FILE).read_text())
+        return cls(str(data["chat_template"]), tuple(int(i) for i in data["end_ids"]), int(data["max_positions"]))

@@ -1,0 +1,241 @@
+"""Generative models through a real server: SmolLM2-135M-Instruct's real weights (the repository's
+prepared decoder on ONNX Runtime), streamed over gRPC with the real client, against transformers' own
+greedy `generate` on the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from infercache.v1 import infercache_pb2 as pb
+from tests.helpers import link_model, unique, wait_for
+from tests.servers import REPO
+
+GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
+GEN_CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()
+SMALL = """
+task: generate
+serving_version: "1"
+generate: {context_length: 96, max_new_tokens: 64, max_streams: 1, max_waiting: 0}
+cache: {ttl_s: 600}
+"""
+ANSWER_TOKENS = 24  # long enough to diverge where a runtime differs, short enough for a 2-core machine
+
+pytestmark = pytest.mark.skipif(not (GEN_VERSION_DIR / "decoder.onnx").is_file(),
+                                reason="the generative model is not prepared: run `make model` (make test does)")
+
+
+@pytest.fixture(scope="module")
+def gen_models(tmp_path_factory):
+    """minilm, smollm2 as shipped (two versions: the same files), and smollm2-small (a 96-token context, one
+    generation at a time and no queue)."""
+    from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+
+    root = tmp_path_factory.mktemp("gen-models")
+    link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    link_model(root, "smollm2", GEN_CONFIG, {"1": GEN_VERSION_DIR, "2": GEN_VERSION_DIR})
+    link_model(root, "smollm2-small", SMALL, {"1": GEN_VERSION_DIR})
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own model from the same GGUF weights: (tokenizer, greedy answer ids of messages)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from server.tools.export_decoder import default_gguf
+
+    gguf = default_gguf()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32).eval()
+
+    def greedy(messages: list[dict], new: int) -> tuple[list[int], list[int]]:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+        answer = out[0, len(prompt):].tolist()
+        return prompt, [t for t in answer if t != tokenizer.eos_token_id]
+
+    return tokenizer, greedy
+
+
+@pytest.fixture(scope="module")
+def server(gen_models, tmp_path_factory, engines_dir):
+    from tests.servers import ServerProcess
+
+    workdir = tmp_path_factory.mktemp("gen-server")
+    srv = ServerProcess(workdir, gen_models, frontends=2, engines_dir=engines_dir)
+    yield srv
+    srv.stop()
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _messages(n_rules: int) -> list[dict]:
+    rules = "\n".join(f"Rule {i + 1}: card payments can be disputed within {30 + i} days of the payment." for i in range(n_rules))
+    return [{"role": "system", "content": f"You answer for a bank. Use these rules.\n{rules}"},
+            {"role": "user", "content": "How do I get a refund for a card payment?"}]
+
+
+@pytest.mark.parametrize("messages", [_user("How do I get a refund?"), _messages(6), _messages(20)],
+                         ids=["short", "medium", "long"])
+def test_greedy_answers_equal_transformers_generate_token_for_token(server, reference, messages):
+    tokenizer, greedy = reference
+    prompt, expected = greedy(messages, ANSWER_TOKENS)
+    with server.client(timeout_s=120) as client:
+        got = client.generate("smollm2", messages=messages, max_new_tokens=ANSWER_TOKENS)
+    assert got.prompt_tokens == len(prompt)
+    assert got.token_ids == expected, (got.text, tokenizer.decode(expected))
+    assert got.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert got.source == "MISS"
+
+
+def test_a_hit_streams_the_identical_answer_at_once(server):
+    question = unique("What is a chargeback?")
+    with server.client(timeout_s=120) as client:
+        first = client.generate("smollm2", question, max_new_tokens=16)
+        # Until its entry is committed, the finished generation answers (COALESCED, replayed); then L1.
+        wait_for(lambda: client.generate("smollm2", question, max_new_tokens=16).source == "RESULT_EXACT", 10,
+                 "the answer stored")
+        pieces = list(client.generate_stream("smollm2", question, max_new_tokens=16))
+    assert first.source == "MISS" and first.finish_reason in ("STOP", "LENGTH")
+    assert len(pieces) == 2 and pieces[-1].end.cache.source == pb.CacheInfo.RESULT_EXACT
+    assert pieces[0].text == first.text and list(pieces[0].token_ids) == first.token_ids
+    assert pieces[-1].end.completion_tokens == len(first.token_ids) and pieces[-1].end.cache.key == first.key
+
+
+def test_sixteen_identical_calls_in_flight_compute_once_and_get_the_same_stream(server):
+    question = unique("Why was my card declined abroad?")
+    before = server.stats().worker.counters
+    results, errors = [None] * 16, []
+
+    def call(n: int) -> None:
+        try:
+            with server.client(timeout_s=120) as client:
+                results[n] = client.generate("smollm2", question, max_new_tokens=32)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not errors
+    assert len({(r.text, tuple(r.token_ids)) for r in results}) == 1
+    after = server.stats().worker.counters
+    assert after["worker.generated"] - before.get("worker.generated", 0) == 1  # computed once
+    assert {r.source for r in results} <= {"MISS", "COALESCED", "RESULT_EXACT"}
+    assert sum(r.source == "MISS" for r in results) == 1
+
+
+def test_stop_strings_and_max_new_tokens(server):
+    question = unique("How long does a transfer take?")
+    with server.client(timeout_s=120) as client:
+        whole = client.generate("smollm2", question, max_new_tokens=24, mode="BYPASS")
+        five = client.generate("smollm2", question, max_new_tokens=5, mode="BYPASS")
+        word = whole.text.split()[3]
+        stopped = client.generate("smollm2", question, max_new_tokens=24, stop=[word], mode="BYPASS")
+    assert five.finish_reason == "LENGTH" and len(five.token_ids) == 5 and whole.text.startswith(five.text)
+    assert stopped.finish_reason == "STOP" and word not in stopped.text
+    assert whole.text.startswith(stopped.text) and whole.text[len(stopped.text):].lstrip().startswith(word)
+
+
+def test_a_prompt_over_the_context_is_invalid_with_the_limit_in_the_message(server):
+    with server.client() as client:
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate("smollm2-small", "refund " * 80)  # under the 768 characters (template included), over the tokens
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "96" in raised.value.details()
+    with server.client() as client:
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate("minilm-not-here", "x")
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_tenants_never_share_answers_and_a_version_bump_starts_empty(server):
+    question = unique("Can I change my PIN?")
+    with server.client(timeout_s=120) as client:
+        assert client.generate("smollm2", question, max_new_tokens=8, tenant="a").source == "MISS"
+        wait_for(lambda: client.generate("smollm2", question, max_new_tokens=8, tenant="a").source == "RESULT_EXACT",
+                 10, "tenant a's answer stored")
+        assert client.generate("smollm2", question, max_new_tokens=8, tenant="b").source == "MISS"
+        assert client.generate("smollm2", question, max_new_tokens=8, tenant="a", version="2").source == "MISS"
+        assert client.invalidate(model="smollm2", version="1", tenant="a") >= 1
+        assert client.generate("smollm2", question, max_new_tokens=8, tenant="a").source == "MISS"
+
+
+def test_a_seeded_sample_is_reproducible_and_cached_an_unseeded_one_is_not(server):
+    question = unique("Tell me about savings accounts.")
+    with server.client(timeout_s=120) as client:
+        seeded = client.generate("smollm2", question, max_new_tokens=12, temperature=0.9, seed=7, mode="NO_STORE")
+        again = client.generate("smollm2", question, max_new_tokens=12, temperature=0.9, seed=7, mode="NO_STORE")
+        assert (seeded.text, seeded.token_ids) == (again.text, again.token_ids) and again.source == "MISS"
+        client.generate("smollm2", question, max_new_tokens=12, temperature=0.9, seed=7)
+        wait_for(lambda: client.generate("smollm2", question, max_new_tokens=12, temperature=0.9,
+                                         seed=7).source == "RESULT_EXACT", 10, "the seeded answer stored")
+        unseeded = [client.generate("smollm2", question, max_new_tokens=12, temperature=0.9) for _ in range(2)]
+    assert [u.source for u in unseeded] == ["MISS", "MISS"]
+
+
+def test_a_cancelled_stream_frees_its_place_and_overload_is_refused_fast(server):
+    """smollm2-small runs one generation at a time with no queue: a second one is refused at once while
+    the first runs, and taken once the first's caller went away."""
+    with server.client(timeout_s=120) as client:
+        stream = client.generate_stream("smollm2-small", unique("Describe every fee."), max_new_tokens=64, mode="BYPASS")
+        next(stream)  # running now
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate("smollm2-small", unique("What is an IBAN?"), max_new_tokens=4, mode="BYPASS")
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - started < 5
+        stream.cancel()
+        answer = wait_for(lambda: _try(client, "smollm2-small", unique("What is a SWIFT code?")), 30,
+                          "the cancelled generation's place")
+    assert answer.source == "MISS"
+    counters = server.stats().worker.counters
+    assert counters["worker.generate_cancelled"] >= 1
+
+
+def _try(client, model: str, question: str):
+    try:
+        return client.generate(model, question, max_new_tokens=4, mode="BYPASS")
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None
+
+
+def test_infer_on_a_generative_model_and_generate_on_an_encoder_say_which_call_to_use(server):
+    with server.client() as client:
+        for call in (lambda: client.infer("smollm2", "hello"), lambda: client.generate("minilm", "hello")):
+            with pytest.raises(grpc.RpcError) as raised:
+                call()
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "call Generate" in raised.value.details() or "use Infer" in raised.value.details()
+
+
+def test_a_killed_worker_fails_its_streams_with_unavailable_never_a_hang(gen_models, tmp_path, engines_dir):
+    from tests.servers import ServerProcess
+
+    srv = ServerProcess(tmp_path, gen_models, frontends=1, engines_dir=engines_dir)
+    try:
+        with srv.client(timeout_s=120) as client:
+            stream = client.generate_stream("smollm2", unique("Explain overdrafts in detail."), max_new_tokens=200)
+            next(stream)
+            os.kill(srv.worker_pid(), signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as raised:
+                for _ in stream:
+                    pass
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 30
+    finally:
+        srv.stop()
