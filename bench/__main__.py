@@ -253,7 +253,8 @@ def main() -> None:
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
                              "by bucket), worker (one worker's capacity), "
-                             "commit (the writer's CPU per put by group-commit window), gpu and "
+                             "commit (the writer's CPU per put by group-commit window), generate (SmolLM2 misses "
+                             "and hits), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -344,6 +345,13 @@ def main() -> None:
 
             report["worker_capacity"] = bench_worker_capacity(workdir / "worker", 2.0 if args.quick else 5.0,
                                                               ("null", "torch-cuda") if gpu_available() else ("null",))
+        if "generate" in sections:
+            from bench.generate import bench_generate, print_generate
+
+            print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
+            report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick)
+            print_generate(report["generate"])
+            save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
             (workdir / "commit").mkdir()
