@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tests.servers import REPO
 
-# The device machine has no shared/ beside the checkout: bench/device.sh points this at a carried copy
-# (not an INFERCACHE_ variable: the server reads those as settings).
-BANKING77 = Path(os.environ.get("BENCH_BANKING77", REPO.parent / "shared" / "data" / "banking77" / "train.csv"))
+# The Banking77 train split (bench/data/banking77/: its licence and source beside it). BENCH_BANKING77 names
+# another copy (not an INFERCACHE_ variable: the server reads those as settings).
+BANKING77 = Path(os.environ.get("BENCH_BANKING77", REPO / "bench" / "data" / "banking77" / "train.csv"))
 RESULTS = REPO / "bench" / "results"

@@ -2,7 +2,7 @@
 # Runs on the lent GPU machine (no network there), from the repository root, through the device tool,
 # carrying .whl (wheels the image lacks, and the hnswlib sdist, built there), .devcarry (all-MiniLM-L6-v2
 # in fp16: the fp32 file is over the carry limit; exported back to the fp32 ONNX graph and the torch form
-# here; and a copy of Banking77) and infercache/v1 (generated stubs).
+# here) and infercache/v1 (generated stubs). Banking77 travels with the tree (bench/data/banking77/).
 #   bash bench/device.sh --sections gpu      # GPU tests, then `python -m bench` with these arguments
 #   DEVICE_TESTS=0 BENCH_LIMIT_S=170 bash bench/device.sh --sections gpu --gpu-parts minilm,null   # short lease
 #   DEVICE_TESTS=0 bash bench/device.sh --sections workers   # nvidia-h200-x2: one worker per GPU vs one (issue 15)
@@ -15,7 +15,7 @@ BENCH_LIMIT_S=${BENCH_LIMIT_S:-380}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
     .whl/hnswlib-*.tar.gz
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_BANKING77=$PWD/.devcarry/banking77.csv
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 - <<'PY'
 from pathlib import Path
 from server.tools.export_model import export_sentence_encoder
