@@ -307,7 +307,8 @@ def main() -> None:
                 if key in report:
                     if key == "metrics_cost" and "serving" not in sections:
                         stem = "metrics-cost"
-                    part = files.setdefault(RESULTS / f"{stem}-{report['machine']['tag']}.json", {k: report[k] for k in ("recorded", "machine", "started")})
+                    path = RESULTS / f"{stem}-{report['machine']['tag']}.json"
+                    part = files.setdefault(path, {k: report[k] for k in ("recorded", "machine", "started")})
                     part[key] = report[key]
         for path, content in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
