@@ -24,8 +24,8 @@
 10. Length groups (`--sections groups`, bench/length_groups.py): minilm misses on ONNX Runtime with batches
    cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
-`gpu-h200.json`; `--out FILE` puts the whole run in one file instead), each recording its command, machine,
-commit and date, and prints a table. Sections that read Banking77 (semantic, l2, groups) are skipped, with
+`gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
+instead), each recording its command, machine, commit and date, and prints a table. Sections that read Banking77 (semantic, l2, groups) are skipped, with
 one line saying so, where bench/data/banking77/train.csv is missing.
 """
 
@@ -307,7 +307,8 @@ def main() -> None:
                 if key in report:
                     if key == "metrics_cost" and "serving" not in sections:
                         stem = "metrics-cost"
-                    path = RESULTS / f"{stem}-{report['machine']['tag']}.json"
+                    quick = "-quick" if args.quick else ""  # a smoke run never replaces the current figures
+                    path = RESULTS / f"{stem}{quick}-{report['machine']['tag']}.json"
                     part = files.setdefault(path, {k: report[k] for k in ("recorded", "machine", "started")})
                     part[key] = report[key]
         for path, content in files.items():
