@@ -25,8 +25,9 @@
    cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
-instead), each recording its command, machine, commit and date, and prints a table. Sections that read Banking77 (semantic, l2, groups) are skipped, with
-one line saying so, where bench/data/banking77/train.csv is missing.
+instead), each recording its command, machine, commit and date, and prints a table. Sections that read
+Banking77 (semantic, l2, groups) are skipped, with one line saying so, where bench/data/banking77/train.csv
+is missing.
 """
 
 from __future__ import annotations

@@ -214,8 +214,8 @@ def main() -> None:
     args = parser.parse_args()
     texts = load_texts()
     hot, victims = texts[:500], texts[500:520]
-    report: dict = {"recorded": recorded("bench.soak"), "requests": args.requests, "concurrency": args.concurrency, "kill_every_s": args.kill_every,
-                    "mix": dict(MIX), "cpus": os.cpu_count(), "kills": [], "rss": []}
+    report: dict = {"recorded": recorded("bench.soak"), "requests": args.requests, "concurrency": args.concurrency,
+                    "kill_every_s": args.kill_every, "mix": dict(MIX), "cpus": os.cpu_count(), "kills": [], "rss": []}
     with tempfile.TemporaryDirectory(prefix="infercache-soak-") as tmp:
         server = ServerProcess(Path(tmp), REPO / "models", frontends=os.cpu_count() or 2,
                                settings=("server.workers=2", "cache.sync=false"))
