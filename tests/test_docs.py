@@ -362,7 +362,7 @@ def test_result_files_are_named_for_what_they_measure_and_record_how():
 
 # --- the pages themselves ------------------------------------------------------------------------------
 
-HISTORY = re.compile(r"\bsessions? ?\d+|\bsession[- ]?\d|after the review|\breview fix|\brun [A-D1-9]\b|"
+HISTORY = re.compile(r"\bsessions? ?\d+|\bsession[- ]?\d|after\s+the\s+review|\breview\s+fix|\brun [A-D1-9]\b|"
                      r"\brun[- ]?\d+\b|\bissue \d+|DEVICE_NOTES|\.\./shared", re.I)
 
 
