@@ -1,11 +1,89 @@
-"""`make bench`: latency, throughput and start-up figures against baselines measured in the same run."""
+"""`make bench`: latency, throughput and start-up figures against baselines measured in the same run.
+
+Every result file is named for what it measures and the machine it ran on (`bench/results/l2-2core.json`,
+`gpu-h200.json`) and records, under `recorded`, the command, the machine, the commit and the date.
+"""
 
 import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from tests.servers import REPO
 
-# The device machine has no shared/ beside the checkout: bench/device.sh points this at a carried copy
-# (not an INFERCACHE_ variable: the server reads those as settings).
-BANKING77 = Path(os.environ.get("BENCH_BANKING77", REPO.parent / "shared" / "data" / "banking77" / "train.csv"))
-RESULTS = REPO / "bench" / "results"
+# The Banking77 train split (bench/data/banking77/: its licence and source beside it). BENCH_BANKING77 names
+# another copy (not an INFERCACHE_ variable: the server reads those as settings).
+BANKING77 = Path(os.environ.get("BENCH_BANKING77", REPO / "bench" / "data" / "banking77" / "train.csv"))
+# Where result files go: BENCH_RESULTS names another folder (bench/device.sh: the device's $OUT).
+RESULTS = Path(os.environ.get("BENCH_RESULTS", REPO / "bench" / "results"))
+
+
+def banking77_missing() -> str:
+    """"" where the Banking77 train split is in place, else one line saying where it was looked for."""
+    if BANKING77.is_file():
+        return ""
+    return f"{BANKING77} is missing (the repository keeps it in bench/data/banking77/; BENCH_BANKING77 names a copy)"
+
+
+def _gpu_names() -> list[str]:
+    """The GPUs' names from nvidia-smi (no CUDA context), [] without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """What a result file says of the machine; `tag` ends its name: `h200`, `h200x2` (GPUs), else `2core`."""
+    cpus, gpus = os.cpu_count() or 1, _gpu_names()
+    if gpus:
+        tag = gpus[0].split()[-1].lower() + (f"x{len(gpus)}" if len(gpus) > 1 else "")
+    else:
+        tag = f"{cpus}core"
+    return {"tag": tag, "cpus": cpus, "cpu_model": _cpu_model(), "gpus": gpus, "python": platform.python_version()}
+
+
+def _commit() -> str:
+    """BENCH_COMMIT where set (bench/device.sh: the device's copy has no reliable git metadata), else git's."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if head.returncode != 0:
+        return "unknown (no git)"
+    return head.stdout.strip() + (" with uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def recorded(module: str) -> dict:
+    """The `recorded` block of a result file: command (BENCH_COMMAND where a wrapper sets it), machine,
+    commit, date."""
+    command = os.environ.get("BENCH_COMMAND") or shlex.join(["python", "-m", module, *sys.argv[1:]])
+    info = machine()
+    gpus = f", {len(info['gpus'])} x {info['gpus'][0]}" if info["gpus"] else ""
+    return {"command": command,
+            "machine": f"{info['tag']}: {info['cpus']} CPUs ({info['cpu_model']}){gpus}, Python {info['python']}",
+            "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def default_out(stem: str) -> Path:
+    """bench/results/<stem>-<machine tag>.json."""
+    return RESULTS / f"{stem}-{machine()['tag']}.json"

@@ -23,7 +23,11 @@
    null engine, with every answer written behind against none.
 10. Length groups (`--sections groups`, bench/length_groups.py): minilm misses on ONNX Runtime with batches
    cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
-Writes bench/results/foundation.json and prints a table.
+Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
+`gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
+instead), each recording its command, machine, commit and date, and prints a table. Sections that read
+Banking77 (semantic, l2, groups) are skipped, with one line saying so, where bench/data/banking77/train.csv
+is missing.
 """
 
 from __future__ import annotations
@@ -32,13 +36,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, echo
+from bench import RESULTS, banking77_missing, echo, machine, recorded
 from bench.l3 import bench_l3, print_l3
 from bench.fixtures import first_success, load_texts
 from bench.fleet import bench_fleet, print_fleet
@@ -56,6 +59,14 @@ from bench.shadow import bench_shadow, print_shadow
 from bench.load import INFER, run_load, warm
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
+
+
+NEEDS_BANKING77 = {"semantic", "l2", "groups"}  # sections that train a head on it or replay its texts
+# Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
+FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
+         "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
+         "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
+         "group_commit": "group-commit", "workers": "workers", "gpu": "gpu"}
 
 
 def make_models(root: Path) -> Path:
@@ -248,7 +259,8 @@ def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rou
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
-    parser.add_argument("--out", default=str(RESULTS / "foundation.json"))
+    parser.add_argument("--out", default="",
+                        help="one file for the whole run (default: bench/results/<section>-<machine>.json per section)")
     parser.add_argument("--sections", default="serving,l3,semantic",
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
@@ -278,16 +290,33 @@ def main() -> None:
                              "installed; else Python) or Python (grpc.aio)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
+    missing = banking77_missing()
+    for name in sorted(sections & NEEDS_BANKING77) if missing else ():
+        print(f"skipping section {name}: {missing}", flush=True)
+    if missing:
+        sections -= NEEDS_BANKING77
     scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
     rounds = args.rounds or rounds
     texts = load_texts()
-    report: dict = {"machine": {"cpus": multiprocessing.cpu_count(), "python": platform.python_version()},
+    report: dict = {"recorded": recorded("bench"), "machine": machine(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    written: set[Path] = set()
 
     def save() -> None:  # after each section and step: a run cut short (a device lease) keeps what it measured
-        out.write_text(json.dumps(report, indent=2))
+        files: dict[Path, dict] = {Path(args.out): report} if args.out else {}
+        if not args.out:
+            for key, stem in FILES.items():
+                if key in report:
+                    if key == "metrics_cost" and "serving" not in sections:
+                        stem = "metrics-cost"
+                    quick = "-quick" if args.quick else ""  # a smoke run never replaces the current figures
+                    path = RESULTS / f"{stem}{quick}-{report['machine']['tag']}.json"
+                    part = files.setdefault(path, {k: report[k] for k in ("recorded", "machine", "started")})
+                    part[key] = report[key]
+        for path, content in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(content, indent=2))
+            written.add(path)
 
     with tempfile.TemporaryDirectory(prefix="infercache-bench-") as tmp:
         workdir = Path(tmp)
@@ -393,7 +422,7 @@ def main() -> None:
         print_workers(report["workers"])
     if "worker_capacity" in report:
         print_worker_capacity(report["worker_capacity"])
-    print(f"\nwrote {out}")
+    print("\nwrote " + (", ".join(str(p) for p in sorted(written)) or "nothing"))
 
 
 if __name__ == "__main__":

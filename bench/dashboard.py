@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import BANKING77
+from bench import BANKING77, banking77_missing
 from bench.load import minilm_only
 from tests.servers import REPO, ServerProcess, free_port
 from tests.prometheus_server import PrometheusProcess
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=240.0)
     parser.add_argument("--out", default=str(REPO / "deploy" / "grafana" / "dashboard.png"))
     args = parser.parse_args()
+    if banking77_missing():
+        raise SystemExit(f"bench.dashboard: no traffic to send: {banking77_missing()}")
     banking, faq = _texts()
     with tempfile.TemporaryDirectory(prefix="infercache-dashboard-") as tmp:
         workdir = Path(tmp)

@@ -2,12 +2,14 @@
 # Runs on the lent GPU machine (no network there), from the repository root, through the device tool,
 # carrying .whl (wheels the image lacks, and the hnswlib sdist, built there), .devcarry (all-MiniLM-L6-v2
 # in fp16: the fp32 file is over the carry limit; exported back to the fp32 ONNX graph and the torch form
-# here; and a copy of Banking77) and infercache/v1 (generated stubs).
-#   bash bench/device.sh --sections gpu      # GPU tests, then `python -m bench` with these arguments
+# here) and infercache/v1 (generated stubs). Banking77 travels with the tree (bench/data/banking77/).
+#   BENCH_COMMIT=<commit> bash bench/device.sh --sections gpu   # GPU tests, then `python -m bench` with these arguments
 #   DEVICE_TESTS=0 BENCH_LIMIT_S=170 bash bench/device.sh --sections gpu --gpu-parts minilm,null   # short lease
-#   DEVICE_TESTS=0 bash bench/device.sh --sections workers   # nvidia-h200-x2: one worker per GPU vs one (issue 15)
+#   DEVICE_TESTS=0 bash bench/device.sh --sections workers   # nvidia-h200-x2: one worker per GPU vs one
 # Each step has a time limit, so one call (10 minutes at most) always returns what was measured.
-# Notes of each run: bench/DEVICE_NOTES.md.
+# Result files go to $OUT, named as at home (gpu-h200.json, ...), recording this command, the machine, the
+# commit (BENCH_COMMIT: the device's copy of the tree carries no reliable git metadata) and the date; copy
+# them into bench/results/ and the figures into docs/benchmarks.md. The GPU tests' log: $OUT/device-tests.txt.
 set -euo pipefail
 OUT=${OUT:-bench/results}
 TEST_LIMIT_S=${TEST_LIMIT_S:-150}
@@ -15,7 +17,8 @@ BENCH_LIMIT_S=${BENCH_LIMIT_S:-380}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
     .whl/hnswlib-*.tar.gz
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_BANKING77=$PWD/.devcarry/banking77.csv
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_RESULTS=$OUT \
+    BENCH_COMMAND="bash bench/device.sh $*" BENCH_COMMIT="${BENCH_COMMIT:-unknown (BENCH_COMMIT not set)}"
 python3 - <<'PY'
 from pathlib import Path
 from server.tools.export_model import export_sentence_encoder
@@ -25,4 +28,4 @@ echo "cores: $(nproc)"; nvidia-smi --query-gpu=name,memory.total,driver_version 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 [ "${DEVICE_TESTS:-1}" = 0 ] || timeout "$TEST_LIMIT_S" python3 -m pytest -q -rs -p no:cacheprovider tests/test_torch_cuda.py tests/test_torch_bert.py \
     tests/test_cuda.py tests/test_features.py 2>&1 | tee "$OUT/device-tests.txt" || true
-timeout "$BENCH_LIMIT_S" python3 -m bench --out "$OUT/bench-device.json" "$@" 2>&1 | tee "$OUT/bench-device.txt"
+timeout "$BENCH_LIMIT_S" python3 -m bench "$@" 2>&1 | tee "$OUT/bench-device.txt"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import BANKING77
+from bench import BANKING77, banking77_missing
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from tests.servers import REPO, ServerProcess
@@ -92,9 +92,11 @@ def make_gpu_models(root: Path, on_gpu: bool) -> Path:
 
 
 def load_texts() -> list[str]:
+    """Banking77's texts; where the file is missing, generated ones (and a line that says so)."""
     if BANKING77.is_file():
         with open(BANKING77, newline="") as f:
             return [row["text"] for row in csv.DictReader(f)]
+    print(f"generated texts instead of Banking77's: {banking77_missing()}", flush=True)
     return [f"customer question number {i} about cards, refunds and transfers" for i in range(10_000)]
 
 

@@ -1,4 +1,4 @@
-"""Group commit (`make bench ARGS="--sections commit --out bench/results/group-commit.json"`, or
+"""Group commit (`make bench ARGS="--sections commit"`: bench/results/group-commit-<machine>.json, or
 `python -m bench.group_commit`): what the writer process (server/worker/writer.py) spends per put at the
 miss rates of a CPU host, by how long a put may wait for others to share its transaction
 (`cache.group_commit_ms`).

@@ -10,7 +10,7 @@ setting's value alternating (0 = the same priority, else the value under test):
    texts never seen; the hits' p50 and p99 and the misses' throughput;
 3. a mix: 6,000 calls from 32 callers, 90% exact hits (300 texts cached first) and 10% misses; the
    throughput, and the p50 and p99 of all calls (the p50 a hit's, the p99 among the misses).
-Writes bench/results/worker-priority.json.
+Writes bench/results/priority-<machine>.json (`--out` names another file).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench import RESULTS
+from bench import default_out, recorded
 from bench.fixtures import load_texts
 from bench.load import minilm_only, run_each_once, run_load
 from bench.overload import bench_overload
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nice", type=int, default=19, help="the value under test (against 0)")
     parser.add_argument("--pairs", type=int, default=7)
-    parser.add_argument("--out", default=str(RESULTS / "worker-priority.json"))
+    parser.add_argument("--out", default=str(default_out("priority")))
     args = parser.parse_args()
     texts = load_texts()
     values = (0, args.nice)
@@ -97,7 +97,7 @@ def main() -> None:
                       f"p99 {hits[value][-1]['hit_p99_ms']} ms, misses {hits[value][-1]['miss_rps']}/s; mixed "
                       f"{hits[value][-1]['mixed_rps']}/s, p50 {hits[value][-1]['mixed_p50_ms']} p99 "
                       f"{hits[value][-1]['mixed_p99_ms']} ms", flush=True)
-    report = {"pairs": args.pairs, "values": list(values),
+    report = {"recorded": recorded("bench.priority"), "pairs": args.pairs, "values": list(values),
               "overload": {str(v): {"median": _medians([{k: r[k] for k in r if k != "codes"} for r in overload[v]]),
                                     "runs": overload[v]} for v in values},
               "hits_under_misses": {str(v): {"median": _medians(hits[v]), "runs": hits[v]} for v in values}}

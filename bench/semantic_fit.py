@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import BANKING77, RESULTS
+from bench import BANKING77, banking77_missing, default_out, recorded
 
 LEAVE_OUT, HOLDOUT = 4, 5
 
@@ -117,14 +117,16 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.semantic_fit")
-    parser.add_argument("--out", default=str(RESULTS / "semantic-fit.json"))
+    parser.add_argument("--out", default=str(default_out("semantic-fit")))
     args = parser.parse_args()
+    if banking77_missing():
+        raise SystemExit(f"bench.semantic_fit: nothing to replay: {banking77_missing()}")
     from server.tools.train_head import fit_softmax
 
     x, y = embed_banking77()
     classes = int(y.max()) + 1
     w, b = fit_softmax(x, y, classes, epochs=300, l2=1e-4)
-    report: dict = {}
+    report: dict = {"recorded": recorded("bench.semantic_fit")}
     for name, logits in (("linear", x @ w + b), ("mlp", mlp_logits(x, y, classes))):
         report[name] = {"train_accuracy": round(float((logits.argmax(1) == y).mean()), 4)}
         for rule, with_fit in (("interpolation", False), ("with_fit", True)):

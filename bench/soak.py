@@ -13,7 +13,7 @@ key invalidations of a set kept apart from everything else. Reported:
 - entries lost: every key seen answered RESULT_EXACT (so committed) is asked for again at the end with
   ONLY_IF_CACHED (the hot set, and earlier misses asked for again); each one missing is a lost entry
   (must be 0; nothing is evicted or expires in a run).
-Writes bench/results/soak.json.
+Writes bench/results/soak-<machine>.json (`--out` names another file).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import RESULTS
+from bench import default_out, recorded
 from bench.fixtures import load_texts
 from bench.load import INFER
 from bench.probes import server_roles
@@ -210,12 +210,12 @@ def main() -> None:
     parser.add_argument("--rss-every", type=float, default=60.0)
     parser.add_argument("--window", type=float, default=60.0, help="seconds per p99 window")
     parser.add_argument("--warmup", type=float, default=120.0, help="seconds before RSS must be flat")
-    parser.add_argument("--out", default=str(RESULTS / "soak.json"))
+    parser.add_argument("--out", default=str(default_out("soak")))
     args = parser.parse_args()
     texts = load_texts()
     hot, victims = texts[:500], texts[500:520]
-    report: dict = {"requests": args.requests, "concurrency": args.concurrency, "kill_every_s": args.kill_every,
-                    "mix": dict(MIX), "cpus": os.cpu_count(), "kills": [], "rss": []}
+    report: dict = {"recorded": recorded("bench.soak"), "requests": args.requests, "concurrency": args.concurrency,
+                    "kill_every_s": args.kill_every, "mix": dict(MIX), "cpus": os.cpu_count(), "kills": [], "rss": []}
     with tempfile.TemporaryDirectory(prefix="infercache-soak-") as tmp:
         server = ServerProcess(Path(tmp), REPO / "models", frontends=os.cpu_count() or 2,
                                settings=("server.workers=2", "cache.sync=false"))

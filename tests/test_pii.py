@@ -11,7 +11,7 @@ import pytest
 
 from server.shared import pii
 
-BANKING77 = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "banking77" / "train.csv"
+BANKING77 = Path(__file__).resolve().parent.parent / "bench" / "data" / "banking77" / "train.csv"
 
 POSITIVES = {
     "email": [

@@ -255,10 +255,10 @@ def test_index_grows_past_its_capacity_and_forgets_removed_entries():
     assert all(n.similarity < 0.999 for _, n in index.search(vectors[1234], 3, lambda key: True))
 
 
-BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
+BANKING77 = REPO / "bench" / "data" / "banking77" / "train.csv"
 
 
-@pytest.mark.skipif(not BANKING77.is_file(), reason="../shared/data/banking77 is not beside this checkout")
+@pytest.mark.skipif(not BANKING77.is_file(), reason="bench/data/banking77/train.csv is missing")
 def test_train_head_on_banking77_writes_a_servable_version(tmp_path):
     models = tmp_path / "models"
     link_model(models, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})

@@ -29,7 +29,7 @@ else:
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM = REPO / "models" / "minilm" / "1"
-BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
+BANKING77 = REPO / "bench" / "data" / "banking77" / "train.csv"
 FAQ = REPO / "examples" / "faq.csv"
 MAX_TOKENS = 256  # models/minilm/config.yaml input.max_tokens
 

@@ -1,6 +1,6 @@
 """The torch-cuda runtime: FP16 on the GPU under CUDA graphs, through the L3 store and a real server.
 
-The GPU tests run on the lent H200 (bench/DEVICE_NOTES.md) and skip elsewhere with the reason; the
+The GPU tests run on a lent GPU machine (docs/contributing.md) and skip elsewhere with the reason; the
 batch classes and the source check run everywhere torch is installed.
 """
 

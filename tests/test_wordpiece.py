@@ -15,7 +15,7 @@ from server.shared.tokenization import TextEncoder
 from server.shared.wordpiece import FastWordPiece
 
 MINILM_TOKENIZER = REPO / "models" / "minilm" / "1" / "tokenizer.json"
-BANKING77 = REPO.parent / "shared" / "data" / "banking77" / "train.csv"
+BANKING77 = REPO / "bench" / "data" / "banking77" / "train.csv"
 PRINTABLE = "".join(c for c in string.printable if c.isprintable())
 
 
