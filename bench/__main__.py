@@ -66,7 +66,7 @@ NEEDS_BANKING77 = {"semantic", "l2", "groups"}  # sections that train a head on 
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
-         "group_commit": "group-commit", "workers": "workers", "gpu": "gpu"}
+         "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate"}
 
 
 def make_models(root: Path) -> Path:

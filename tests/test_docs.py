@@ -86,9 +86,19 @@ def _model_defaults() -> dict[str, object]:
                  "hot_keys": {"keep_text": True}})
     attribute = {"engine.precision": "precision", "privacy.pii": "pii", "l2.share_across_tenants": "share_features",
                  "hot_keys.keep_text": "hot_key_text"}
+    generative = yaml.safe_load((REPO / "models" / "smollm2" / "config.yaml").read_text())
     out: dict[str, object] = {}
     for key, inner in KNOWN_KEYS.items():
         if key == "semantic":
+            continue
+        if key == "generate":  # a generative model's section: each key's default is its GenerationSpec field's
+            for leaf in sorted(inner):
+                config = json.loads(json.dumps(generative))
+                config["generate"].pop(leaf, None)
+                with tempfile.TemporaryDirectory() as tmp:
+                    (Path(tmp) / "m").mkdir()
+                    (Path(tmp) / "m" / "config.yaml").write_text(yaml.safe_dump(config))
+                    out[f"generate.{leaf}"] = getattr(load_model(Path(tmp) / "m").generation, leaf)
             continue
         for name in ([f"{key}.{n}" for n in sorted(inner)] if inner else [key]):
             outer, _, leaf = name.partition(".")
