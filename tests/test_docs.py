@@ -187,6 +187,8 @@ def test_readme_tour_runs_as_written(tmp_path):
     models = tmp_path / "models"
     link_model(models, "minilm", (REPO / "models" / "minilm" / "config.yaml").read_text(),
                {"1": REPO / "models" / "minilm" / "1"})
+    link_model(models, "smollm2", (REPO / "models" / "smollm2" / "config.yaml").read_text(),
+               {"1": REPO / "models" / "smollm2" / "1"})
     server: ServerProcess | None = None
     metrics_port = free_port()
     try:
