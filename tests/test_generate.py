@@ -109,9 +109,11 @@ def test_a_hit_streams_the_identical_answer_at_once(server):
                  "the answer stored")
         pieces = list(client.generate_stream("smollm2", question, max_new_tokens=16))
     assert first.source == "MISS" and first.finish_reason in ("STOP", "LENGTH")
-    assert len(pieces) == 2 and pieces[-1].end.cache.source == pb.CacheInfo.RESULT_EXACT
-    assert pieces[0].text == first.text and list(pieces[0].token_ids) == first.token_ids
-    assert pieces[-1].end.completion_tokens == len(first.token_ids) and pieces[-1].end.cache.key == first.key
+    [hit] = pieces  # the whole answer and its end in one message
+    assert hit.end.cache.source == pb.CacheInfo.RESULT_EXACT and hit.end.cache.age_s > 0
+    assert hit.text == first.text and list(hit.token_ids) == first.token_ids
+    assert hit.end.completion_tokens == len(first.token_ids) and hit.end.cache.key == first.key
+    assert hit.end.finish_reason == pb.GenerationEnd.FinishReason.Value(first.finish_reason)
 
 
 def test_sixteen_identical_calls_in_flight_compute_once_and_get_the_same_stream(server):

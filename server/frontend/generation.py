@@ -1,7 +1,8 @@
 """A frontend's Generate path, transport-free: the call's plan (server/frontend/prompts.py), then its
-answer from L1 (a stored answer streams at once, in one message), else from the key's worker, whose
+answer from L1 (a stored answer goes out at once, as one message), else from the key's worker, whose
 frames are passed on as they come. Only deterministic requests (greedy, or sampled with a seed) are
-looked up, stored and coalesced."""
+looked up, stored and coalesced. Messages leave as bytes (server/shared/generated.py): a hit is the stored
+answer plus its source, never parsed."""
 
 from __future__ import annotations
 
@@ -13,23 +14,15 @@ import numpy as np
 
 from cachestore.results import now_us
 from infercache.v1 import infercache_pb2 as pb
-from infercache.v1 import worker_pb2
 from server.frontend.metrics import FrontendMetrics
 from server.frontend.prompts import GeneratePlan, Prompts
 from server.frontend.read_cache import ReadCache
 from server.frontend.workers import WorkerPool
 from server.shared.errors import NotCached
+from server.shared.generated import end_only, marked
 
 Source = pb.CacheInfo.Source
-
-
-def end_message(answer: worker_pb2.GeneratedAnswer, source: int, version: str, key: bytes, age_s: float = 0.0
-                ) -> pb.GenerateResponse:
-    """The last message of a stream: how the answer ended, its token counts and where it came from."""
-    return pb.GenerateResponse(end=pb.GenerationEnd(
-        finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,
-        completion_tokens=len(answer.token_ids),
-        cache=pb.CacheInfo(source=source, age_s=age_s, model_version=version, key=key.hex())))
+RESULT_EXACT = int(Source.RESULT_EXACT)
 
 
 def _fill(item, *, plan: GeneratePlan) -> None:
@@ -50,33 +43,23 @@ class GenerateCalls:
         self.counters = counters
         self.metrics = metrics
 
-    def _stored(self, plan: GeneratePlan) -> tuple[worker_pb2.GeneratedAnswer, float] | None:
-        """A fresh stored answer and its age, or None."""
+    def _stored(self, plan: GeneratePlan) -> bytes | None:
+        """A fresh stored answer, marked RESULT_EXACT with its age, or None."""
         if not plan.cached_ok or (cache := self._l1.get()) is None:
             return None
         now = now_us()
         record = cache.get(plan.key, now, plan.max_age_us)
-        if record is None:
-            return None
-        try:
-            answer = worker_pb2.GeneratedAnswer.FromString(record.payload)
-        except Exception:  # noqa: BLE001 (a record that does not parse is a miss)
-            self.counters["generate_unreadable"] += 1
-            return None
-        return answer, record.age_s(now)
+        return None if record is None else marked(record.payload, RESULT_EXACT, record.age_s(now))
 
-    async def generate(self, request: pb.GenerateRequest, time_remaining: float | None):
-        """The call's GenerateResponse messages, as they come."""
+    async def generate(self, request: pb.GenerateRequest | bytes, time_remaining: float | None):
+        """The call's GenerateResponse messages, serialized, as they come."""
         started = time.perf_counter()
-        plan = self.prompts.plan(request)
-        version = plan.model.version
-        found = self._stored(plan)
-        if found is not None:
-            answer, age_s = found
+        plan = self.prompts.prepared(request) if isinstance(request, bytes) else self.prompts.plan(request)
+        if (hit := self._stored(plan)) is not None:
             self.counters["generate_hits"] += 1
-            self._observe(plan, Source.RESULT_EXACT, started, started, len(answer.token_ids))
-            yield pb.GenerateResponse(text=answer.text, token_ids=answer.token_ids)
-            yield end_message(answer, Source.RESULT_EXACT, version, plan.key, age_s)
+            if self.metrics is not None:
+                self._observe(plan, RESULT_EXACT, started, None, pb.GenerateResponse.FromString(hit))
+            yield hit
             return
         if plan.only_if_cached:
             self.counters["not_cached"] += 1
@@ -87,14 +70,14 @@ class GenerateCalls:
                                                time_remaining):
             if frame.more:
                 first = first or time.perf_counter()
-                yield pb.GenerateResponse(text=frame.text, token_ids=frame.token_ids)
-            else:
-                answer = frame.answer
-                self._observe(plan, frame.source, started, first, len(answer.token_ids))
-                age_s = max(0.0, (now_us() - answer.created_us) / 1e6) if frame.source != Source.MISS else 0.0
-                yield end_message(answer, frame.source, version, plan.key, age_s)
+                yield pb.GenerateResponse(text=frame.text, token_ids=frame.token_ids).SerializeToString()
+            else:  # the whole answer: its last message alone where its text went out already
+                if self.metrics is not None:
+                    self._observe(plan, frame.source, started, first, pb.GenerateResponse.FromString(frame.response))
+                yield end_only(frame.response) if first is not None else frame.response
 
-    def _observe(self, plan: GeneratePlan, source: int, started: float, first: float | None, tokens: int) -> None:
-        if self.metrics is not None:
-            self.metrics.generated(plan.model.spec.name, source, (first or time.perf_counter()) - started,
-                                   time.perf_counter() - started, tokens)
+    def _observe(self, plan: GeneratePlan, source: int, started: float, first: float | None,
+                 answer: pb.GenerateResponse) -> None:
+        now = time.perf_counter()
+        self.metrics.generated(plan.model.spec.name, source, (first or now) - started, now - started,
+                               answer.end.completion_tokens)

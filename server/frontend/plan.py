@@ -71,7 +71,7 @@ def _copied(semantic: pb.SemanticPolicy) -> pb.SemanticPolicy:
     return pb.SemanticPolicy(enabled=enabled, min_similarity=min_similarity, explain=explain)
 
 
-def _keep(table: dict, key, value, limit: int) -> None:
+def keep(table: dict, key, value, limit: int) -> None:
     """Into a memo table of at most `limit` entries: a full one starts over (no LRU bookkeeping on hits)."""
     if len(table) >= limit:
         table.clear()
@@ -187,7 +187,7 @@ class Planner:
             request = parsed(INFER_REQUEST(raw))
             found = self.prepare(request)
             if len(raw) <= PREPARED_MAX_BYTES and _plan_key(request) is not None and found[0].served.spec.pii == "off":
-                _keep(self._prepared, raw, found, PREPARED_KEPT)
+                keep(self._prepared, raw, found, PREPARED_KEPT)
         return found
 
     def prepare(self, request: pb.InferRequest) -> tuple[Plan, Keyed]:
@@ -212,7 +212,7 @@ class Planner:
             return found
         plan = self._new_plan(request)
         if key is not None:
-            _keep(self._plans, key, plan, PLANS_KEPT)
+            keep(self._plans, key, plan, PLANS_KEPT)
         return plan
 
     def _new_plan(self, request) -> Plan:

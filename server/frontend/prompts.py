@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 from cachestore.keys import Namespace, entry_key, namespace_id
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.frontend.plan import check_identifiers
-from server.shared.errors import InvalidArgument, ModelNotFound
+from server.frontend.plan import check_identifiers, keep
+from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.shared.normalize import DEFAULT_STEPS, Normalizer
@@ -27,6 +27,10 @@ Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
 MAX_STOPS, MAX_STOP_CHARS = 4, 64
 MAX_MESSAGES = 256
+PREPARED_KEPT = 1024        # serialized requests whose plan is kept (see Prompts.prepared); past it, start over
+PREPARED_MAX_BYTES = 4096   # longer requests are planned anew each time
+
+GENERATE_REQUEST = lenient(pb.GenerateRequest)  # Generate's requests arrive serialized (server/frontend/servicer.py)
 
 
 @dataclass(slots=True)
@@ -68,6 +72,7 @@ class Prompts:
     def __init__(self, repository: ModelRepository) -> None:
         self.repository = repository
         self._models: dict[tuple[str, str], GenerativeModel] = {}
+        self._prepared: dict[bytes, GeneratePlan] = {}  # see prepared
 
     def model(self, spec: ModelSpec, version: str) -> GenerativeModel:
         found = self._models.get((spec.name, version))
@@ -93,6 +98,18 @@ class Prompts:
                         self.model(spec, version)
                     except ModelNotFound:
                         pass  # left to its requests, which say why
+
+    def prepared(self, raw: bytes) -> GeneratePlan:
+        """plan() of a serialized GenerateRequest. A request that repeats byte for byte (a question asked
+        again: the traffic a cache is for) reuses its plan: no parsing, rendering, tokenizing or hashing on
+        the hit path. Requests with max_age_s are planned each time (their plan holds that age)."""
+        found = self._prepared.get(raw)
+        if found is None:
+            request = parsed(GENERATE_REQUEST(raw))
+            found = self.plan(request)
+            if len(raw) <= PREPARED_MAX_BYTES and not request.cache.HasField("max_age_s"):
+                keep(self._prepared, raw, found, PREPARED_KEPT)
+        return found
 
     def plan(self, request: pb.GenerateRequest) -> GeneratePlan:
         check_identifiers(request)

@@ -15,6 +15,7 @@ from infercache.v1 import infercache_pb2_grpc
 from server.frontend.admin import AdminCalls
 from server.frontend.core import FrontendCore
 from server.frontend.plan import INFER_REQUEST
+from server.frontend.prompts import GENERATE_REQUEST
 from server.frontend.tally import CallTally
 from server.shared.auth import ADMIN, CLIENT, Gate, Grant, bind_tenant
 from server.shared.errors import grpc_errors, grpc_stream_errors, lenient, parsed, status_of
@@ -83,8 +84,12 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         return answer
 
     @grpc_stream_errors
-    async def Generate(self, request, context):
-        self._admit(request, context, CLIENT)
+    async def Generate(self, request: bytes, context):
+        """`request` arrives serialized, as Infer's (Prompts.prepared)."""
+        grant = self._grant(context, CLIENT)
+        if grant.tenant is not None:
+            request = GENERATE_REQUEST(request)
+            self._bind(grant, request)
         async for message in self.core.generation.generate(request, context.time_remaining()):
             yield message
 
@@ -109,8 +114,8 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         return await self.admin.hot_keys(request)
 
 
-PASS_THROUGH = ("Infer", "InferBatch")  # handlers that return their answer already serialized
-RAW_REQUESTS = ("Infer",)  # handlers that take their request serialized (Planner.prepared)
+PASS_THROUGH = ("Infer", "InferBatch", "Generate")  # handlers that return (or yield) their answers serialized
+RAW_REQUESTS = ("Infer", "Generate")  # handlers that take their request serialized (Planner / Prompts.prepared)
 
 
 def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:

@@ -30,7 +30,7 @@ class Replies(Protocol):
 
     def stream(self, item_id: int, text: str, token_ids: list[int]) -> None: ...  # a generation's next piece
 
-    def finish(self, item_id: int, source: int, answer) -> None: ...  # its end (worker.proto GeneratedAnswer)
+    def finish(self, item_id: int, source: int, answer: bytes) -> None: ...  # its end (server/shared/generated.py)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.shared.answers import answer_record
 from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, WorkerUnavailable
+from server.shared.generated import marked, whole_answer
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelSpec
 from server.worker.answer_text import LENGTH, AnswerText, Sampler
@@ -52,7 +53,7 @@ class Generation:
                                params.seed if params.HasField("seed") else None)
         self.sequence = None                 # the decoder's state, once the prompt is read
         self.sent: list[tuple[str, list[int]]] = []  # deltas so far: a late joiner's replay
-        self.answer: worker_pb2.GeneratedAnswer | None = None
+        self.answer: bytes | None = None     # once it ended: the whole answer (server/shared/generated.py)
         self.dropped = False                 # cancelled by all its callers, or past its deadline
         self.deadline = deadline
         self.created_us = now_us()
@@ -163,9 +164,8 @@ class Scheduler:
             for replies, item_id in generation.listeners:
                 replies.stream(item_id, delta, ids)
         if text.finish is not None:
-            generation.answer = worker_pb2.GeneratedAnswer(
-                text=text.sent, token_ids=text.ids, finish_reason=text.finish,
-                prompt_tokens=len(generation.item.ids) // 4, created_us=generation.created_us)
+            item = generation.item
+            generation.answer = whole_answer(text.sent, text.ids, text.finish, len(item.ids) // 4, item.version, item.key)
             generation.sequence = None  # its past's memory goes now
             self.running.remove(generation)
             self._finished(generation)
@@ -216,12 +216,12 @@ class Generations:
         if flight is not None and flight.dropped:
             flight = None
         if flight is None and item.cached_ok and self.cache is not None:
-            record = self.cache.get(item.key, now_us(), item.max_age_us if item.HasField("max_age_us") else None)
+            now = now_us()
+            record = self.cache.get(item.key, now, item.max_age_us if item.HasField("max_age_us") else None)
             if record is not None:  # committed after the frontend looked
                 self.counters["late_hit"] += 1
-                answer = worker_pb2.GeneratedAnswer.FromString(record.payload)
-                replies.stream(item.id, answer.text, list(answer.token_ids))
-                replies.finish(item.id, Source.RESULT_EXACT, answer)
+                replies.finish(item.id, Source.RESULT_EXACT, marked(record.payload, Source.RESULT_EXACT,
+                                                                    record.age_s(now)))
                 return
         joined = flight is not None
         if flight is not None and flight.answer is not None and not item.cached_ok:
@@ -234,11 +234,11 @@ class Generations:
         flight.store = flight.store or item.store
         if joined:
             self.counters["generate_coalesced"] += 1
+            if flight.answer is not None:  # ended: the whole answer at once
+                replies.finish(item.id, Source.COALESCED, marked(flight.answer, Source.COALESCED))
+                return
             for text, ids in flight.sent:  # the answer so far, then live
                 replies.stream(item.id, text, ids)
-            if flight.answer is not None:
-                replies.finish(item.id, Source.COALESCED, flight.answer)
-                return
         flight.listeners[(replies, item.id)] = joined
         replies.waiting[item.id] = flight
 
@@ -257,12 +257,13 @@ class Generations:
             return
         for (replies, item_id), joined in flight.listeners.items():
             replies.waiting.pop(item_id, None)
-            replies.finish(item_id, Source.COALESCED if joined else Source.MISS, flight.answer)
+            source = Source.COALESCED if joined else Source.MISS
+            replies.finish(item_id, source, marked(flight.answer, source))
         flight.listeners.clear()
         self.counters["generated"] += 1
         if flight.store and self.writer is not None:
             item = flight.item
-            record = answer_record(flight.model.spec, flight.created_us, flight.answer.SerializeToString())
+            record = answer_record(flight.model.spec, flight.created_us, flight.answer)
             self.writer.put(flight.key, namespace(item.tenant, item.model, item.version), record,
                             on_done=partial(self._forget, flight))
         else:

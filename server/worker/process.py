@@ -145,8 +145,8 @@ class _Connection:
         self.protocol.out.results.add(id=item_id, more=True, text=text, token_ids=token_ids)
         self.protocol.flush_soon()
 
-    def finish(self, item_id: int, source: int, answer: worker_pb2.GeneratedAnswer) -> None:
-        self.protocol.out.results.add(id=item_id, source=source, answer=answer)
+    def finish(self, item_id: int, source: int, answer: bytes) -> None:
+        self.protocol.out.results.add(id=item_id, source=source, response=answer)
         self.protocol.flush_soon()
 
     def fail(self, item_id: int, exc: BaseException) -> None:
