@@ -253,7 +253,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         report["raw_bytes_single"] = load(address, INFER, single, 32).summary()
         for m in more_callers:
             report[f"raw_bytes_single_x{m}_callers"] = load(address, INFER, single, 32 * m).summary()
-        if "hits" in parts:  # the floor of gRPC for the hits above (issue 9: hits >= 0.8x it at 256 callers)
+        if "hits" in parts:  # the floor of gRPC for the hits above (the target: hits >= 0.8x it at 256 callers)
             report["raw_bytes_hits"] = {f"callers_{32 * load_processes}": run_load_processes(
                 address, INFER, hot, processes=load_processes, concurrency=32, seconds=seconds).summary()}
     finally:

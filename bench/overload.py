@@ -1,6 +1,6 @@
 """Overload section (`make bench ARGS="--sections overload"`): thousands of misses at once.
 
-The case issue 8 found: 3,000 concurrent misses of about 210 tokens, each with a deadline, against one
+The case it measures: 3,000 concurrent misses of about 210 tokens, each with a deadline, against one
 inference worker whose queue holds far more work than the deadline allows. Every call is sent at once
 (no closed loop), to a server with the default frontends (one per CPU). Reported: how many got each status code, how long the refusals (RESOURCE_EXHAUSTED)
 took against the admitted calls, how many admitted calls ran into their deadline, and where the

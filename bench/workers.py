@@ -1,7 +1,7 @@
 """Workers section (`make bench ARGS="--sections workers"`): the same server with two inference workers
 against one, and a kill -9 of one worker under load.
 
-On `nvidia-h200-x2` (issue 15) the two workers own one GPU each; on one GPU they share it (two processes,
+On `nvidia-h200-x2` the two workers own one GPU each; on one GPU they share it (two processes,
 two GILs: what that buys when the worker's Python is the ceiling); without a GPU it is a dry run on CPU
 workers. Same load generator, same call shape (BERT-base, 128-token texts, 8 per call: the fastest shape
 of the single-GPU run), same texts, 32 to 96 calls in flight for both (two GPUs need more callers to

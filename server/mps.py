@@ -2,9 +2,8 @@
 
 Without MPS, the CUDA contexts of several processes on one GPU are time-sliced: one process's
 kernels run at a time, and each switch costs. With MPS (NVIDIA's Multi-Process Service), every client
-process submits through one server context, so their kernels run side by side. Measured on the H200
-(bench/DEVICE_NOTES.md, session 13): four workers time-sliced kept the GPU 62-83% busy at 44-51k
-MiniLM texts/s, through MPS 44-49% at 42-58k (and up to 69k with more calls in flight).
+process submits through one server context, so their kernels run side by side: on the H200, four
+workers through MPS carried as many MiniLM texts/s as time-sliced ones or more, with the GPU less busy.
 
 The supervisor starts the control daemon in the foreground as its own child (`nvidia-cuda-mps-control
 -f`) with a pipe and log directory inside the server's private socket directory, before any worker, and

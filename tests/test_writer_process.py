@@ -172,7 +172,7 @@ def test_what_a_killed_worker_sent_is_committed_and_its_writer_exits(tmp_path):
 
 def test_answers_nobody_waits_for_any_more_and_a_failing_listener_leave_the_writer_serving(tmp_path):
     """An Invalidate whose caller went away (its future cancelled) and a semantic listener that raises:
-    neither may cost the worker its writer (the review found both closed the connection)."""
+    neither may cost the worker its writer (both once closed the connection)."""
     async def scenario():
         lost = asyncio.Event()
         writer = await _start(tmp_path / "cache", on_lost=lost.set)

@@ -76,7 +76,7 @@ class _Slot:
                         for name, dim in output_dims.items()}
         # Blocking: its caller sleeps until the GPU is done instead of spinning on a core (CUDA spins
         # by default when a process has fewer contexts than the host has CPUs). Spinning cost each
-        # worker about half a core on the H200 host, taken from the frontends (bench/DEVICE_NOTES.md).
+        # worker about half a core on the H200 host, taken from the frontends (docs/benchmarks.md, GPU).
         self.done = torch.cuda.Event(blocking=True)
 
 

@@ -51,19 +51,25 @@ class GenerateCalls:
         record = cache.get(plan.key, now, plan.max_age_us)
         return None if record is None else marked(record.payload, RESULT_EXACT, record.age_s(now))
 
-    async def generate(self, request: pb.GenerateRequest | bytes, time_remaining: float | None):
-        """The call's GenerateResponse messages, serialized, as they come."""
+    def plan(self, request: pb.GenerateRequest | bytes) -> GeneratePlan:
+        return self.prompts.prepared(request) if isinstance(request, bytes) else self.prompts.plan(request)
+
+    def hit(self, plan: GeneratePlan) -> bytes | None:
+        """The whole answer from L1 as the call's one message, or None (ONLY_IF_CACHED: NotCached)."""
         started = time.perf_counter()
-        plan = self.prompts.prepared(request) if isinstance(request, bytes) else self.prompts.plan(request)
-        if (hit := self._stored(plan)) is not None:
+        if (found := self._stored(plan)) is not None:
             self.counters["generate_hits"] += 1
             if self.metrics is not None:
-                self._observe(plan, RESULT_EXACT, started, None, pb.GenerateResponse.FromString(hit))
-            yield hit
-            return
+                self._observe(plan, RESULT_EXACT, started, None, pb.GenerateResponse.FromString(found))
+            return found
         if plan.only_if_cached:
             self.counters["not_cached"] += 1
             raise NotCached("no fresh cached answer for this request (cache.mode is ONLY_IF_CACHED)")
+        return None
+
+    async def generate(self, plan: GeneratePlan, time_remaining: float | None):
+        """A missed call's messages from its worker, serialized, as they come."""
+        started = time.perf_counter()
         self.counters["generate_forwarded"] += 1
         first = None
         async for frame in self.workers.stream(plan.model.route(plan.key), functools.partial(_fill, plan=plan),

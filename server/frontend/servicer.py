@@ -90,7 +90,12 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         if grant.tenant is not None:
             request = GENERATE_REQUEST(request)
             self._bind(grant, request)
-        async for message in self.core.generation.generate(request, context.time_remaining()):
+        calls = self.core.generation
+        plan = calls.plan(request)
+        if (hit := calls.hit(plan)) is not None:
+            yield hit
+            return
+        async for message in calls.generate(plan, context.time_remaining()):
             yield message
 
     @grpc_errors

@@ -86,28 +86,27 @@ class WorkerLink:
     def submit(self, fill, timeout_s: float) -> tuple[int, asyncio.Future]:
         """Queues one item (`fill(item)` sets its fields; the worker drops it after `timeout_s`): its id
         and the future of its ComputeResult. Whoever gives up on the future calls forget(id)."""
+        item_id = self._queue(fill, timeout_s)
+        future = self._pending[item_id] = asyncio.get_running_loop().create_future()
+        return item_id, future
+
+    def _queue(self, fill, timeout_s: float) -> int:
+        """Adds one item to the next frame (sent at the end of this loop iteration): its id."""
         if not self.up:
             raise LinkLost()
         item = self._protocol.out.items.add()
         fill(item)
         item.timeout_s = timeout_s
         item.id = item_id = next(self._ids)
-        future = self._pending[item_id] = asyncio.get_running_loop().create_future()
         self._protocol.flush_soon()
-        return item_id, future
+        return item_id
 
     def submit_stream(self, fill, timeout_s: float) -> tuple[int, asyncio.Queue]:
         """Queues one generation item: its id and the queue its frames arrive in (ComputeResults, the
         last without `more`; LinkLost if the connection breaks first). Whoever stops reading calls
         forget(id)."""
-        if not self.up:
-            raise LinkLost()
-        item = self._protocol.out.items.add()
-        fill(item)
-        item.timeout_s = timeout_s
-        item.id = item_id = next(self._ids)
+        item_id = self._queue(fill, timeout_s)
         frames = self._streams[item_id] = asyncio.Queue()
-        self._protocol.flush_soon()
         return item_id, frames
 
     def send(self, fill) -> None:

@@ -79,9 +79,9 @@ CPUS_PER_AUTO_WORKER = 4    # one per this many CPUs (the frontends need most of
 
 
 def auto_per_gpu(gpus: int, cpus: int | None = None) -> int:
-    """Worker processes per GPU when `server.workers_per_gpu` is 0: one per 4 CPUs per GPU, 1 to 4. One
-    worker's Python carried about 24k MiniLM texts/s on the H200 host, four (through MPS) 58k, with the
-    16 frontends on the same cores (bench/DEVICE_NOTES.md, session 13)."""
+    """Worker processes per GPU when `server.workers_per_gpu` is 0: one per 4 CPUs per GPU, 1 to 4. On
+    the H200 host one worker's Python, not the GPU, bounds MiniLM misses; four (through MPS) carry more,
+    with the 16 frontends on the same cores (docs/benchmarks.md, GPU)."""
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     return max(1, min(AUTO_MAX_PER_GPU, cpus // (CPUS_PER_AUTO_WORKER * max(1, gpus))))
 
@@ -90,7 +90,7 @@ def plan_workers(requested_runtime: str, workers: int, gpus: list[str], per_gpu:
     """workers = 0: `per_gpu` per visible GPU for a GPU runtime (0: auto_per_gpu), else one. Workers
     share the GPUs round-robin (worker i on GPU i mod n), so each GPU gets the same number, and two
     workers on one GPU exercise the multi-worker path on a one-GPU host. Several workers per GPU are
-    several Python processes feeding it: what one process's GIL cannot carry (see bench/DEVICE_NOTES.md)."""
+    several Python processes feeding it: what one process's GIL cannot carry (docs/benchmarks.md, GPU)."""
     runtime = resolve_runtime(requested_runtime, gpus)
     on_gpu = runtime in GPU_RUNTIMES and bool(gpus)
     count = workers or (len(gpus) * (per_gpu or auto_per_gpu(len(gpus))) if on_gpu else 1)

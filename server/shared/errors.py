@@ -162,19 +162,25 @@ def parsed(request):
     return request
 
 
+def _failed(exc: Exception, handler: str) -> tuple[grpc.StatusCode, str]:
+    """A handler's error as its status: a domain error's own, anything else INTERNAL (logged, with its
+    traceback: call it in the except clause)."""
+    if isinstance(exc, InferCacheError):
+        return status_of(exc)
+    log.exception("unhandled error in %s", handler)
+    return status_of(RuntimeError())
+
+
 def grpc_errors(handler):
     """Decorates an async servicer method: domain errors become their status code, anything else INTERNAL."""
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
             return await handler(self, request, context)
-        except InferCacheError as exc:
-            code, message = status_of(exc)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("unhandled error in %s", handler.__name__)
-            code, message = status_of(RuntimeError())
+        except Exception as exc:
+            code, message = _failed(exc, handler.__name__)
         await context.abort(code, message)
 
     return wrapper
@@ -189,13 +195,10 @@ def grpc_stream_errors(handler):
             async for message in handler(self, request, context):
                 yield message
             return
-        except InferCacheError as exc:
-            code, message = status_of(exc)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("unhandled error in %s", handler.__name__)
-            code, message = status_of(RuntimeError())
+        except Exception as exc:
+            code, message = _failed(exc, handler.__name__)
         await context.abort(code, message)
 
     return wrapper
