@@ -143,7 +143,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         process.settle_gc()
-        ready.put(("frontend", index, os.getpid()))
+        ready.send(("frontend", index, os.getpid()))
 
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

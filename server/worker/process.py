@@ -358,7 +358,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for path in (socket_path, items_path):  # the server's own user only (the folder is private too)
         path.chmod(FILE_MODE)
     process.settle_gc()
-    ready.put(("worker", placement.index, os.getpid()))
+    ready.send(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
              placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))
     await stop.wait()
