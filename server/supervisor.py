@@ -133,16 +133,32 @@ class Supervisor:
                 raise SystemExit(f"infercache: startup took longer than {STARTUP_TIMEOUT_S:.0f} s")
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:  # (also when it could not start: SystemExit)
+            self.socket_dir.release()
+
+    def _check_stores(self) -> None:
+        """Before any child maps the stores: a truncated data file would kill them with SIGBUS, so it is
+        set aside. A store folder that is a file stops the start: there is nothing to set aside, and the
+        workers could only serve without a store, every request a miss."""
+        stores = (("cache.dir", Path(self.config.cache.dir), "result store"),
+                  ("l2.dir", feature_store_settings(self.config).path, "feature store"))
+        for setting, path, what in stores:
+            try:
+                integrity.quarantine_if_damaged(path, what)
+            except integrity.NotADirectory as exc:
+                raise SystemExit(f"infercache: {setting} {exc}: the {what} needs a directory there; move the "
+                                 f"file away or set {setting} to another path") from None
+            except OSError as exc:
+                log.error("%s not checked: %s", what, exc)
+
+    def _run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGHUP, self._on_reload)
         started = time.monotonic()
-        # Before any child maps the stores: a truncated data file would kill them with SIGBUS.
-        integrity.quarantine_if_damaged(Path(self.config.cache.dir))
-        try:  # (inside cache.dir by default: when that is not a folder, the workers serve without it)
-            integrity.quarantine_if_damaged(feature_store_settings(self.config).path)
-        except OSError as exc:
-            log.error("feature store not checked: %s", exc)
+        self._check_stores()
         if self.config.server.metrics_port:
             from server import metrics_http  # prometheus_client: only when /metrics is on
 
@@ -163,7 +179,6 @@ class Supervisor:
         except SystemExit:
             self._stop([*self.frontends, *self.workers])  # or exiting would wait for them forever
             self._stop_mps()
-            self.socket_dir.release()
             raise
         server = self.config.server
         workers = ", ".join(f"{p.device} {p.runtime}" for p in self.placements)
@@ -188,7 +203,6 @@ class Supervisor:
             self.mps.start()
         except mps.MpsUnavailable as exc:
             if self.config.server.gpu_sharing == "mps":
-                self.socket_dir.release()
                 raise SystemExit(f"infercache: server.gpu_sharing is mps, but {exc}") from None
             log.warning("workers share their GPU time-sliced: %s", exc)
             self.mps = None
@@ -292,7 +306,6 @@ class Supervisor:
         self._stop_mps()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        self.socket_dir.release()
         print("infercache: stopped", flush=True)
         return 0
 

@@ -12,7 +12,11 @@ from server.shared.printable import printable
 
 
 def _open(config: Config) -> Store | None:
-    why = integrity.problem(store_settings(config).path)
+    try:
+        why = integrity.problem(store_settings(config).path)
+    except integrity.NotADirectory as exc:
+        print(f"infercache: cache.dir {exc}: no store can be there (the server does not start with it)")
+        return None
     if why is not None:  # mapping it could kill this process (SIGBUS)
         print(f"infercache: the store is damaged and was not opened: {why}; "
               "the server moves it aside at its next start")
