@@ -81,7 +81,10 @@ def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
 
 
 def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, group_commit_s: float,
-          sock: socket.socket, log_level: str, role: str) -> None:
+          sock: socket.socket, log_level: str, role: str, first_put: int = 0,
+          fences: list[tuple[Selector, int]] = ()) -> None:
+    """`first_put`: the number of the put before the first this process is sent (puts are numbered on
+    across the processes a worker starts); `fences`: the recent invalidations a process before it made."""
     # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -93,10 +96,10 @@ def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_t
         channel.send(writer_pb2.StoreEvents(failed=str(exc)))
         return
     writer = WriteBehind(store, batch_max=batch_max, sweep_interval_s=sweep_interval_s, max_ttl_s=max_ttl_s,
-                         on_semantic=channel.semantic, threaded=False)
+                         on_semantic=channel.semantic, threaded=False, fences=fences)
     channel.counters = writer.counters
     channel.send(writer_pb2.StoreEvents(ready=True))
-    handled = 0  # puts received (numbered as the worker numbers them), all handled after each drain
+    handled = first_put  # puts received (numbered as the worker numbers them), all handled after each drain
     requests: list = []
     held_since: float | None = None  # when the oldest put not committed yet arrived
     while True:
