@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cachestore.env import DIR_MODE
+from cachestore.errors import StoreError
 
 log = logging.getLogger("infercache.store")
 
@@ -45,8 +46,24 @@ def _meta(raw: bytes) -> tuple[int, int, int] | None:
     return psize, last_page, txn_id
 
 
+class NotADirectory(StoreError):
+    """The store's folder is a file (or a file stands where one of its parents should be): nothing to
+    move aside or replace, and no store can be opened there; the operator must say what it should be."""
+
+
+def not_a_directory(store_dir: Path) -> str | None:
+    """Why `store_dir` cannot be a store's folder (a file there, or in place of a parent); None if it can."""
+    for path in (store_dir, *store_dir.parents):
+        if path.exists():
+            return None if path.is_dir() else f"{path} is a file, not a directory"
+    return None
+
+
 def problem(store_dir: Path) -> str | None:
-    """Why the store's data file cannot be mapped safely; None when it can (or does not exist yet)."""
+    """Why the store's data file cannot be mapped safely; None when it can (or does not exist yet).
+    NotADirectory when the store's folder is a file."""
+    if (why := not_a_directory(store_dir)) is not None:
+        raise NotADirectory(why)
     data = store_dir / DATA_FILE
     try:
         with open(data, "rb") as f:
@@ -70,16 +87,30 @@ def problem(store_dir: Path) -> str | None:
     return None
 
 
-def quarantine_if_damaged(store_dir: Path) -> Path | None:
-    """Moves a damaged store's files into a sibling folder (returned) so a fresh store starts; None
-    when the store is sound. Only the process that owns the store calls this, before anyone maps it."""
-    why = problem(store_dir)
-    if why is None:
-        return None
-    aside = store_dir.with_name(f"{store_dir.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
-    aside.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)  # a damaged store still holds users' answers
+def set_aside(store_dir: Path, why: str, what: str = "store") -> Path:
+    """Moves a damaged store's files into a sibling folder of their own, `<name>.damaged-<time>` (returned),
+    kept for inspection; the next open of `store_dir` starts a fresh store. Its data file first: a reader
+    that opens the store meanwhile finds no data file (and tries again) rather than the old lock file
+    beside a new data file (cachestore/env.py checks that too)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    aside = store_dir.with_name(f"{store_dir.name}.damaged-{stamp}")
+    n = 1
+    while aside.exists():  # (a second replacement within the second)
+        n += 1
+        aside = store_dir.with_name(f"{store_dir.name}.damaged-{stamp}-{n}")
+    aside.mkdir(mode=DIR_MODE, parents=True)  # a damaged store still holds users' answers
+    moved = []
     for name in (DATA_FILE, LOCK_FILE):
         if (store_dir / name).exists():
             (store_dir / name).rename(aside / name)
-    log.error("result store damaged (%s); moved it to %s and starting a fresh one", why, aside)
+            moved.append(name)
+    log.error("%s damaged (%s); moved %s to %s and starting a fresh one", what, why, " and ".join(moved) or "nothing",
+              aside)
     return aside
+
+
+def quarantine_if_damaged(store_dir: Path, what: str = "store") -> Path | None:
+    """Sets a damaged store aside (set_aside) so a fresh store starts; None when the store is sound. Only
+    the process that owns the store calls this, before anyone maps it. NotADirectory: see problem."""
+    why = problem(store_dir)
+    return None if why is None else set_aside(store_dir, why, what)

@@ -57,6 +57,7 @@ RUNWAY = 16 * 1024 * 1024
 # How long an invalidation keeps refusing entries created before it: a result computed before an
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
+GAUGES = ("budget_bytes", "held_bytes")  # counters that hold a value rather than count events
 
 
 @dataclass(slots=True)
@@ -85,9 +86,10 @@ _STOP = object()
 class WriteBehind:
     def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0,
                  on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None,
-                 max_ttl_s: int = 0, threaded: bool = True) -> None:
+                 max_ttl_s: int = 0, threaded: bool = True, fences: list[tuple[Selector, int]] = ()) -> None:
         """threaded=False: no thread of its own; whoever owns it calls `drain` (server/worker/writer.py,
-        where py-lmdb's releasing the GIL on every call would hand it back and forth between two threads)."""
+        where py-lmdb's releasing the GIL on every call would hand it back and forth between two threads).
+        fences: invalidations made before (a writer that died made them), as (selector, microseconds)."""
         self.store = store
         self.max_ttl_us = max_ttl_s * 1_000_000  # retention: the sweep also deletes entries older than this
         # Told after each commit which semantic rows were added and which (ns_id, label) went.
@@ -99,7 +101,7 @@ class WriteBehind:
         self._holding = True                 # the file system can hold blocks ahead of the file
         self._commit_ops = batch_max         # operations one commit may take: batch_max, or SMALL_COMMIT_OPS
         self._over = False                   # the last commit left the store over its budget
-        self._fences: list[tuple[Selector, int]] = []  # recent invalidations (writer thread only)
+        self._fences: list[tuple[Selector, int]] = list(fences)  # recent invalidations (writer thread only)
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._next_sweep = time.monotonic()  # one sweep at start: a retention cap lowered while down applies at once

@@ -46,6 +46,7 @@ class ServerSection:
     max_queue: int = 1024              # requests admitted to the batcher before RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 0.0      # refuse a miss when the queue implies a longer wait; 0 = the deadline only
     max_batch_texts: int = 256         # most texts in one InferBatch call
+    max_request_bytes: int = 4 << 20   # a request's serialized size, at most (larger: INVALID_ARGUMENT)
     max_pending_calls: int = 20000     # calls a frontend's gRPC holds before its handlers take them up; past
                                        # it gRPC itself cancels new ones (CANCELLED), so keep it above bursts
     engine_threads: int = 0            # ONNX Runtime intra-op threads; 0 = the CPUs shared among CPU workers
@@ -261,6 +262,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"server.gpu_sharing must be one of {', '.join(SHARING_MODES)}")
     if config.server.max_batch_texts < 1:
         raise ConfigError("server.max_batch_texts must be >= 1")
+    if not 1024 <= config.server.max_request_bytes <= 1 << 30:
+        raise ConfigError(f"server.max_request_bytes must be within 1024..{1 << 30} (1 KiB..1 GiB), got "
+                          f"{config.server.max_request_bytes}")
     if not 0 < config.cache.budget_mb < config.cache.map_size_mb:
         raise ConfigError(
             f"cache.budget_mb ({config.cache.budget_mb}) must be positive and below cache.map_size_mb "

@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import queue
 import shutil
 import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Callable
 
 from cachestore import integrity
 from cachestore.env import DIR_MODE
@@ -27,6 +26,7 @@ from server import mps
 from server.worker import process as worker
 from server.shared.auth import TokenFileError, read_tokens, write_in_force
 from server.config import Config, feature_store_settings
+from server.socket_dir import SocketDir, SocketDirBusy
 
 log = logging.getLogger("infercache.supervisor")
 
@@ -40,8 +40,9 @@ class _Child:
     role: str
     index: int
     target: object
-    args: tuple
+    args: Callable[[Connection], tuple]  # its arguments, given the pipe it says it is ready on
     process: multiprocessing.process.BaseProcess | None = None
+    ready: Connection | None = None      # the reading end of that pipe, until it was read or closed
     started: float = 0.0
     failures: int = 0
     restart_at: float | None = None
@@ -56,10 +57,13 @@ class Supervisor:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.ctx = multiprocessing.get_context("spawn")
-        self.ready = self.ctx.Queue()
-        socket_dir = Path(config.server.socket_dir or tempfile.mkdtemp(prefix="infercache-"))  # mkdtemp: 0700
-        socket_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        self._temporary_sockets = None if config.server.socket_dir else socket_dir  # ours to remove at the end
+        # Each child says it is ready on a pipe of its own: no multiprocessing queue, whose named
+        # semaphores a supervisor killed with kill -9 (and its resource tracker with it) left in /dev/shm.
+        try:
+            self.socket_dir = SocketDir(config.server.socket_dir)  # (a dead supervisor's temporary one goes)
+        except SocketDirBusy as exc:
+            raise SystemExit(f"infercache: {exc}") from None
+        socket_dir = self.socket_dir.path
         # Decided here, before any child exists, without importing torch or touching CUDA.
         self.placements = devices.plan_workers(config.engines.runtime, config.server.workers, devices.visible_gpus(),
                                                config.server.workers_per_gpu)
@@ -74,14 +78,15 @@ class Supervisor:
         self.metrics_dir.mkdir(mode=DIR_MODE)
         figures = str(self.metrics_dir)
         self.workers = [_Child("worker", p.index, worker.main,
-                               (config, p, cpu_workers, sockets[p.index], self.ready, figures))
+                               lambda ready, p=p: (config, p, cpu_workers, sockets[p.index], ready, figures))
                         for p in self.placements]
         # The token set in force: this process's alone to change (SIGHUP), every frontend reads it.
         self.tokens_path = socket_dir / "tokens.json" if config.secrets.tokens is not None else None
         if self.tokens_path is not None:
             write_in_force(self.tokens_path, config.secrets.tokens)
         self.frontends = [
-            _Child("frontend", i, frontend.main, (config, i, sockets, self.ready, figures, self.tokens_path))
+            _Child("frontend", i, frontend.main,
+                   lambda ready, i=i: (config, i, sockets, ready, figures, self.tokens_path))
             for i in range(config.frontend_count)
         ]
         # This process's figures for /metrics: written by the main thread, read by the metrics thread.
@@ -92,38 +97,68 @@ class Supervisor:
         self._reload = False
 
     def _start(self, child: _Child) -> None:
-        child.process = self.ctx.Process(target=child.target, args=child.args, name=child.name)
+        if child.ready is not None:
+            child.ready.close()
+        child.ready, theirs = self.ctx.Pipe(duplex=False)
+        child.process = self.ctx.Process(target=child.target, args=child.args(theirs), name=child.name)
         child.process.start()
+        theirs.close()  # (the child's copy alone: the pipe ends when the child does)
         child.started = time.monotonic()
         child.restart_at = None
 
+    @staticmethod
+    def _heard(child: _Child) -> bool:
+        """Whether the child said it is ready (call when its pipe is readable); a pipe that ended, the
+        child gone without a word, is closed."""
+        try:
+            child.ready.recv()
+            return True
+        except (EOFError, OSError):
+            return False
+        finally:
+            child.ready.close()
+            child.ready = None
+
     def _await_ready(self, children: list[_Child]) -> None:
         """Blocks until each child reported ready; exits if one dies first (a startup error, not a crash)."""
-        waiting = {(c.role, c.index): c for c in children}
+        waiting = list(children)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while waiting and not self._stopping:
-            try:
-                role, index, pid = self.ready.get(timeout=0.2)
-                waiting.pop((role, index), None)
-            except queue.Empty:
-                pass
-            for child in waiting.values():
+            wait([c.ready for c in waiting if c.ready is not None], timeout=0.2)
+            waiting = [c for c in waiting if not (c.ready is not None and c.ready.poll() and self._heard(c))]
+            for child in waiting:
                 if not child.process.is_alive():
                     raise SystemExit(f"infercache: {child.name} exited during startup (code {child.process.exitcode}); see its log above")
             if time.monotonic() > deadline:
                 raise SystemExit(f"infercache: startup took longer than {STARTUP_TIMEOUT_S:.0f} s")
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:  # (also when it could not start: SystemExit)
+            self.socket_dir.release()
+
+    def _check_stores(self) -> None:
+        """Before any child maps the stores: a truncated data file would kill them with SIGBUS, so it is
+        set aside. A store folder that is a file stops the start: there is nothing to set aside, and the
+        workers could only serve without a store, every request a miss."""
+        stores = (("cache.dir", Path(self.config.cache.dir), "result store"),
+                  ("l2.dir", feature_store_settings(self.config).path, "feature store"))
+        for setting, path, what in stores:
+            try:
+                integrity.quarantine_if_damaged(path, what)
+            except integrity.NotADirectory as exc:
+                raise SystemExit(f"infercache: {setting} {exc}: the {what} needs a directory there; move the "
+                                 f"file away or set {setting} to another path") from None
+            except OSError as exc:
+                log.error("%s not checked: %s", what, exc)
+
+    def _run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGHUP, self._on_reload)
         started = time.monotonic()
-        # Before any child maps the stores: a truncated data file would kill them with SIGBUS.
-        integrity.quarantine_if_damaged(Path(self.config.cache.dir))
-        try:  # (inside cache.dir by default: when that is not a folder, the workers serve without it)
-            integrity.quarantine_if_damaged(feature_store_settings(self.config).path)
-        except OSError as exc:
-            log.error("feature store not checked: %s", exc)
+        self._check_stores()
         if self.config.server.metrics_port:
             from server import metrics_http  # prometheus_client: only when /metrics is on
 
@@ -144,7 +179,6 @@ class Supervisor:
         except SystemExit:
             self._stop([*self.frontends, *self.workers])  # or exiting would wait for them forever
             self._stop_mps()
-            self._remove_temporary_sockets()
             raise
         server = self.config.server
         workers = ", ".join(f"{p.device} {p.runtime}" for p in self.placements)
@@ -169,7 +203,6 @@ class Supervisor:
             self.mps.start()
         except mps.MpsUnavailable as exc:
             if self.config.server.gpu_sharing == "mps":
-                self._remove_temporary_sockets()
                 raise SystemExit(f"infercache: server.gpu_sharing is mps, but {exc}") from None
             log.warning("workers share their GPU time-sliced: %s", exc)
             self.mps = None
@@ -223,14 +256,10 @@ class Supervisor:
         children = [*self.workers, *self.frontends]
         alive = [c for c in children if c.process is not None and c.process.is_alive()]
         self.live = {role: sum(c.role == role for c in alive) for role in self.live}
-        sentinels = [c.process.sentinel for c in alive]
-        wait(sentinels, timeout=0.2)
-        while True:
-            try:
-                role, index, pid = self.ready.get_nowait()
-                log.warning("%s %d is back (pid %d)", role, index, pid)
-            except queue.Empty:
-                break
+        wait([c.process.sentinel for c in alive] + [c.ready for c in children if c.ready is not None], timeout=0.2)
+        for child in children:
+            if child.ready is not None and child.ready.poll() and self._heard(child):
+                log.warning("%s %d is back (pid %d)", child.role, child.index, child.process.pid)
         now = time.monotonic()
         for child in children:
             if self._stopping:
@@ -277,13 +306,8 @@ class Supervisor:
         self._stop_mps()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        self._remove_temporary_sockets()
         print("infercache: stopped", flush=True)
         return 0
-
-    def _remove_temporary_sockets(self) -> None:
-        if self._temporary_sockets is not None:
-            shutil.rmtree(self._temporary_sockets, ignore_errors=True)
 
 
 def run(config: Config) -> int:

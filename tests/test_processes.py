@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from cachestore import records
-from cachestore.env import DB_RESULTS, Store, StoreSettings
+from cachestore.env import DB_META, DB_RESULTS, Store, StoreSettings
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc, worker_pb2
 from server.shared.framing import HEADER
@@ -360,9 +361,14 @@ def test_clean_stop_removes_its_temporary_socket_directory(start_server, tmp_pat
 
 
 def test_broken_store_degrades_to_misses(start_server, tmp_path):
-    not_a_dir = tmp_path / "cache-is-a-file"
-    not_a_dir.write_text("this is not an LMDB directory")
-    server = start_server(cache_dir=not_a_dir)
+    """A store this build cannot read (another format): served without it. (A cache.dir that is a file
+    stops the start instead: tests/test_cache_dir.py.)"""
+    foreign = tmp_path / "cache-of-another-format"
+    store = Store(StoreSettings(foreign, 64 << 20, 32 << 20), readonly=False)
+    with store.begin(write=True) as txn:
+        txn.put(b"settings", json.dumps({"format": 999}).encode(), db=store.dbs[DB_META])
+    store.close()
+    server = start_server(cache_dir=foreign)
     with server.client() as client:
         text = unique("no store today")
         assert client.infer(MODEL, text).source == "MISS"

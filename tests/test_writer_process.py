@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -91,20 +92,80 @@ def test_a_semantic_entry_comes_back_to_the_worker_as_an_index_row(tmp_path):
     assert gone == [(key[:NS_ID_BYTES], added[0].label)]
 
 
-def test_a_writer_that_dies_releases_every_waiting_write_and_tells_its_worker(tmp_path):
+def _kill_when_sent(writer: WriterProcess, count: int, told: list, prefix: str = "text") -> tuple[list[bytes], Future]:
+    """Stops the writer process, makes `count` puts (each told into `told`) and an invalidation of model
+    "other model" (nothing of these puts), which it cannot handle; returns their keys and the future."""
+    os.kill(writer.process.pid, signal.SIGSTOP)  # nothing it is sent from here on gets handled
+    keys = [_put(writer, f"{prefix} {i}", on_done=lambda i=i: told.append(i)) for i in range(count)]
+    return keys, writer.invalidate(Selector(model="other model"))
+
+
+def test_a_writer_killed_with_puts_unconfirmed_is_started_again_and_handed_them(tmp_path):
+    """kill -9 of the writer process with puts and an invalidation it had not confirmed: a new process
+    commits every one of them, each callback is told once after that, the invalidation is answered, and
+    the counters go on from the dead process's."""
     async def scenario():
         lost = asyncio.Event()
         writer = await _start(tmp_path / "cache", on_lost=lost.set)
-        os.kill(writer.process.pid, signal.SIGSTOP)  # nothing it is sent from here on gets handled
-        told = []
-        for i in range(50):
-            _put(writer, f"text {i}", on_done=lambda: told.append(1))
-        pending = writer.invalidate(Selector(model="model"))
+        for i in range(10):
+            _put(writer, f"early {i}")
+        await asyncio.wrap_future(writer.flush())
+        first = writer.process.pid
+        told: list[int] = []
+        keys, pending = _kill_when_sent(writer, 200, told)
         await asyncio.sleep(0.1)
         assert not told and not pending.done()
+        os.kill(first, signal.SIGKILL)
+        late = [_put(writer, f"late {i}", on_done=lambda i=i: told.append(1000 + i)) for i in range(50)]  # while it restarts
+        assert await asyncio.wait_for(asyncio.wrap_future(pending), 30) == 0
+        await asyncio.wait_for(asyncio.wrap_future(writer.flush()), 30)
+        assert told == [*range(200), *range(1000, 1050)]  # each once, in order, after its commit
+        assert writer.process.pid != first and not running(first) and not lost.is_set() and not writer.dead
+        cache = ResultCache(writer.store)
+        assert all(cache.get(key, now_us()) is not None for key in keys + late)
+        counters = writer.counters
+        assert counters["writes"] == 260 and counters["restarts"] == 1 and counters["backlog"] == 0
+        await writer.close()
+        assert writer.process.exitcode == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_new_writer_keeps_refusing_what_an_invalidation_before_its_start_covers(tmp_path):
+    """The fence: an answer computed before an Invalidate must not be stored after it, also when the
+    writer that ran the invalidation died since."""
+    async def scenario():
+        writer = await _start(tmp_path / "cache")
+        computed_before = now_us()
+        assert await asyncio.wrap_future(writer.invalidate(Selector(tenant="tenant"))) == 0
         os.kill(writer.process.pid, signal.SIGKILL)
-        await asyncio.wait_for(lost.wait(), 10)
-        assert len(told) == 50
+        key = entry_key(NS.ns_id, "stale")
+        writer.put(key, NS, records.Record(computed_before, 0, b"stale answer"))
+        fresh = _put(writer, "fresh")
+        await asyncio.wait_for(asyncio.wrap_future(writer.flush()), 30)
+        cache = ResultCache(writer.store)
+        assert cache.get(key, now_us()) is None and cache.get(fresh, now_us()) is not None
+        assert writer.counters["fenced"] == 1
+        await writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_writer_that_keeps_dying_is_given_up_releasing_every_waiting_write_and_telling_its_worker(tmp_path):
+    """Past max_restarts deaths within RESTART_WINDOW_S the worker is told (it stops, and the supervisor
+    starts it again) instead of a new process: a put or a store that kills every process must not keep
+    the worker spawning them."""
+    async def scenario():
+        lost = asyncio.Event()
+        writer = await _start(tmp_path / "cache", on_lost=lost.set, max_restarts=1)
+        os.kill(writer.process.pid, signal.SIGKILL)
+        await asyncio.wait_for(asyncio.wrap_future(writer.flush()), 30)  # answered by the new process
+        assert writer.counters["restarts"] == 1 and not lost.is_set()
+        told: list[int] = []
+        _, pending = _kill_when_sent(writer, 50, told)
+        os.kill(writer.process.pid, signal.SIGKILL)
+        await asyncio.wait_for(lost.wait(), 30)
+        assert len(told) == 50 and writer.dead
         with pytest.raises(WorkerUnavailable, match="writer process is gone"):
             await asyncio.wrap_future(pending)
         _put(writer, "after", on_done=lambda: told.append(1))  # dropped, and said so at once

@@ -42,11 +42,12 @@ class AdminCalls:
                 parse_hex_key(request.key)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
+        if request.model:  # NOT_FOUND, as Infer answers: a typo must not look like "nothing to remove"
+            spec = self.core.repository.get(request.model)
+            version = spec.resolve_version(request.version)
         if request.text:
             planner = self.core.planner
-            spec = self.core.repository.get(request.model)
-            key = planner.keyed(request.tenant, planner.served(spec, spec.resolve_version(request.version)),
-                                request.text).key
+            key = planner.keyed(request.tenant, planner.served(spec, version), request.text).key
             if request.key and request.key != key.hex():
                 raise InvalidArgument("text and key name different entries; set one of them")
             forwarded.key, forwarded.text = key.hex(), ""
@@ -96,6 +97,8 @@ class AdminCalls:
         """The model's hottest keys over every frontend: this one's sketch as it is now, the others' as
         they last published it."""
         check_identifiers(request)
+        if not request.model:
+            raise InvalidArgument("model is required; ListModels shows the served models")
         core = self.core
         spec = core.repository.get(request.model)
         if core.hot is None:

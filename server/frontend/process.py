@@ -36,15 +36,22 @@ from server.shared.models import ModelRepository
 log = logging.getLogger("infercache.frontend")
 
 
+# gRPC reads requests up to this many times server.max_request_bytes, which the handlers refuse past the
+# setting with INVALID_ARGUMENT naming it (gRPC's own refusal, RESOURCE_EXHAUSTED, is what clients retry as
+# load shedding); further past it gRPC refuses the bytes unread, with its own code, and no more is buffered.
+MESSAGE_GUARD = 2
+
+
 def server_options(config: Config) -> list[tuple[str, int]]:
     """The public server's gRPC options. gRPC core holds calls that arrive before the application asks for
     them (grpc.aio asks one at a time) and, past 1,000 such calls, cancels a random share of new ones, up
     to all past 3,000: a burst of a few thousand calls got CANCELLED for requests no client cancelled.
     Raised to server.max_pending_calls (soft and hard limit alike), overload is left to admission
-    control, which answers RESOURCE_EXHAUSTED."""
+    control, which answers RESOURCE_EXHAUSTED. Request sizes: MESSAGE_GUARD."""
     pending = config.server.max_pending_calls
     return [("grpc.so_reuseport", 1), ("grpc.server.max_pending_requests", pending),
-            ("grpc.server.max_pending_requests_hard_limit", pending)]
+            ("grpc.server.max_pending_requests_hard_limit", pending),
+            ("grpc.max_receive_message_length", MESSAGE_GUARD * config.server.max_request_bytes)]
 
 
 async def reload_tokens(gate: Gate, path: Path) -> None:
@@ -136,7 +143,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         process.settle_gc()
-        ready.put(("frontend", index, os.getpid()))
+        ready.send(("frontend", index, os.getpid()))
 
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

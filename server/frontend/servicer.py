@@ -18,7 +18,8 @@ from server.frontend.plan import INFER_REQUEST
 from server.frontend.prompts import GENERATE_REQUEST
 from server.frontend.tally import CallTally
 from server.shared.auth import ADMIN, CLIENT, Gate, Grant, bind_tenant
-from server.shared.errors import grpc_errors, grpc_stream_errors, lenient, parsed, status_of
+from server.shared.errors import (InvalidArgument, grpc_errors, grpc_stream_errors, lenient, parsed, status_of,
+                                  too_large)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 
@@ -28,6 +29,7 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         self.core = core
         self.admin = AdminCalls(core)
         self.gate = gate
+        self.max_request_bytes = core.config.server.max_request_bytes
         self.calls = 0  # calls begun: a drain waits until it stops moving (server/frontend/process.py)
 
     def _admit(self, request, context, role: str) -> Grant:
@@ -47,14 +49,23 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         if grant.tenant is not None and hasattr(request, "tenant"):
             bind_tenant(grant, request)
 
+    def _admit_raw(self, request: bytes, context, parse):
+        """_admit for a request that arrives serialized (RAW_REQUESTS): refused when over
+        server.max_request_bytes (the other RPCs' deserializers check that: add_servicer); parsed here
+        only for a tenant-bound token, whose tenant it binds (else the core parses it, if it must)."""
+        grant = self._grant(context, CLIENT)
+        if len(request) > self.max_request_bytes:
+            raise InvalidArgument(too_large(len(request), self.max_request_bytes))
+        if grant.tenant is not None:
+            request = parse(request)
+            self._bind(grant, request)
+        return request
+
     @grpc_errors
     async def Infer(self, request: bytes, context):
         """`request` arrives serialized (add_servicer): Planner.prepared parses it, unless it repeats a
         request already seen. A tenant-bound token's request is parsed here, to bind its tenant."""
-        grant = self._grant(context, CLIENT)
-        if grant.tenant is not None:
-            request = INFER_REQUEST(request)
-            self._bind(grant, request)
+        request = self._admit_raw(request, context, INFER_REQUEST)
         if self.core.metrics is None:
             return await self.core.infer(request, context.time_remaining())
         return await self._measured(self.core.infer, request, context, 1)
@@ -86,10 +97,7 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
     @grpc_stream_errors
     async def Generate(self, request: bytes, context):
         """`request` arrives serialized, as Infer's (Prompts.prepared)."""
-        grant = self._grant(context, CLIENT)
-        if grant.tenant is not None:
-            request = GENERATE_REQUEST(request)
-            self._bind(grant, request)
+        request = self._admit_raw(request, context, GENERATE_REQUEST)
         calls = self.core.generation
         plan = calls.plan(request)
         if (hit := calls.hit(plan)) is not None:
@@ -127,15 +135,17 @@ def add_servicer(servicer: FrontendServicer, server: grpc.aio.Server) -> None:
     """The generated registration, except that Infer and InferBatch answers go out as the bytes their
     handlers compose (no response serializer: the hit path never builds a message), that Infer takes
     its request as bytes (a repeated request is never parsed), and that request bytes that do not parse
-    reach the handler as Malformed (INVALID_ARGUMENT, see server/shared/errors.py)."""
+    reach the handler as Malformed (INVALID_ARGUMENT, see server/shared/errors.py), as do those over
+    server.max_request_bytes."""
     service = pb.DESCRIPTOR.services_by_name["InferenceCache"]
     handlers = {}
     for method in service.methods:
         response = getattr(pb, method.output_type.name)
+        request = None if method.name in RAW_REQUESTS else lenient(getattr(pb, method.input_type.name),
+                                                                    servicer.max_request_bytes)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=None if method.name in RAW_REQUESTS else lenient(getattr(pb, method.input_type.name)),
+            getattr(servicer, method.name), request_deserializer=request,
             response_serializer=None if method.name in PASS_THROUGH else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -11,6 +11,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf import wrappers_pb2
 from google.protobuf.message import DecodeError
 
 log = logging.getLogger("infercache.errors")
@@ -112,23 +113,45 @@ def quoted(value: str) -> str:
 
 
 class Malformed:
-    """What the lenient deserializer returns for bytes that do not parse: the handler answers
-    INVALID_ARGUMENT instead of gRPC's UNKNOWN with a traceback in the log per request."""
+    """What the lenient deserializer returns for bytes that do not parse, or that are over the request size
+    limit: the handler answers INVALID_ARGUMENT (`complaint`) instead of gRPC's UNKNOWN with a traceback in
+    the log per request."""
 
-    __slots__ = ("message", "error")
+    __slots__ = ("message", "error", "complaint")
 
-    def __init__(self, message: str, error: str) -> None:
+    def __init__(self, message: str, error: str, complaint: str = "") -> None:
         self.message = message
         self.error = error
+        self.complaint = complaint or f"request is not a valid {message} message"
 
 
-def lenient(message_class):
-    """A request deserializer that never raises (see Malformed)."""
+def too_large(size: int, limit: int) -> str:
+    """The complaint about a request of `size` bytes over server.max_request_bytes (not worth a retry)."""
+    return (f"request is {size} bytes; this server accepts at most {limit} (server.max_request_bytes): "
+            "split it (InferBatch: fewer texts per call)")
+
+
+# How a message without fields (GetStatsRequest, ListModelsRequest) is checked: upb parses such a message
+# without looking at its bytes' tags, so field number 0, which every other message refuses, passed. A
+# message whose one field is bytes accepts all that a message without fields should (well-formed fields
+# of any number and wire type) and refuses what it should not.
+_WIRE_CHECK = wrappers_pb2.BytesValue
+
+
+def lenient(message_class, max_bytes: int | None = None):
+    """A request deserializer that never raises (see Malformed); bytes over `max_bytes` are not parsed."""
+    checked_first = _WIRE_CHECK if not message_class.DESCRIPTOR.fields else None
+    name = message_class.__name__
+
     def parse(raw: bytes):
+        if max_bytes is not None and len(raw) > max_bytes:
+            return Malformed(name, f"{len(raw)} bytes", too_large(len(raw), max_bytes))
         try:
+            if checked_first is not None:
+                checked_first.FromString(raw)
             return message_class.FromString(raw)
         except DecodeError as exc:
-            return Malformed(message_class.__name__, str(exc))
+            return Malformed(name, str(exc))
     return parse
 
 
@@ -158,7 +181,7 @@ def parsed(request):
     handler, after authentication: an unauthenticated caller learns nothing about its request."""
     if isinstance(request, Malformed):
         _malformed.note(request)
-        raise InvalidArgument(f"request is not a valid {request.message} message")
+        raise InvalidArgument(request.complaint)
     return request
 
 

@@ -11,12 +11,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
+from server.shared.printable import PrintableFormatter
+
 
 def setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, force=True,
-        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
-    )
+    """One line per record, with what a client chose escaped (server/shared/printable.py)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter(f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 # Allocations between the collector's young passes (CPython's default: 700). A worker keeps each computed

@@ -68,6 +68,9 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "again on their next miss).", ("store",), ()),
     "infercache_store_write_backlog": (
         "gauge", "Writes the workers sent to their store writers and not yet committed.", ("store",), ()),
+    "infercache_store_writer_restarts_total": (
+        "counter", "Store writer processes that died (kill -9, the OOM killer, a crash) and were started again "
+        "by their worker, which handed the new one every write not yet committed.", ("store",), ()),
     "infercache_semantic_index_entries": ("gauge", "Entries in the semantic indexes of the workers.", (), ()),
     "infercache_semantic_nearest_similarity": (
         "histogram", "Cosine similarity of the nearest neighbour found by each semantic search.", ("model",),

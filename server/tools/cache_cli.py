@@ -8,10 +8,15 @@ from cachestore import integrity, results
 from cachestore.env import DB_RESULTS, DB_SEMLOG, Store
 from cachestore.errors import StoreError
 from server.config import Config, store_settings
+from server.shared.printable import printable
 
 
 def _open(config: Config) -> Store | None:
-    why = integrity.problem(store_settings(config).path)
+    try:
+        why = integrity.problem(store_settings(config).path)
+    except integrity.NotADirectory as exc:
+        print(f"infercache: cache.dir {exc}: no store can be there (the server does not start with it)")
+        return None
     if why is not None:  # mapping it could kill this process (SIGBUS)
         print(f"infercache: the store is damaged and was not opened: {why}; "
               "the server moves it aside at its next start")
@@ -49,7 +54,10 @@ def stats(config: Config) -> int:
         for ns_id, ns in spaces:
             entries = _count_prefix(txn, store.dbs[DB_RESULTS], ns_id)
             indexed = _count_prefix(txn, semlog, ns_id) if semlog is not None else 0
-            print(f"{ns.tenant or '(empty)':<24} {ns.model:<20} {ns.version:<8} {entries:>9} {indexed:>9}")
+            # Names as clients sent them: escaped (server/shared/printable.py), or a tenant could write
+            # to the operator's terminal
+            print(f"{printable(ns.tenant) or '(empty)':<24} {printable(ns.model):<20} {printable(ns.version):<8} "
+                  f"{entries:>9} {indexed:>9}")
     store.close()
     return 0
 

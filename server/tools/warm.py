@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from infercache.client import Client
+from server.shared.printable import printable
 
 RETRIES = 5            # an UNAVAILABLE or RESOURCE_EXHAUSTED call is retried this often, backing off
 REPORT_EVERY_S = 0.5   # progress line refresh (a terminal), or every 10% (a log)
@@ -105,7 +106,7 @@ def warm(client: Client, model: str, texts: list[str], *, batch: int = 32, versi
                     outcomes["failed"] += 1
                     if errors_shown < 5:
                         errors_shown += 1
-                        print(f"\nwarm: text {start + chunk.index(text) + 1} not warmed: {one.details()}", file=out)
+                        print(f"\nwarm: text {start + chunk.index(text) + 1} not warmed: {printable(one.details())}", file=out)
         for result in results:
             source = result.source.lower()
             outcomes[source] += 1
@@ -128,7 +129,7 @@ def run_warm(address: str, model: str, path: Path, *, column: str | None, batch:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"infercache: warm stopped: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"infercache: warm stopped: {exc.code().name}: {printable(exc.details())}", file=sys.stderr)
         return 1
     took = time.monotonic() - started
     sources = ", ".join(f"{n:,} {name}" for name, n in sorted(outcomes.items())
@@ -145,16 +146,17 @@ def run_hot(address: str, model: str, *, limit: int, texts: bool, tenant: str, t
         with Client(address, token=token) as client:
             keys = client.hot_keys(model, limit)
     except grpc.RpcError as exc:
-        print(f"infercache: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"infercache: {exc.code().name}: {printable(exc.details())}", file=sys.stderr)
         return 1
-    if texts:
+    if texts:  # (normalized texts hold no control characters: escaping leaves them as they are)
         if keys and not any(key.text for key in keys):
             print(f"infercache: model {model!r} keeps no texts of its hot keys (set hot_keys.keep_text: true in "
                   "its config.yaml)", file=sys.stderr)
             return 1
-        print("\n".join(key.text for key in keys if key.text and key.tenant == tenant))
+        print("\n".join(printable(key.text) for key in keys if key.text and key.tenant == tenant))
         return 0
     print(f"{'count':>9} {'±':>7} {'version':<8} {'tenant':<12} {'key':<48} text")
     for key in keys:
-        print(f"{key.count:>9,} {key.error:>7,} {key.version:<8} {key.tenant:<12} {key.key:<48} {key.text}")
+        print(f"{key.count:>9,} {key.error:>7,} {printable(key.version):<8} {printable(key.tenant):<12} "
+              f"{printable(key.key):<48} {printable(key.text)}")
     return 0

@@ -45,6 +45,7 @@ class WorkerMetrics:
             out.inc(("infercache_store_evictions_total", name), counters["evicted"])
             out.inc(("infercache_store_swept_total", name), counters["swept"])
             out.inc(("infercache_store_writes_dropped_total", name), counters["dropped_backlog"])
+            out.inc(("infercache_store_writer_restarts_total", name), counters["restarts"])
         return out
 
     def _writers(self):

@@ -15,6 +15,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -176,16 +177,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return stats
 
 
-async def _open_writer(config: Config, role: str, stop: asyncio.Event, settings: StoreSettings | None = None,
+async def _open_writer(config: Config, role: str, on_lost: Callable[[], None], settings: StoreSettings | None = None,
                        what: str = "result store") -> WriterProcess | None:
     """The store's writer, in a process of its own (server/worker/writer.py); None when the store cannot
-    be opened (served without it). Losing the writer later stops this worker, which the supervisor
-    restarts with a new one."""
+    be opened (served without it). A writer process that dies is started again at once; one given up
+    (on_lost) stops this worker, which the supervisor restarts."""
     try:
         return await WriterProcess.start(
             settings or store_settings(config), batch_max=config.cache.write_batch,
             sweep_interval_s=config.cache.sweep_interval_s, max_ttl_s=config.cache.max_ttl_s, what=what,
-            log_level=config.server.log_level, role=role, on_lost=stop.set,
+            log_level=config.server.log_level, role=role, on_lost=on_lost,
             group_commit_s=config.cache.group_commit_ms / 1000)
     except StoreError as exc:
         log.error("%s unavailable, serving without it: %s", what, exc)
@@ -243,7 +244,7 @@ def _feature_memory(config: Config, placement: WorkerPlacement) -> tuple[str | N
 
 
 async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
-                 placement: WorkerPlacement, stop: asyncio.Event
+                 placement: WorkerPlacement, on_lost: Callable[[], None]
                  ) -> tuple[dict[tuple[str, str], HeadRuntime], FeatureTier | None]:
     """A runtime for every head version whose encoder this worker serves, and the feature tier they
     share (memory on the GPU when there is one, the LMDB store beside the result store). A head that
@@ -278,7 +279,7 @@ async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tup
             log.error("%s version %s not served: %s", spec.name, version, exc)
     writer = None
     if config.l2.enabled:
-        writer = await _open_writer(config, f"worker-{placement.index}-features", stop, feature_store_settings(config),
+        writer = await _open_writer(config, f"worker-{placement.index}-features", on_lost, feature_store_settings(config),
                                     "feature store (L2)")
     else:
         memory = 0
@@ -354,7 +355,12 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         # Invalidate) keep the frontends' priority.
         asyncio.get_running_loop().set_default_executor(process.nicer_executor(nice, name="worker-offloop"))
     # The writer process starts (and opens the store) while the engines load.
-    writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", stop))
+    writer_lost = asyncio.Event()  # a writer given up: this worker stops taking items at once
+
+    def lose_writer() -> None:
+        writer_lost.set()
+        stop.set()
+    writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", lose_writer))
     repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
     engine_counters: Counter[str] = Counter()
     engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
@@ -364,7 +370,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config, nice)
         await _warm(runtime)
     writer = await writer_started
-    heads, features = await _heads(config, repository, runtimes, placement, stop)  # runs the warm encoders
+    heads, features = await _heads(config, repository, runtimes, placement, lose_writer)  # runs the warm encoders
     for runtime in heads.values():
         await _warm(runtime)
     runtimes.update(heads)
@@ -390,15 +396,22 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for path in (socket_path, items_path):  # the server's own user only (the folder is private too)
         path.chmod(FILE_MODE)
     process.settle_gc()
-    ready.put(("worker", placement.index, os.getpid()))
+    ready.send(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
              placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))
     await stop.wait()
+    loop = asyncio.get_running_loop()
+    if writer_lost.is_set():
+        # Nothing answered from here on would be stored: no item is taken. Those in flight go back to
+        # their frontends, which send them to another worker, or to this one once it is started again.
+        log.error("stopping at once: a store writer was given up")
+        items.close()
+        for conn in list(frontends.open):
+            conn.protocol.close()
     log.info("draining")
     # Frontends drain first: the supervisor stops them before the workers, and when the supervisor died
     # they noticed it as this worker did. Until their connections close, items may still arrive and are
     # answered; then what is still in flight finishes here.
-    loop = asyncio.get_running_loop()
     frontends_gone_by = loop.time() + config.server.drain_s
     while frontends.open and loop.time() < frontends_gone_by:
         await asyncio.sleep(0.05)

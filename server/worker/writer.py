@@ -4,10 +4,11 @@ Why a process: py-lmdb releases the GIL inside every call (get, put, commit), so
 beside the worker's event loop hands the GIL back and forth on each LMDB call. Measured with the null
 engine and items sent straight to one worker (bench/worker_capacity.py, 2-core machine, the worker alone
 on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
-frame, against 44k and 62k with nothing written. The process runs the same WriteBehind
-(cachestore/writer.py) without a thread of its own: one thread reads the worker's frames, commits what
-arrived (one transaction per batch; puts wait up to `cache.group_commit_ms` for others to join it) and
-answers, so nothing inside it contends either; the worker's share of a write is a few protobuf field sets.
+frame, against 44k and 62k with nothing written. The process (server/worker/writer_child.py) runs the
+same WriteBehind (cachestore/writer.py) without a thread of its own: one thread reads the worker's
+frames, commits what arrived (one transaction per batch; puts wait up to `cache.group_commit_ms` for
+others to join it) and answers, so nothing inside it contends either; the worker's share of a write is a
+few protobuf field sets.
 
 The worker side (`WriterProcess`) has WriteBehind's interface: put (with on_done), invalidate and
 flush (concurrent futures), counters, store (the worker's own read-only handle) and on_semantic. It
@@ -17,8 +18,14 @@ puts are handled (puts are numbered in the order sent), invalidations' counts, t
 commit added or removed, and its counters.
 
 The process stops when its socket closes, after committing what it was sent: at the worker's close, and
-when the worker dies (kill -9 included: nothing it sent is lost). If the process dies first, the worker
-is told (`on_lost`: it stops, and the supervisor starts a new one), every waiting callback and future is
+when the worker dies (kill -9 included: nothing it sent is lost). If the process dies first (kill -9, the
+OOM killer, a crash), nothing the worker answered is lost either: every frame sent stays here until the
+process has handled all of it, a new process is started at once, and it is handed what the dead one had
+not confirmed (the puts in order, the requests it had not answered) and what was queued meanwhile, with
+the invalidations of the last FENCE_S, which it goes on refusing older entries for. Its counters go on
+from the dead one's. A writer that dies more than MAX_RESTARTS times within RESTART_WINDOW_S, or one
+that cannot start again, is given up: the worker is told (`on_lost`: it stops taking items at once,
+its frontends send them elsewhere, and the supervisor restarts it), every waiting callback and future is
 released, and further writes are dropped.
 """
 
@@ -27,13 +34,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import select
-import signal
 import socket
 import threading
-import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -41,19 +46,18 @@ import numpy as np
 from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.errors import StoreError
-from cachestore.keys import NS_ID_BYTES, Namespace, namespace
+from cachestore.keys import Namespace, Selector
+from cachestore.results import now_us
 from cachestore.semantic_log import Row, SemanticEntry
-from cachestore.keys import Selector
-from cachestore.writer import WriteBehind
+from cachestore.writer import FENCE_S, GAUGES
 from infercache.v1 import writer_pb2
 from server.shared.errors import WorkerUnavailable
-from server.shared.framing import HEADER, FrameProtocol, complete_frames
+from server.shared.framing import FrameProtocol
+from server.worker.writer_child import main as child_main
 
 log = logging.getLogger("infercache.writer_process")
 
 START_TIMEOUT_S = 120.0  # opening a large store can take a while (its integrity was checked before)
-COUNTERS_EVERY_S = 1.0   # the process sends its counters at least this often while they change
-ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row is about 1.6 KB)
 # Puts sent and not yet handled, at most: past it new puts are dropped (a later miss computes them
 # again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
 # Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
@@ -69,68 +73,159 @@ MAX_BACKLOG = 50_000
 # come from commits: a text's row is searchable up to the window plus a commit later).
 
 
+# A writer that dies more often than this within the window is given up (the worker is restarted instead):
+# a put or a store that kills every process it meets must not keep the worker starting processes.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What starts a writer process (each new one gets the same)."""
+
+    settings: StoreSettings
+    batch_max: int
+    sweep_interval_s: float
+    max_ttl_s: int
+    group_commit_s: float
+    log_level: str
+    role: str
+
+
 class WriterProcess:
     """The worker's handle on its writer process; see the module docstring. Use `await start(...)`."""
 
-    def __init__(self, process, what: str, on_lost: Callable[[], None] | None, max_backlog: int = MAX_BACKLOG) -> None:
-        self.process = process
+    def __init__(self, launch: _Launch, what: str, on_lost: Callable[[], None] | None, max_backlog: int,
+                 max_restarts: int) -> None:
+        self.launch = launch
         self.what = what
-        self.on_lost = on_lost             # told once if the process dies while the worker still needs it
+        self.on_lost = on_lost             # told once if the writer is given up while the worker still needs it
         self.max_backlog = max_backlog
+        self.max_restarts = max_restarts
         self.on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None
-        self._reported: Counter[str] = Counter()  # the process's counters, as of its last frame
-        self._own: Counter[str] = Counter()       # this side's (notify_errors)
+        self.process = None
         self.store: Store | None = None
+        self._reported: Counter[str] = Counter()  # the running process's counters, as of its last frame
+        self._carried: Counter[str] = Counter()   # the counters of the processes that died
+        self._own: Counter[str] = Counter()       # this side's (notify_errors, restarts)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._protocol: FrameProtocol | None = None
-        self._sent = 0                     # puts sent (their numbers)
+        self._protocol: FrameProtocol | None = None  # None while a process starts (operations are held)
+        self._sent = 0                     # puts made (their numbers)
+        self._framed = 0                   # the last put number written in a frame
         self._handled = 0                  # the last put number the process said it handled
         self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()  # (put number, on_done)
-        self._requests: dict[int, Future] = {}
+        self._requests: dict[int, tuple[Future, Selector | None]] = {}    # id -> (future, invalidation's selector)
         self._next_request = 0
-        self._ready: asyncio.Future = self._loop.create_future()
-        self._ended: asyncio.Future = self._loop.create_future()
+        self._unconfirmed: deque[tuple[int, writer_pb2.StoreOps]] = deque()  # (last put number, frame) written
+        self._held: list[writer_pb2.StoreOps] = []  # frames made while no process runs
+        self._fences: list[tuple[Selector, int]] = []  # invalidations of the last FENCE_S, as (selector, us)
+        self._deaths: deque[float] = deque()  # when processes died unexpectedly (loop time)
+        self._respawning: asyncio.Task | None = None
+        self._spawning = False  # a process is starting: how it ends is its spawner's to say
+        self._ready: asyncio.Future | None = None
+        self._ended: asyncio.Future | None = None
         self._closing = False
         self.dead = False
 
     @classmethod
     async def start(cls, settings: StoreSettings, *, batch_max: int, sweep_interval_s: float, max_ttl_s: int,
                     what: str, log_level: str, role: str, on_lost: Callable[[], None] | None = None,
-                    group_commit_s: float, max_backlog: int = MAX_BACKLOG) -> "WriterProcess":
+                    group_commit_s: float, max_backlog: int = MAX_BACKLOG,
+                    max_restarts: int = MAX_RESTARTS) -> "WriterProcess":
         """Starts the process, waits until it has the store open, then opens the worker's read-only
         handle. StoreError when the store cannot be opened (the process has exited then)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        process = multiprocessing.get_context("spawn").Process(
-            target=_main, name=f"{role}-writer",
-            args=(settings, batch_max, sweep_interval_s, max_ttl_s, group_commit_s, theirs, log_level, f"{role} writer"))
-        # From a thread started here, not the loop's default executor (a CPU worker lowers that one's
-        # priority): the writer, which commits, sweeps and answers Invalidate, keeps the loop's.
-        starter = ThreadPoolExecutor(1, thread_name_prefix="writer-start")
+        self = cls(_Launch(settings, batch_max, sweep_interval_s, max_ttl_s, group_commit_s, log_level, role),
+                   what, on_lost, max_backlog, max_restarts)
         try:
-            await asyncio.get_running_loop().run_in_executor(starter, process.start)
-        finally:
-            starter.shutdown(wait=False)
-        theirs.close()
-        self = cls(process, what, on_lost, max_backlog)
-        _, self._protocol = await self._loop.create_unix_connection(
-            lambda: FrameProtocol(self._on_frame, self._on_end, writer_pb2.StoreOps), sock=ours)
-        try:
-            await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT_S)
+            await self._spawn()
             self.store = await asyncio.to_thread(Store, settings, readonly=True)
         except BaseException:
             await self.close()
             raise
         return self
 
+    async def _spawn(self) -> None:
+        """A process on the store, connected; returns once it has the store open, its protocol in place
+        and what it is handed written (StoreError, or TimeoutError, when it does not get there)."""
+        self._spawning = True
+        try:
+            await self._start_one()
+        finally:
+            self._spawning = False
+
+    async def _start_one(self) -> None:
+        launch = self.launch
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=child_main, name=f"{launch.role}-writer",
+            args=(launch.settings, launch.batch_max, launch.sweep_interval_s, launch.max_ttl_s, launch.group_commit_s,
+                  theirs, launch.log_level, f"{launch.role} writer", self._handled, self._live_fences()))
+        self._ready, self._ended = self._loop.create_future(), self._loop.create_future()
+        self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # (seen: one nobody awaits is no warning)
+        # From a thread started here, not the loop's default executor (a CPU worker lowers that one's
+        # priority): the writer, which commits, sweeps and answers Invalidate, keeps the loop's.
+        starter = ThreadPoolExecutor(1, thread_name_prefix="writer-start")
+        try:
+            await self._loop.run_in_executor(starter, self.process.start)
+        finally:
+            starter.shutdown(wait=False)
+            theirs.close()
+        _, protocol = await self._loop.create_unix_connection(
+            lambda: FrameProtocol(self._on_frame, self._on_end, writer_pb2.StoreOps, self._on_flush), sock=ours)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT_S)
+            if self._ended.done():
+                raise StoreError(f"the {self.what}'s writer process ended as it started")
+        except BaseException:
+            protocol.close()
+            raise
+        self._hand_over(protocol)
+
+    def _hand_over(self, protocol: FrameProtocol) -> None:
+        """Makes `protocol` the one operations go to, after writing to it what no process confirmed (the
+        dead one's frames, less the puts it handled and the requests it answered) and what was held."""
+        frames = []
+        for last, frame in self._unconfirmed:
+            first = last - len(frame.puts) + 1
+            left = writer_pb2.StoreOps()
+            left.puts.extend(frame.puts[max(0, self._handled - first + 1):])
+            left.requests.extend(r for r in frame.requests if r.id in self._requests)
+            if left.ListFields():
+                frames.append(left)
+        frames += self._held
+        self._unconfirmed.clear()
+        self._held = []
+        self._framed = self._handled
+        self._protocol = protocol
+        for frame in frames:
+            protocol.out = frame
+            protocol.flush_now()
+
     # ---- WriteBehind's interface (any thread; the work is done on the loop) --------------------------
 
     @property
     def counters(self) -> Counter[str]:
-        counters = self._reported + self._own
+        counters = self._carried + self._reported + self._own
         # A gauge: puts the process has not handled yet (none once it is gone: they were released).
         counters["backlog"] = 0 if self.dead else self._sent - self._handled
         return counters
+
+    def _ops(self, put: bool) -> writer_pb2.StoreOps:
+        """The frame the next operation goes into: the protocol's, or while a process starts, the last
+        held one. A frame applies its puts before its requests, so a put that follows a request starts
+        a new frame."""
+        if self._protocol is None:
+            if not self._held or (put and self._held[-1].requests):
+                self._held.append(writer_pb2.StoreOps())
+            return self._held[-1]
+        if put and self._protocol.out.requests:
+            self._protocol.flush_now()
+        return self._protocol.out
+
+    def _soon(self) -> None:
+        if self._protocol is not None:
+            self._protocol.flush_soon()
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,
             on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
@@ -142,15 +237,13 @@ class WriterProcess:
                 pass
             return
         behind = self._sent - self._handled >= self.max_backlog
-        if self.dead or self._closing or self._protocol is None or behind:
+        if self.dead or self._closing or behind:
             if behind:
                 self._own["dropped_backlog"] += 1
             if on_done is not None:
                 on_done()
             return
-        if self._protocol.out.requests:  # a frame applies its puts before its requests: keep the order
-            self._protocol.flush_now()
-        put = self._protocol.out.puts.add()
+        put = self._ops(put=True).puts.add()
         put.key, put.payload = key, record.payload
         put.tenant, put.model, put.version = ns.tenant, ns.model, ns.version
         put.created_us, put.expires_us = record.created_us, record.expires_us
@@ -160,7 +253,7 @@ class WriterProcess:
         self._sent += 1
         if on_done is not None:
             self._callbacks.append((self._sent, on_done))
-        self._protocol.flush_soon()
+        self._soon()
 
     def invalidate(self, selector: Selector) -> Future:
         """Future of the number of entries removed; ordered after every put made before it."""
@@ -185,23 +278,25 @@ class WriterProcess:
         return WorkerUnavailable(f"the {self.what}'s writer process is gone; retry")
 
     def _send_request(self, selector: Selector | None, done: Future) -> None:
-        if self.dead or self._closing or self._protocol is None:
+        if self.dead or self._closing:
             done.set_exception(self._stopped())
             return
         self._next_request += 1
-        request = self._protocol.out.requests.add(id=self._next_request)
+        request = self._ops(put=False).requests.add(id=self._next_request)
         if selector is not None:
             wanted = request.invalidate
             wanted.SetInParent()
             for field in ("tenant", "model", "version", "key"):
                 if (value := getattr(selector, field)) is not None:
                     setattr(wanted, field, value)
-        self._requests[self._next_request] = done
-        self._protocol.flush_soon()
+        self._requests[self._next_request] = (done, selector)
+        self._soon()
 
     async def close(self, timeout: float = 30.0) -> None:
         """Sends what is queued, lets the process commit it and exit (killed after `timeout`)."""
         self._closing = True
+        if self._respawning is not None:  # what is held goes to the process starting, then it closes too
+            await asyncio.gather(self._respawning, return_exceptions=True)
         if self._protocol is not None and self._protocol.transport is not None:
             await asyncio.sleep(0)  # the frame queued in this loop iteration goes first
             transport = self._protocol.transport
@@ -211,14 +306,21 @@ class WriterProcess:
                 await asyncio.wait_for(asyncio.shield(self._ended), timeout)
             except TimeoutError:
                 log.error("%s writer did not finish within %.0f s; killing it", self.what, timeout)
-        await asyncio.to_thread(self.process.join, 5.0)
-        if self.process.is_alive():
-            self.process.kill()
-            await asyncio.to_thread(self.process.join)
+        if self.process is not None:
+            await asyncio.to_thread(self.process.join, 5.0)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join)
+        self._release()
         if self.store is not None:
             self.store.close()
 
     # ---- events from the process (on the loop) -----------------------------------------------------
+
+    def _on_flush(self, frame: writer_pb2.StoreOps) -> None:
+        """Each frame as it is written: kept until the process has handled all of it."""
+        self._framed += len(frame.puts)
+        self._unconfirmed.append((self._framed, frame))
 
     def _on_frame(self, frame: bytes) -> None:
         events = writer_pb2.StoreEvents.FromString(frame)
@@ -233,13 +335,19 @@ class WriterProcess:
         while callbacks and callbacks[0][0] <= self._handled:
             self._called(callbacks.popleft()[1])
         for done in events.done:
-            future = self._requests.pop(done.id, None)
+            future, selector = self._requests.pop(done.id, (None, None))
+            if selector is not None and not done.error:  # a new process refuses older entries too
+                self._fences.append((selector, now_us()))
             if future is None or future.done():  # (its caller went away: cancelled)
                 continue
             if done.error:
                 future.set_exception(StoreError(done.error))
             else:
                 future.set_result(done.removed)
+        unconfirmed = self._unconfirmed
+        while unconfirmed and unconfirmed[0][0] <= self._handled and not any(
+                r.id in self._requests for r in unconfirmed[0][1].requests):
+            unconfirmed.popleft()
         if (events.added or events.removed) and self.on_semantic is not None:
             added = [Row(r.ns_id, r.label, r.key, r.answer, np.frombuffer(r.embedding, dtype="<f4"))
                      for r in events.added]
@@ -249,6 +357,11 @@ class WriterProcess:
                 self._own["notify_errors"] += 1
                 log.exception("semantic index notification failed")
 
+    def _live_fences(self) -> list[tuple[Selector, int]]:
+        cutoff = now_us() - int(FENCE_S * 1_000_000)
+        self._fences = [(selector, at) for selector, at in self._fences if at > cutoff]
+        return list(self._fences)
+
     @staticmethod
     def _called(on_done: Callable[[], None]) -> None:
         try:
@@ -257,134 +370,60 @@ class WriterProcess:
             log.exception("a write's callback failed")
 
     def _on_end(self, exc: Exception | None) -> None:
-        self.dead = True
+        self._protocol = None
         if not self._ended.done():
             self._ended.set_result(None)
-        started = self._ready.done() and self._ready.exception() is None
-        if not self._ready.done():  # (start() says so: the worker serves without the store)
-            self._ready.set_exception(StoreError(f"the {self.what}'s writer process ended while starting"))
+        if self._spawning:  # its spawner says so: start() to the worker, or a restart gives up
+            if not self._ready.done():
+                self._ready.set_exception(StoreError(f"the {self.what}'s writer process ended while starting"))
+            return
+        if self.dead:  # given up already (a process that could not start again)
+            return
+        if self._closing:
+            self._release()
+            return
+        now = self._loop.time()
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] < now - RESTART_WINDOW_S:
+            self._deaths.popleft()
+        code = self.process.exitcode if self.process is not None else None
+        if len(self._deaths) > self.max_restarts:
+            self._give_up(f"it ended {len(self._deaths)} times within {RESTART_WINDOW_S:.0f} s (exit code {code})")
+            return
+        log.error("the %s's writer process ended unexpectedly (exit code %s); starting a new one and handing it "
+                  "the %d write(s) not yet confirmed", self.what, code, self._sent - self._handled)
+        self._respawning = self._loop.create_task(self._respawn())
+
+    async def _respawn(self) -> None:
+        self._own["restarts"] += 1
+        self._carried += Counter({k: v for k, v in self._reported.items() if k not in GAUGES})
+        self._reported = Counter()
+        try:
+            await asyncio.to_thread(self.process.join, 5.0)  # (reaped: no zombie per restart)
+            await self._spawn()
+        except (StoreError, TimeoutError, OSError) as exc:
+            self._give_up(f"a new one did not start: {exc}")
+            return
+        finally:
+            self._respawning = None
+        log.warning("the %s's writer process is back (pid %d); %d write(s) handed to it", self.what,
+                    self.process.pid, self._sent - self._handled)
+
+    def _give_up(self, why: str) -> None:
+        log.error("the %s's writer process is not started again (%s); its writes are dropped and the worker "
+                  "stops", self.what, why)
+        self._release()
+        if self.on_lost is not None and not self._closing:
+            self.on_lost()
+
+    def _release(self) -> None:
+        """No process will handle what waits: every callback is told and every request failed, once."""
+        self.dead = True
+        self._unconfirmed.clear()
+        self._held = []
         while self._callbacks:  # nothing waits forever for a write that will never be told of
             self._called(self._callbacks.popleft()[1])
         requests, self._requests = self._requests, {}
-        for future in requests.values():
+        for future, _ in requests.values():
             if not future.done():
                 future.set_exception(self._stopped())
-        if started and not self._closing:
-            log.error("the %s's writer process ended unexpectedly; writes are dropped", self.what)
-            if self.on_lost is not None:
-                self.on_lost()
-
-
-# ---- the process ---------------------------------------------------------------------------------
-
-class _Channel:
-    """The process's side of the socket (one thread: it reads, has the writer commit, and answers)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = bytearray()
-        self.counters: Counter[str] = Counter()  # the writer's (set once it exists)
-        self._told: dict[str, int] = {}
-
-    def send(self, events: writer_pb2.StoreEvents, with_counters: bool = True) -> None:
-        if with_counters:
-            counters = dict(self.counters)
-            if counters != self._told:
-                events.counters.update(counters)
-                self._told = counters
-        if events.ByteSize() == 0:
-            return
-        payload = events.SerializeToString()
-        try:
-            self.sock.sendall(len(payload).to_bytes(HEADER, "little") + payload)
-        except OSError:  # the worker is gone: what was received still gets committed
-            pass
-
-    def semantic(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
-        """A commit's semantic rows, in frames of at most ROWS_PER_FRAME (a large invalidation removes
-        many: one frame must stay under MAX_FRAME)."""
-        for start in range(0, max(len(added), len(removed)), ROWS_PER_FRAME):
-            events = writer_pb2.StoreEvents()
-            for row in added[start:start + ROWS_PER_FRAME]:
-                events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer,
-                                 embedding=np.asarray(row.embedding, dtype="<f4").tobytes())
-            for ns_id, label in removed[start:start + ROWS_PER_FRAME]:
-                events.removed.add(ns_id=ns_id, label=label)
-            self.send(events, with_counters=False)
-
-    def receive(self, timeout: float) -> list[bytes] | None:
-        """The complete frames that arrived (waiting up to `timeout` for some; [] if none did); None once
-        the worker has closed its side (or died)."""
-        if not select.select([self.sock], [], [], timeout)[0]:
-            return []
-        try:
-            data = self.sock.recv(1 << 20)
-        except OSError:
-            return None
-        if not data:
-            return None
-        self._buffer += data
-        return list(complete_frames(self._buffer))
-
-
-def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
-    return Selector(*(getattr(wanted, f) if wanted.HasField(f) else None for f in ("tenant", "model", "version", "key")))
-
-
-def _main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, group_commit_s: float,
-          sock: socket.socket, log_level: str, role: str) -> None:
-    from server.shared import process
-
-    # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    process.setup_logging(log_level, role)
-    channel = _Channel(sock)
-    try:
-        store = Store(settings, readonly=False)
-    except StoreError as exc:
-        channel.send(writer_pb2.StoreEvents(failed=str(exc)))
-        return
-    writer = WriteBehind(store, batch_max=batch_max, sweep_interval_s=sweep_interval_s, max_ttl_s=max_ttl_s,
-                         on_semantic=channel.semantic, threaded=False)
-    channel.counters = writer.counters
-    channel.send(writer_pb2.StoreEvents(ready=True))
-    handled = 0  # puts received (numbered as the worker numbers them), all handled after each drain
-    requests: list = []
-    held_since: float | None = None  # when the oldest put not committed yet arrived
-    while True:
-        wait = min(COUNTERS_EVERY_S, sweep_interval_s) if held_since is None \
-            else max(0.0, held_since + group_commit_s - time.monotonic())
-        if (frames := channel.receive(wait)) is None:
-            break
-        for frame in frames:
-            ops = writer_pb2.StoreOps.FromString(frame)
-            for put in ops.puts:
-                entry = None
-                if put.semantic:
-                    entry = SemanticEntry(put.key[:NS_ID_BYTES], put.answer, np.frombuffer(put.embedding, dtype="<f4"))
-                writer.put(put.key, namespace(put.tenant, put.model, put.version),
-                           records.Record(put.created_us, put.expires_us, put.payload), semantic=entry)
-            handled += len(ops.puts)
-            for request in ops.requests:
-                requests.append((request.id, writer.invalidate(_selector(request.invalidate))
-                                 if request.HasField("invalidate") else writer.flush()))
-        if frames and held_since is None:
-            held_since = time.monotonic()
-        if held_since is not None and not requests and writer.queued() < batch_max \
-                and time.monotonic() - held_since < group_commit_s:
-            continue  # more puts may come for the same transaction
-        writer.drain()  # commits what arrived (and sweeps when due): every future above is done now
-        events = writer_pb2.StoreEvents(handled=handled) if held_since is not None else writer_pb2.StoreEvents()
-        held_since = None
-        for request_id, future in requests:
-            done = events.done.add(id=request_id)
-            if (exc := future.exception()) is not None:
-                done.error = f"{type(exc).__name__}: {exc}"
-            else:
-                done.removed = future.result() or 0
-        requests.clear()
-        channel.send(events)
-    writer.close()  # commits what it still holds: everything received is committed
-    channel.send(writer_pb2.StoreEvents(handled=handled))  # (a worker that closed its side is gone: dropped)
-    store.close()

@@ -1,0 +1,140 @@
+"""The store writer process's own side (server/worker/writer.py is the worker's): it opens the store
+read-write, reads the worker's StoreOps frames from its socket, has a WriteBehind without a thread of its
+own commit them, and answers with StoreEvents. One thread does all of it, so nothing inside contends."""
+
+from __future__ import annotations
+
+import select
+import signal
+import socket
+import time
+from collections import Counter
+
+import numpy as np
+
+from cachestore import records
+from cachestore.env import Store, StoreSettings
+from cachestore.errors import StoreError
+from cachestore.keys import NS_ID_BYTES, Selector, namespace
+from cachestore.semantic_log import Row, SemanticEntry
+from cachestore.writer import WriteBehind
+from infercache.v1 import writer_pb2
+from server.shared import process
+from server.shared.framing import HEADER, complete_frames
+
+COUNTERS_EVERY_S = 1.0   # the process sends its counters at least this often while they change
+ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row is about 1.6 KB)
+
+
+class _Channel:
+    """The process's side of the socket (one thread: it reads, has the writer commit, and answers)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
+        self.counters: Counter[str] = Counter()  # the writer's (set once it exists)
+        self._told: dict[str, int] = {}
+
+    def send(self, events: writer_pb2.StoreEvents, with_counters: bool = True) -> None:
+        if with_counters:
+            counters = dict(self.counters)
+            if counters != self._told:
+                events.counters.update(counters)
+                self._told = counters
+        if events.ByteSize() == 0:
+            return
+        payload = events.SerializeToString()
+        try:
+            self.sock.sendall(len(payload).to_bytes(HEADER, "little") + payload)
+        except OSError:  # the worker is gone: what was received still gets committed
+            pass
+
+    def semantic(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        """A commit's semantic rows, in frames of at most ROWS_PER_FRAME (a large invalidation removes
+        many: one frame must stay under MAX_FRAME)."""
+        for start in range(0, max(len(added), len(removed)), ROWS_PER_FRAME):
+            events = writer_pb2.StoreEvents()
+            for row in added[start:start + ROWS_PER_FRAME]:
+                events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer,
+                                 embedding=np.asarray(row.embedding, dtype="<f4").tobytes())
+            for ns_id, label in removed[start:start + ROWS_PER_FRAME]:
+                events.removed.add(ns_id=ns_id, label=label)
+            self.send(events, with_counters=False)
+
+    def receive(self, timeout: float) -> list[bytes] | None:
+        """The complete frames that arrived (waiting up to `timeout` for some; [] if none did); None once
+        the worker has closed its side (or died)."""
+        if not select.select([self.sock], [], [], timeout)[0]:
+            return []
+        try:
+            data = self.sock.recv(1 << 20)
+        except OSError:
+            return None
+        if not data:
+            return None
+        self._buffer += data
+        return list(complete_frames(self._buffer))
+
+
+def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
+    return Selector(*(getattr(wanted, f) if wanted.HasField(f) else None for f in ("tenant", "model", "version", "key")))
+
+
+def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, group_commit_s: float,
+          sock: socket.socket, log_level: str, role: str, first_put: int = 0,
+          fences: list[tuple[Selector, int]] = ()) -> None:
+    """`first_put`: the number of the put before the first this process is sent (puts are numbered on
+    across the processes a worker starts); `fences`: the recent invalidations a process before it made."""
+    # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    process.setup_logging(log_level, role)
+    channel = _Channel(sock)
+    try:
+        store = Store(settings, readonly=False)
+    except StoreError as exc:
+        channel.send(writer_pb2.StoreEvents(failed=str(exc)))
+        return
+    writer = WriteBehind(store, batch_max=batch_max, sweep_interval_s=sweep_interval_s, max_ttl_s=max_ttl_s,
+                         on_semantic=channel.semantic, threaded=False, fences=fences)
+    channel.counters = writer.counters
+    channel.send(writer_pb2.StoreEvents(ready=True))
+    handled = first_put  # puts received (numbered as the worker numbers them), all handled after each drain
+    requests: list = []
+    held_since: float | None = None  # when the oldest put not committed yet arrived
+    while True:
+        wait = min(COUNTERS_EVERY_S, sweep_interval_s) if held_since is None \
+            else max(0.0, held_since + group_commit_s - time.monotonic())
+        if (frames := channel.receive(wait)) is None:
+            break
+        for frame in frames:
+            ops = writer_pb2.StoreOps.FromString(frame)
+            for put in ops.puts:
+                entry = None
+                if put.semantic:
+                    entry = SemanticEntry(put.key[:NS_ID_BYTES], put.answer, np.frombuffer(put.embedding, dtype="<f4"))
+                writer.put(put.key, namespace(put.tenant, put.model, put.version),
+                           records.Record(put.created_us, put.expires_us, put.payload), semantic=entry)
+            handled += len(ops.puts)
+            for request in ops.requests:
+                requests.append((request.id, writer.invalidate(_selector(request.invalidate))
+                                 if request.HasField("invalidate") else writer.flush()))
+        if frames and held_since is None:
+            held_since = time.monotonic()
+        if held_since is not None and not requests and writer.queued() < batch_max \
+                and time.monotonic() - held_since < group_commit_s:
+            continue  # more puts may come for the same transaction
+        writer.drain()  # commits what arrived (and sweeps when due): every future above is done now
+        events = writer_pb2.StoreEvents(handled=handled) if held_since is not None else writer_pb2.StoreEvents()
+        held_since = None
+        for request_id, future in requests:
+            done = events.done.add(id=request_id)
+            if (exc := future.exception()) is not None:
+                done.error = f"{type(exc).__name__}: {exc}"
+            else:
+                done.removed = future.result() or 0
+        requests.clear()
+        channel.send(events)
+    writer.close()  # commits what it still holds: everything received is committed
+    channel.send(writer_pb2.StoreEvents(handled=handled))  # (a worker that closed its side is gone: dropped)
+    store.close()
