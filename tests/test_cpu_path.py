@@ -147,7 +147,7 @@ def test_a_nicer_executor_lowers_its_threads_and_what_they_start():
 
 
 def test_importing_and_planning_does_not_import_torch():
-    code = ("import sys; from server import devices; "
+    code = ("import sys; from server.shared import devices; "
             "devices.plan_workers('auto', 0, devices.visible_gpus()); devices.resolve_runtime('auto', ['0']); "
             "print(sorted(m for m in ('torch', 'tensorrt', 'cuda') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
