@@ -1,8 +1,8 @@
 """Soak and fault suite (`make soak`; not part of `make test`).
 
 A real server (two workers, one frontend per CPU) takes a fixed number of mixed requests from one
-closed-loop load process while a kill -9 of a random child (frontend or worker) lands every
-`--kill-every` seconds. The mix: exact hits on a hot set, fresh misses (each stored), earlier misses
+closed-loop load process while a kill -9 of a random child (frontend, worker, or a worker's store writer
+process) lands every `--kill-every` seconds. The mix: exact hits on a hot set, fresh misses (each stored), earlier misses
 asked for again, fuzz (garbage bytes, oversized identifiers, bad modes, empty texts, unknown models) and
 key invalidations of a set kept apart from everything else. Reported:
 - answers by status code: none may be INTERNAL or UNKNOWN (the fuzz gets INVALID_ARGUMENT or NOT_FOUND,
@@ -12,7 +12,12 @@ key invalidations of a set kept apart from everything else. Reported:
   mostly LMDB's file pages, shared and growing with the store, not with a leak;
 - entries lost: every key seen answered RESULT_EXACT (so committed) is asked for again at the end with
   ONLY_IF_CACHED (the hot set, and earlier misses asked for again); each one missing is a lost entry
-  (must be 0; nothing is evicted or expires in a run).
+  (must be 0; nothing is evicted or expires in a run);
+- acknowledged answers missing: every fresh miss answered OK is asked for again the same way. A kill -9
+  of a worker loses the puts it had in flight (answered, not yet committed by its writer): a missing
+  answer acknowledged within IN_FLIGHT_S before a worker kill is counted as one of those, with the
+  writer's backlog sampled just before each kill; any other missing answer is one lost beyond the puts
+  in flight (must be 0: a writer's death loses none, the new writer is handed them).
 Writes bench/results/soak-<machine>.json (`--out` names another file).
 """
 
@@ -43,6 +48,10 @@ from infercache.v1 import infercache_pb2 as pb
 
 INVALIDATE = "/infercache.v1.InferenceCache/Invalidate"
 MIX = (("hit", 0.82), ("miss", 0.04), ("repeat", 0.03), ("fuzz", 0.08), ("invalidate", 0.03))
+# A worker's puts in flight at its kill: answered (acknowledged once the reply arrives) and not yet
+# committed by its writer (group commit: cache.group_commit_ms, 50 ms), so acknowledged at most this
+# long before the kill (and a moment after: a reply already on its way).
+IN_FLIGHT_S = (1.0, 0.5)
 SERVER_FAULTS = {"INTERNAL", "UNKNOWN", "DATA_LOSS"}  # codes no request may ever get
 
 
@@ -70,6 +79,7 @@ class _Run:
         self.windows: dict[int, list[float]] = {}
         self.committed: set[str] = set()   # texts answered RESULT_EXACT at least once
         self.missed: list[str] = []        # texts sent as misses (a repeat asks for one again)
+        self.acked: dict[str, float] = {}  # fresh misses answered OK -> when (seconds since start)
         self.sent = 0
 
 
@@ -114,8 +124,11 @@ async def _load(address: str, hot: list[str], victims: list[str], total: int, co
             run.codes[kind][code] += 1
             run.windows.setdefault(int((time.monotonic() - started) // run.window_s), []).append(latency * 1000)
             if raw is not None and text is not None and kind != "invalidate":
-                if pb.InferResponse.FromString(raw).cache.source == pb.CacheInfo.RESULT_EXACT:
+                source = pb.InferResponse.FromString(raw).cache.source
+                if source == pb.CacheInfo.RESULT_EXACT:
                     run.committed.add(text)
+                elif kind == "miss" and source == pb.CacheInfo.MISS:
+                    run.acked[text] = time.monotonic() - started
 
     await asyncio.gather(*(caller(n) for n in range(concurrency)))
     for channel in channels:
@@ -133,14 +146,34 @@ def _memory_mb(pid: int) -> dict[str, float] | None:
 
 
 def _roles(server: ServerProcess) -> dict[int, str]:
-    """pid -> 'worker-N' / 'frontend' for the server's live frontends and workers (bench.gpu.server_roles;
-    what the soak samples and kills)."""
+    """pid -> 'worker-N' / 'writer-N' (worker N's store writer) / 'frontend' for the server's live
+    frontends, workers and writers (bench.probes.server_roles; what the soak samples and kills)."""
     try:
         workers = {w.pid: f"worker-{w.index}" for w in server.stats().workers}
     except grpc.RpcError:
         workers = {}
-    return {pid: workers.get(pid, role) for pid, role in server_roles(server, set(workers)).items()
-            if role in ("frontend", "worker")}
+    roles = {}
+    for pid, role in server_roles(server, set(workers)).items():
+        if role == "writer":
+            roles[pid] = f"writer-{workers.get(_parent(pid), 'worker-?').split('-', 1)[1]}"
+        elif role in ("frontend", "worker"):
+            roles[pid] = workers.get(pid, role)
+    return roles
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _backlogs(server: ServerProcess) -> dict[str, int]:
+    """'worker-N' -> puts its result store writer had not committed (GetStats), just before a kill."""
+    try:
+        return {f"worker-{w.index}": int(w.counters.get("writer.backlog", 0)) for w in server.stats().workers}
+    except grpc.RpcError:
+        return {}
 
 
 def _chaos(server: ServerProcess, stop: threading.Event, kill_every: float, rss_every: float, started: float,
@@ -157,9 +190,11 @@ def _chaos(server: ServerProcess, stop: threading.Event, kill_every: float, rss_
             roles = _roles(server)
             if roles:
                 pid = rng.choice(sorted(roles))
+                backlog = _backlogs(server).get(roles[pid].replace("writer-", "worker-"))
                 try:
                     os.kill(pid, signal.SIGKILL)
-                    out["kills"].append({"t_s": round(now - started, 1), "role": roles[pid], "pid": pid})
+                    out["kills"].append({"t_s": round(time.monotonic() - started, 3), "role": roles[pid], "pid": pid,
+                                         "writer_backlog_before": backlog})
                 except ProcessLookupError:
                     pass
             next_kill = now + kill_every
@@ -238,6 +273,10 @@ def main() -> None:
                   "committed entries ...", flush=True)
             time.sleep(2.0)  # restarts after the last kill
             lost = _lost(server.address, run.committed - set(victims))
+            missing = _lost(server.address, set(run.acked))
+            report["acknowledged"] = _acknowledged(run.acked, missing, report["kills"])
+            # (from the log: a worker killed since took its writer's counters with it)
+            report["writer_restarts"] = server.log_text().count("writer process is back")
             report["codes"] = {kind: dict(c) for kind, c in run.codes.items()}
             report["p99_ms_by_window"] = {f"{k * args.window:.0f}s": round(statistics.quantiles(v, n=100)[98], 2)
                                           for k, v in sorted(run.windows.items()) if len(v) >= 100}
@@ -253,6 +292,20 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def _acknowledged(acked: dict[str, float], missing: list[str], kills: list[dict]) -> dict:
+    """Acknowledged fresh misses, those missing from the store, and of these the ones answered in the
+    moments before a worker's kill (its puts in flight); the rest are lost beyond them (must be 0)."""
+    before, after = IN_FLIGHT_S
+    worker_kills = [k["t_s"] for k in kills if k["role"].startswith("worker")]
+    in_flight = [t for t in missing if any(k - before <= acked[t] <= k + after for k in worker_kills)]
+    beyond = sorted(set(missing) - set(in_flight))
+    return {"answers": len(acked), "missing": len(missing), "missing_in_flight_at_a_worker_kill": len(in_flight),
+            "missing_beyond_in_flight": len(beyond), "beyond_examples": beyond[:5],
+            "worker_backlog_at_kills": sum(k.get("writer_backlog_before") or 0 for k in kills
+                                           if k["role"].startswith("worker")),
+            "kills_by_role": dict(Counter(k["role"].split("-")[0] for k in kills))}
+
+
 def _progress(run: _Run, total: int, stop: threading.Event) -> None:
     while not stop.wait(30):
         print(f"soak: {run.sent}/{total} sent", flush=True)
@@ -266,6 +319,11 @@ def _print(report: dict) -> None:
     print(f"  answers with {sorted(SERVER_FAULTS)} (must be 0): {report['server_faults']}")
     print(f"  p99 by window (ms): {report['p99_ms_by_window']}")
     print(f"  entries lost: {report['entries_lost']} of {report['committed_checked']} committed")
+    acked = report["acknowledged"]
+    print(f"  acknowledged misses: {acked['answers']}; missing from the store: {acked['missing']}, of them "
+          f"{acked['missing_in_flight_at_a_worker_kill']} in flight at a worker kill (backlogs summed over "
+          f"worker kills: {acked['worker_backlog_at_kills']}); lost beyond the puts in flight (must be 0): "
+          f"{acked['missing_beyond_in_flight']}; writer restarts: {report['writer_restarts']}")
     for name, row in report["rss_growth_after_warmup"].items():
         print(f"  memory {name:<16} RSS {row['rss_from_mb']} -> {row['rss_to_mb']} MB, of it anonymous "
               f"{row['anon_from_mb']} -> {row['anon_to_mb']} MB ({row['anon_ratio']}x over {row['span_s']} s)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import lmdb
 
-from cachestore.errors import StoreError, StoreFormatError
+from cachestore.errors import CORRUPTION, StoreDamaged, StoreError, StoreFormatError
 from cachestore.sealing import KeyRing
 
 log = logging.getLogger("infercache.store")
@@ -34,6 +34,7 @@ DB_SEMNEXT = b"semnext"
 ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META, DB_SEMLOG, DB_SEMKEYS, DB_SEMNEXT)
 READER_DBS = (DB_RESULTS, DB_META)  # what read-only (frontend) handles open
 DIR_MODE, FILE_MODE = 0o700, 0o600  # the store holds users' answers: the server's own user only
+DATA_FILE, LOCK_FILE = "data.mdb", "lock.mdb"
 
 _forks = [0]  # forks this process descends from: a Store remembers the count it was opened under
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
@@ -67,14 +68,22 @@ class Store:
         self._forks = _forks[0]
         self.ring = KeyRing(settings.keys) if settings.keys else None  # seals and opens payloads
         self.env = self._open()
-        self.page_size = self.env.stat()["psize"]
-        self.dbs = {name: db for name in ALL_DBS if (db := self._open_db(name)) is not None}
-        self._check_format()
+        if readonly:
+            self._check_pair()
+        self.identity = self._files()
+        try:
+            self.page_size = self.env.stat()["psize"]
+            self.dbs = {name: db for name in ALL_DBS if (db := self._open_db(name)) is not None}
+            self._check_format()
+        except CORRUPTION as exc:
+            self.env.close()
+            raise StoreDamaged(f"store at {settings.path} is damaged: {exc}") from exc
         if not readonly:
             self.clear_stale_readers()
 
     def _open(self) -> lmdb.Environment:
         path = self.settings.path
+        self._opened_files = self._files()  # (before the open: see _check_pair)
         try:
             if not self.readonly:
                 path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -87,9 +96,38 @@ class Store:
         except (lmdb.Error, OSError) as exc:
             raise StoreError(f"cannot open store at {path}: {exc}") from exc
 
+    def _files(self) -> tuple:
+        """(device, inode) of the data file and of the lock file (None for one that is not there)."""
+        out = []
+        for name in (DATA_FILE, LOCK_FILE):
+            try:
+                stat = os.stat(self.settings.path / name)
+                out.append((stat.st_dev, stat.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _check_pair(self) -> None:
+        """A reader opens the lock file, then the data file: a writer that set the store aside between the
+        two (cachestore/integrity.py set_aside) would leave it the old lock file beside the new data file,
+        a reader table the writer never sees. Opened again until no replacement fell in between."""
+        for _ in range(3):
+            if self._files() == self._opened_files:  # nothing was replaced while it opened
+                return
+            self.env.close()
+            self.env = self._open()
+        raise StoreError(f"store at {self.settings.path} is being replaced; try again")
+
+    def replaced(self) -> bool:
+        """Whether the data file at the store's path is no longer the one this handle maps (its writer set
+        a damaged store aside and started a fresh one): a reader opens it anew."""
+        return self._files()[0] != self.identity[0]
+
     def _open_db(self, name: bytes):
         try:
             return self.env.open_db(name, create=not self.readonly)
+        except CORRUPTION:
+            raise
         except lmdb.Error as exc:
             if self.readonly and name not in READER_DBS:
                 return None  # a store from before that database existed: readers do not need it

@@ -4,7 +4,9 @@ LMDB maps the file and trusts it: a data file shorter than the pages its newest 
 truncated copy, a disk that filled during a restore) makes the first read past its end a SIGBUS, which
 kills the process and which no Python `except` can catch. So the supervisor (and the CLI) read the two
 meta pages with plain file I/O first, and a damaged store is moved aside, kept for inspection, and
-replaced by a fresh one before any process maps it.
+replaced by a fresh one before any process maps it. Damage inside the file (pages that are not what
+their tree says) shows only when a read or a write meets it, as CORRUPTION; its writer then sets the
+store aside the same way while the server serves.
 
 Meta page layout (lmdb.h / mdb.c, 64-bit builds): a 16-byte page header, then MDB_meta: magic (u32),
 version (u32), address (8), mapsize (8), two MDB_db records of 48 bytes (the first one's leading u32 is
@@ -19,13 +21,11 @@ import struct
 import time
 from pathlib import Path
 
-from cachestore.env import DIR_MODE
+from cachestore.env import DATA_FILE, DIR_MODE, LOCK_FILE
 from cachestore.errors import StoreError
 
 log = logging.getLogger("infercache.store")
 
-DATA_FILE = "data.mdb"
-LOCK_FILE = "lock.mdb"
 MAGIC = 0xBEEFC0DE
 _HEAD = struct.Struct("<II")       # magic, version at offset 16
 _PSIZE = struct.Struct("<I")       # free DB's md_pad = page size, at offset 40

@@ -13,13 +13,15 @@ import logging
 import struct
 import time
 from collections import Counter
+from typing import Callable
 
 import lmdb
 from google.protobuf.message import DecodeError
 
 from cachestore import records, semantic_log, wire
 from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
-from cachestore.errors import CorruptRecord, Unsealable
+from cachestore.errors import CorruptRecord, Unsealable, corrupted
+from cachestore.log_limit import RateLimitedLog
 from cachestore.keys import NS_ID_BYTES, Namespace
 from infercache.v1 import infercache_pb2 as pb
 
@@ -33,29 +35,34 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-WARN_EVERY_S = 10.0  # unreadable records are counted each time, logged at most this often
+WARN_EVERY_S = 10.0  # unreadable records and failed reads are counted each time, logged at most this often
 
 
 class ResultCache:
     """Read side of L1. Every failure is counted, logged (at most every WARN_EVERY_S) and a miss."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
-        self._results = store.dbs[DB_RESULTS]
-        self._ring = store.ring
         self.counters: Counter[str] = Counter()  # written by the thread that reads (the event loop)
-        self._warn_at = 0.0
+        self.use(store)
+        self._unreadable_log = RateLimitedLog(log, WARN_EVERY_S)
+        self._failed_log = RateLimitedLog(log, WARN_EVERY_S)
+        # Told (key, exception) of a read that met a damaged page (CORRUPTION): a worker has its
+        # writer look, a frontend looks whether the store was replaced.
+        self.on_corrupt: Callable[[bytes, Exception], None] | None = None
         # Why the latest read found nothing: not_cached, expired, too_old (older than max_age_us) or
         # store_error (/metrics miss reasons; set on the miss path only, read right after by the caller).
         self.missed_because = ""
 
+    def use(self, store: Store) -> None:
+        """Reads `store` from now on (a fresh one its writer started in place of a damaged one); the
+        counters go on."""
+        self.store = store
+        self._results = store.dbs[DB_RESULTS]
+        self._ring = store.ring
+
     def _unreadable(self, key: bytes, exc: Exception) -> None:
         self.counters["records_unsealable" if isinstance(exc, Unsealable) else "records_unreadable"] += 1
-        now = time.monotonic()
-        if now >= self._warn_at:
-            self._warn_at = now + WARN_EVERY_S
-            log.warning("serving a miss for record %s: %s (counted in GetStats; logged once per %.0f s)",
-                        key.hex(), exc, WARN_EVERY_S)
+        self._unreadable_log(logging.WARNING, "serving a miss for record %s: %s (counted in GetStats)", key.hex(), exc)
 
     def get(self, key: bytes, now: int, max_age_us: int | None = None, txn: lmdb.Transaction | None = None
             ) -> records.Record | None:
@@ -77,7 +84,10 @@ class ResultCache:
         except CorruptRecord as exc:
             self._unreadable(key, exc)
         except lmdb.Error as exc:
-            log.warning("result cache read failed, serving a miss: %s", exc)
+            self.counters["read_errors"] += 1
+            self._failed_log(logging.WARNING, "result cache read failed, serving a miss: %s", exc)
+            if self.on_corrupt is not None and corrupted(exc):
+                self.on_corrupt(key, exc)
         finally:
             if own is not None:
                 own.abort()

@@ -21,7 +21,9 @@ from typing import Callable
 
 import lmdb
 
-from cachestore import diskspace, records, results, semantic_log
+from cachestore import diskspace, integrity, records, results, semantic_log
+from cachestore.errors import CORRUPTION, corrupted
+from cachestore.log_limit import RateLimitedLog
 from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.env import Store
 from cachestore.keys import NS_ID_BYTES, Namespace, Selector
@@ -58,6 +60,7 @@ RUNWAY = 16 * 1024 * 1024
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
 GAUGES = ("budget_bytes", "held_bytes")  # counters that hold a value rather than count events
+FAILURE_LOG_S = 10.0  # a failing write is logged (with its traceback) at most this often, with a count
 
 
 @dataclass(slots=True)
@@ -80,17 +83,32 @@ class _Flush:
     done: Future
 
 
+@dataclass(frozen=True)
+class _Check:
+    """A reader met a damaged page reading `key`: the writer reads it too (Future: whether it replaced
+    the store)."""
+
+    key: bytes
+    done: Future
+
+
 _STOP = object()
 
 
 class WriteBehind:
     def __init__(self, store: Store, *, batch_max: int = 512, sweep_interval_s: float = 30.0,
                  on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None,
-                 max_ttl_s: int = 0, threaded: bool = True, fences: list[tuple[Selector, int]] = ()) -> None:
+                 max_ttl_s: int = 0, threaded: bool = True, fences: list[tuple[Selector, int]] = (),
+                 what: str = "store", on_replaced: Callable[[str], None] | None = None) -> None:
         """threaded=False: no thread of its own; whoever owns it calls `drain` (server/worker/writer.py,
         where py-lmdb's releasing the GIL on every call would hand it back and forth between two threads).
-        fences: invalidations made before (a writer that died made them), as (selector, microseconds)."""
+        fences: invalidations made before (a writer that died made them), as (selector, microseconds).
+        on_replaced(why): told once the store was found damaged, set aside and replaced by a fresh one
+        (`store` is then the new one; its readers open it anew)."""
         self.store = store
+        self.what = what
+        self.on_replaced = on_replaced
+        self._failed_log = RateLimitedLog(log, FAILURE_LOG_S)
         self.max_ttl_us = max_ttl_s * 1_000_000  # retention: the sweep also deletes entries older than this
         # Told after each commit which semantic rows were added and which (ns_id, label) went.
         self.on_semantic = on_semantic
@@ -128,6 +146,13 @@ class WriteBehind:
         """Future that completes once everything enqueued before it was handled (committed or dropped)."""
         done: Future = Future()
         self._queue.put(_Flush(done))
+        return done
+
+    def check(self, key: bytes) -> Future:
+        """A reader found the page holding `key` damaged: read it here too, and replace the store if it
+        is (Future of whether it was). Handled before the writes queued with it."""
+        done: Future = Future()
+        self._queue.put(_Check(key, done))
         return done
 
     def close(self, timeout: float = 10.0) -> None:
@@ -186,13 +211,48 @@ class WriteBehind:
     def _guarded(self, fn, *args) -> None:
         try:
             fn(*args)
-        except Exception:  # the thread must survive anything; the cache just misses
+        except Exception as exc:  # the thread must survive anything; the cache just misses
             self.counters["write_errors"] += 1
-            log.exception("write-behind failed; entries dropped")
+            self._failed_log(logging.ERROR, "write-behind failed; entries dropped: %r", exc, exc_info=True)
+            if corrupted(exc):  # (a sweep or an eviction met the damage)
+                self._guarded(self._replace, exc)
+
+    def _replace(self, exc: Exception) -> None:
+        """The store reported damage (CORRUPTION): it is set aside, as the start-up check does
+        with a truncated one, and a fresh store takes its place while the server serves."""
+        settings = self.store.settings
+        self.store.close()
+        why = f"at run time: {exc}"
+        try:
+            integrity.set_aside(settings.path, why, self.what)
+        finally:  # the fresh store, or (when the files could not be moved) the damaged one again
+            self.store = Store(settings, readonly=False)
+        self.counters["replaced"] += 1
+        self._check_disk()
+        if self.on_replaced is not None:
+            self.on_replaced(why)
+
+    def _verify(self, key: bytes) -> bool:
+        """Reads `key` (a reader met damage there); replaces the store if this read meets it too."""
+        try:
+            with self.store.begin(buffers=True) as txn:
+                txn.get(key, db=self.store.dbs[results.DB_RESULTS])
+        except CORRUPTION as exc:
+            self._replace(exc)
+            return True
+        self.counters["damage_unconfirmed"] += 1
+        return False
 
     def _apply(self, batch: list) -> None:
         try:
+            for op in batch:
+                if isinstance(op, _Check):
+                    op.done.set_result(self._verify(op.key))
             try:
+                self._commit(batch)
+            except CORRUPTION as exc:
+                # The writes go to the fresh store instead: nothing acknowledged is lost with the damaged one.
+                self._replace(exc)
                 self._commit(batch)
             except lmdb.MapFullError:
                 # Full despite the budget (budget too close to the map size, or huge records): free a
@@ -203,7 +263,7 @@ class WriteBehind:
                 self._commit(batch)
         except Exception as exc:
             for op in batch:
-                if isinstance(op, _Invalidate) and not op.done.done():
+                if isinstance(op, (_Invalidate, _Check)) and not op.done.done():
                     op.done.set_exception(exc)
             self._check_disk()  # a full disk: the next commits evict to the smaller budget
             raise

@@ -91,6 +91,7 @@ class Supervisor:
         ]
         # This process's figures for /metrics: written by the main thread, read by the metrics thread.
         self.restarts = {"worker": 0, "frontend": 0}
+        self.replaced = {"results": 0, "features": 0}  # damaged stores set aside at start (workers count theirs)
         self.live = {"worker": 0, "frontend": 0}
         self._metrics_server = None
         self._stopping = False
@@ -142,11 +143,12 @@ class Supervisor:
         """Before any child maps the stores: a truncated data file would kill them with SIGBUS, so it is
         set aside. A store folder that is a file stops the start: there is nothing to set aside, and the
         workers could only serve without a store, every request a miss."""
-        stores = (("cache.dir", Path(self.config.cache.dir), "result store"),
-                  ("l2.dir", feature_store_settings(self.config).path, "feature store"))
-        for setting, path, what in stores:
+        stores = (("cache.dir", Path(self.config.cache.dir), "result store", "results"),
+                  ("l2.dir", feature_store_settings(self.config).path, "feature store", "features"))
+        for setting, path, what, label in stores:
             try:
-                integrity.quarantine_if_damaged(path, what)
+                if integrity.quarantine_if_damaged(path, what) is not None:
+                    self.replaced[label] += 1
             except integrity.NotADirectory as exc:
                 raise SystemExit(f"infercache: {setting} {exc}: the {what} needs a directory there; move the "
                                  f"file away or set {setting} to another path") from None
@@ -283,7 +285,8 @@ class Supervisor:
     def _own_figures(self) -> dict:
         """The supervisor's /metrics figures, as a snapshot (called on the metrics server's thread: it
         reads what the main thread keeps, and touches no child: is_alive() would reap it)."""
-        return {"counters": [["infercache_process_restarts_total", [role], n] for role, n in self.restarts.items()],
+        return {"counters": [["infercache_process_restarts_total", [role], n] for role, n in self.restarts.items()]
+                + [["infercache_store_replaced_total", [store], n] for store, n in self.replaced.items()],
                 "gauges": [["infercache_processes", [role], n] for role, n in self.live.items()]}
 
     def _stop(self, children: list[_Child]) -> None:

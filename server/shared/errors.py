@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 
 import grpc
 from google.protobuf import wrappers_pb2
 from google.protobuf.message import DecodeError
+
+from cachestore.log_limit import RateLimitedLog
 
 log = logging.getLogger("infercache.errors")
 
@@ -155,32 +156,16 @@ def lenient(message_class, max_bytes: int | None = None):
     return parse
 
 
-class _MalformedLog:
-    """One warning per interval with the count, not one per request (a flood must not flood the log)."""
-
-    INTERVAL_S = 10.0
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.next_at = 0.0
-
-    def note(self, request: Malformed) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now >= self.next_at:
-            log.warning("%d malformed request(s) answered INVALID_ARGUMENT since the last report (latest: %s: %s)",
-                        self.count, request.message, request.error)
-            self.count, self.next_at = 0, now + self.INTERVAL_S
-
-
-_malformed = _MalformedLog()
+# One warning per interval with the count, not one per request (a flood must not flood the log).
+_malformed = RateLimitedLog(log, 10.0)
 
 
 def parsed(request):
     """The request, or INVALID_ARGUMENT when the lenient deserializer could not parse it. Called by the
     handler, after authentication: an unauthenticated caller learns nothing about its request."""
     if isinstance(request, Malformed):
-        _malformed.note(request)
+        _malformed(logging.WARNING, "malformed request(s) answered INVALID_ARGUMENT (latest: %s: %s)", request.message,
+                   request.error)
         raise InvalidArgument(request.complaint)
     return request
 

@@ -68,6 +68,9 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "again on their next miss).", ("store",), ()),
     "infercache_store_write_backlog": (
         "gauge", "Writes the workers sent to their store writers and not yet committed.", ("store",), ()),
+    "infercache_store_replaced_total": (
+        "counter", "Damaged stores set aside and replaced by a fresh, empty one: at start (a truncated or "
+        "garbage data file) or while serving (LMDB reported corrupted pages to a read or a write).", ("store",), ()),
     "infercache_store_writer_restarts_total": (
         "counter", "Store writer processes that died (kill -9, the OOM killer, a crash) and were started again "
         "by their worker, which handed the new one every write not yet committed.", ("store",), ()),

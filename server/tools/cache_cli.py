@@ -77,6 +77,7 @@ def run(config: Config, command: str) -> int:
     try:
         return stats(config) if command == "stats" else readers(config)
     except lmdb.Error as exc:
-        print(f"infercache: the store at {config.cache.dir} is damaged: {exc}; the server serves it as misses, "
-              "and moving it aside (with the server stopped) starts a fresh one")
+        print(f"infercache: the store at {config.cache.dir} is damaged: {exc}; a running server sets it aside "
+              "and starts a fresh one once a read or a write meets the damage (so does moving it aside by hand, "
+              "with the server stopped)")
         return 2

@@ -73,6 +73,9 @@ class WorkerCore:
         self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
         self.features = features  # L2 (server/worker/features.py); every head model has one
         self.cache = ResultCache(writer.store) if writer is not None else None
+        if writer is not None:  # a read that meets a damaged page has the writer look (and replace the store)
+            self.cache.on_corrupt = writer.check
+            writer.on_store.append(self.cache.use)
         self.counters: Counter[str] = Counter()
         self.metrics: Recorder | None = None  # /metrics on (server/worker/metrics.py)
         self._inflight: dict[bytes, Flight] = {}

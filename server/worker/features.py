@@ -64,6 +64,9 @@ class FeatureTier:
         its index may take (which bounds the rows too, at INDEX_BYTES_PER_ROW each)."""
         self.writer = writer
         self.store = ResultCache(writer.store) if writer is not None else None
+        if writer is not None:  # (as the core's L1: server/worker/core.py)
+            self.store.on_corrupt = writer.check
+            writer.on_store.append(self.store.use)
         self.ttl_us = ttl_s * 1_000_000
         self.memory_bytes = memory_bytes
         self.index_bytes = index_bytes

@@ -46,6 +46,7 @@ class WorkerMetrics:
             out.inc(("infercache_store_swept_total", name), counters["swept"])
             out.inc(("infercache_store_writes_dropped_total", name), counters["dropped_backlog"])
             out.inc(("infercache_store_writer_restarts_total", name), counters["restarts"])
+            out.inc(("infercache_store_replaced_total", name), counters["replaced"])
         return out
 
     def _writers(self):

@@ -218,6 +218,7 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     snapshots = Path(config.cache.dir) / "semantic" / f"worker-{index}"
     tier = SemanticTier(writer.store, snapshots, dims.pop())
     writer.on_semantic = tier.apply
+    writer.on_store.append(tier.use_store)
     tier.start()
     return tier
 

@@ -32,6 +32,7 @@ from cachestore import records
 from cachestore import semantic_log as log_rows
 from cachestore.env import DB_RESULTS, DIR_MODE, FILE_MODE, Store
 from cachestore.errors import CorruptRecord
+from cachestore.log_limit import RateLimitedLog
 from cachestore.results import now_us
 from cachestore.semantic_log import Row
 from infercache.v1 import infercache_pb2 as pb
@@ -125,6 +126,7 @@ class SemanticTier:
         self._fits: dict[bytes, Surrogate] = {}  # the owner thread's, as is:
         self._asked: set[bytes] = set()           # namespaces a calibrated search asked a fit of
         self._owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic")
+        self._search_failed = RateLimitedLog(log)  # (a damaged store fails every search that reads it)
 
     @property
     def counters(self) -> Counter[str]:
@@ -154,7 +156,7 @@ class SemanticTier:
                 self._owner, self._search, ns_id, vector, k, labels)
         except Exception:  # a failed search is a miss, never a failed request
             self._lookups["search_errors"] += 1
-            log.exception("semantic search failed; answering as a miss")
+            self._search_failed(logging.ERROR, "semantic search failed; answering as a miss", exc_info=True)
             return [], None
         self._observe(neighbors)
         return neighbors, assessment
@@ -173,6 +175,11 @@ class SemanticTier:
         await asyncio.get_running_loop().run_in_executor(self._owner, self._snapshot_all)
         self._owner.shutdown(wait=True)
 
+    def use_store(self, store: Store) -> None:
+        """The store was replaced by a fresh one (its writer found it damaged): every index starts empty,
+        and fills with the fresh store's rows (applied after this, in order)."""
+        self._owner.submit(self._reset, store)
+
     # ---- called from the write-behind thread after each commit ----------------------------------------
 
     def apply(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
@@ -182,6 +189,15 @@ class SemanticTier:
             log.info("%d semantic index update(s) after shutdown are left to the next start", len(added) + len(removed))
 
     # ---- the owner thread ---------------------------------------------------------------------------
+
+    def _reset(self, store: Store) -> None:
+        self.store = store
+        self._indexes.clear()
+        self._memo.clear()
+        self._fits.clear()
+        self._asked.clear()
+        self._index_counters["store_replaced"] += 1
+        self.ready = True  # (an empty store: nothing to rebuild)
 
     def _index(self, ns_id: bytes) -> _Index:
         index = self._indexes.get(ns_id)

@@ -103,8 +103,14 @@ class WriterProcess:
         self.max_backlog = max_backlog
         self.max_restarts = max_restarts
         self.on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None
+        # Told the new read handle when the process replaced a damaged store with a fresh one (the
+        # readers of `store`: the core's L1, the feature tier, the semantic tier).
+        self.on_store: list[Callable[[Store], None]] = []
         self.process = None
         self.store: Store | None = None
+        self._deferred: list | None = None  # semantic rows of a fresh store, until its read handle is open
+        self._replacements = 0              # stores the process replaced (the latest's handle is opened)
+        self._checking = False              # a check the process has not answered yet (one at a time)
         self._reported: Counter[str] = Counter()  # the running process's counters, as of its last frame
         self._carried: Counter[str] = Counter()   # the counters of the processes that died
         self._own: Counter[str] = Counter()       # this side's (notify_errors, restarts)
@@ -160,7 +166,7 @@ class WriterProcess:
         self.process = multiprocessing.get_context("spawn").Process(
             target=child_main, name=f"{launch.role}-writer",
             args=(launch.settings, launch.batch_max, launch.sweep_interval_s, launch.max_ttl_s, launch.group_commit_s,
-                  theirs, launch.log_level, f"{launch.role} writer", self._handled, self._live_fences()))
+                  theirs, launch.log_level, f"{launch.role} writer", self._handled, self._live_fences(), self.what))
         self._ready, self._ended = self._loop.create_future(), self._loop.create_future()
         self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # (seen: one nobody awaits is no warning)
         # From a thread started here, not the loop's default executor (a CPU worker lowers that one's
@@ -263,10 +269,21 @@ class WriterProcess:
         """Future that completes once everything put before it was handled (committed or dropped)."""
         return self._request(None)
 
-    def _request(self, selector: Selector | None) -> Future:
+    def check(self, key: bytes, exc: Exception | None = None) -> None:
+        """A read of `key` met a damaged page (ResultCache.on_corrupt): the process reads it too, and
+        replaces the store if it is damaged. One check at a time; those meanwhile are not sent."""
+        if threading.get_ident() != self._loop_thread:  # (the semantic tier's thread reads too)
+            self._loop.call_soon_threadsafe(self.check, key)
+            return
+        if self._checking or self.dead or self._closing:
+            return
+        self._checking = True
+        self._request(None, check=key).add_done_callback(lambda _: setattr(self, "_checking", False))
+
+    def _request(self, selector: Selector | None, check: bytes = b"") -> Future:
         done: Future = Future()
         if threading.get_ident() == self._loop_thread:
-            self._send_request(selector, done)
+            self._send_request(selector, done, check)
             return done
         try:
             self._loop.call_soon_threadsafe(self._send_request, selector, done)
@@ -277,12 +294,12 @@ class WriterProcess:
     def _stopped(self) -> WorkerUnavailable:
         return WorkerUnavailable(f"the {self.what}'s writer process is gone; retry")
 
-    def _send_request(self, selector: Selector | None, done: Future) -> None:
+    def _send_request(self, selector: Selector | None, done: Future, check: bytes = b"") -> None:
         if self.dead or self._closing:
             done.set_exception(self._stopped())
             return
         self._next_request += 1
-        request = self._ops(put=False).requests.add(id=self._next_request)
+        request = self._ops(put=False).requests.add(id=self._next_request, check=check)
         if selector is not None:
             wanted = request.invalidate
             wanted.SetInParent()
@@ -330,6 +347,10 @@ class WriterProcess:
             self._ready.set_result(None)
         if events.counters:
             self._reported = Counter(events.counters)
+        if events.replaced:  # (the process logged it): the rows that follow are the fresh store's
+            self._deferred = []
+            self._replacements += 1
+            self._loop.create_task(self._reopen(self._replacements))
         self._handled = max(self._handled, events.handled)
         callbacks = self._callbacks
         while callbacks and callbacks[0][0] <= self._handled:
@@ -351,11 +372,38 @@ class WriterProcess:
         if (events.added or events.removed) and self.on_semantic is not None:
             added = [Row(r.ns_id, r.label, r.key, r.answer, np.frombuffer(r.embedding, dtype="<f4"))
                      for r in events.added]
+            removed = [(r.ns_id, r.label) for r in events.removed]
+            if self._deferred is not None:
+                self._deferred.append((added, removed))
+            else:
+                self._notify(added, removed)
+
+    def _notify(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
+        try:
+            self.on_semantic(added, removed)
+        except Exception:  # the index misses these rows; the log in LMDB is still complete
+            self._own["notify_errors"] += 1
+            log.exception("semantic index notification failed")
+
+    async def _reopen(self, replacement: int) -> None:
+        """After the process replaced a damaged store: the worker's read handle on the fresh one, to
+        each reader (on_store), then the semantic rows that came meanwhile, in order. (A handle that is
+        on the fresh one already, opened by start() after a replacement at open, stays.)"""
+        store = None
+        if self.store is not None and self.store.replaced():
             try:
-                self.on_semantic(added, [(r.ns_id, r.label) for r in events.removed])
-            except Exception:  # the index misses these rows; the log in LMDB is still complete
-                self._own["notify_errors"] += 1
-                log.exception("semantic index notification failed")
+                store = await asyncio.to_thread(Store, self.launch.settings, readonly=True)
+            except StoreError as exc:  # (its readers go on with the damaged one: misses where it is damaged)
+                log.error("the fresh %s could not be opened for reading: %s", self.what, exc)
+        if replacement != self._replacements:  # replaced again meanwhile: the latest reopen takes over
+            return
+        if store is not None:
+            self.store = store  # (the old handle closes with the last transaction that holds it)
+            for use in self.on_store:
+                use(store)
+        deferred, self._deferred = self._deferred, None
+        for added, removed in deferred:
+            self._notify(added, removed)
 
     def _live_fences(self) -> list[tuple[Selector, int]]:
         cutoff = now_us() - int(FENCE_S * 1_000_000)
@@ -386,28 +434,28 @@ class WriterProcess:
         self._deaths.append(now)
         while self._deaths and self._deaths[0] < now - RESTART_WINDOW_S:
             self._deaths.popleft()
-        code = self.process.exitcode if self.process is not None else None
         if len(self._deaths) > self.max_restarts:
-            self._give_up(f"it ended {len(self._deaths)} times within {RESTART_WINDOW_S:.0f} s (exit code {code})")
+            self._give_up(f"it ended {len(self._deaths)} times within {RESTART_WINDOW_S:.0f} s")
             return
-        log.error("the %s's writer process ended unexpectedly (exit code %s); starting a new one and handing it "
-                  "the %d write(s) not yet confirmed", self.what, code, self._sent - self._handled)
+        log.error("the %s's writer process (pid %d) ended unexpectedly; starting a new one and handing it the "
+                  "%d write(s) not yet confirmed", self.what, self.process.pid, self._sent - self._handled)
         self._respawning = self._loop.create_task(self._respawn())
 
     async def _respawn(self) -> None:
         self._own["restarts"] += 1
         self._carried += Counter({k: v for k, v in self._reported.items() if k not in GAUGES})
         self._reported = Counter()
+        dead = self.process
         try:
-            await asyncio.to_thread(self.process.join, 5.0)  # (reaped: no zombie per restart)
+            await asyncio.to_thread(dead.join, 5.0)  # (reaped: no zombie per restart)
             await self._spawn()
         except (StoreError, TimeoutError, OSError) as exc:
             self._give_up(f"a new one did not start: {exc}")
             return
         finally:
             self._respawning = None
-        log.warning("the %s's writer process is back (pid %d); %d write(s) handed to it", self.what,
-                    self.process.pid, self._sent - self._handled)
+        log.warning("the %s's writer process is back (pid %d; the one before exited with code %s); %d write(s) "
+                    "handed to it", self.what, self.process.pid, dead.exitcode, self._sent - self._handled)
 
     def _give_up(self, why: str) -> None:
         log.error("the %s's writer process is not started again (%s); its writes are dropped and the worker "

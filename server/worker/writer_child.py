@@ -12,9 +12,9 @@ from collections import Counter
 
 import numpy as np
 
-from cachestore import records
+from cachestore import integrity, records
 from cachestore.env import Store, StoreSettings
-from cachestore.errors import StoreError
+from cachestore.errors import StoreDamaged, StoreError
 from cachestore.keys import NS_ID_BYTES, Selector, namespace
 from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.writer import WriteBehind
@@ -82,23 +82,34 @@ def _selector(wanted: writer_pb2.StoreSelector) -> Selector:
 
 def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_ttl_s: int, group_commit_s: float,
           sock: socket.socket, log_level: str, role: str, first_put: int = 0,
-          fences: list[tuple[Selector, int]] = ()) -> None:
+          fences: list[tuple[Selector, int]] = (), what: str = "store") -> None:
     """`first_put`: the number of the put before the first this process is sent (puts are numbered on
-    across the processes a worker starts); `fences`: the recent invalidations a process before it made."""
+    across the processes a worker starts); `fences`: the recent invalidations a process before it made;
+    `what`: the store, for the log."""
     # It stops when its worker closes the socket (or dies), never on a signal meant for its group.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     process.setup_logging(log_level, role)
     channel = _Channel(sock)
+    replaced = ""
     try:
-        store = Store(settings, readonly=False)
-    except StoreError as exc:
+        try:
+            store = Store(settings, readonly=False)
+        except StoreDamaged as exc:  # (what a write would meet later: set aside now, as it would be then)
+            replaced = f"at open: {exc.__cause__ or exc}"
+            integrity.set_aside(settings.path, replaced, what)
+            store = Store(settings, readonly=False)
+    except (StoreError, OSError) as exc:
         channel.send(writer_pb2.StoreEvents(failed=str(exc)))
         return
     writer = WriteBehind(store, batch_max=batch_max, sweep_interval_s=sweep_interval_s, max_ttl_s=max_ttl_s,
-                         on_semantic=channel.semantic, threaded=False, fences=fences)
+                         on_semantic=channel.semantic, threaded=False, fences=fences, what=what,
+                         on_replaced=lambda why: channel.send(writer_pb2.StoreEvents(replaced=why), with_counters=False))
     channel.counters = writer.counters
     channel.send(writer_pb2.StoreEvents(ready=True))
+    if replaced:  # (a worker that had a read handle on the damaged store opens the fresh one)
+        writer.counters["replaced"] += 1
+        channel.send(writer_pb2.StoreEvents(replaced=replaced), with_counters=False)
     handled = first_put  # puts received (numbered as the worker numbers them), all handled after each drain
     requests: list = []
     held_since: float | None = None  # when the oldest put not committed yet arrived
@@ -117,8 +128,10 @@ def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_t
                            records.Record(put.created_us, put.expires_us, put.payload), semantic=entry)
             handled += len(ops.puts)
             for request in ops.requests:
-                requests.append((request.id, writer.invalidate(_selector(request.invalidate))
-                                 if request.HasField("invalidate") else writer.flush()))
+                if request.HasField("invalidate"):
+                    requests.append((request.id, writer.invalidate(_selector(request.invalidate))))
+                else:
+                    requests.append((request.id, writer.check(request.check) if request.check else writer.flush()))
         if frames and held_since is None:
             held_since = time.monotonic()
         if held_since is not None and not requests and writer.queued() < batch_max \
@@ -132,9 +145,9 @@ def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_t
             if (exc := future.exception()) is not None:
                 done.error = f"{type(exc).__name__}: {exc}"
             else:
-                done.removed = future.result() or 0
+                done.removed = int(future.result() or 0)  # (a check's: whether it replaced the store)
         requests.clear()
         channel.send(events)
     writer.close()  # commits what it still holds: everything received is committed
     channel.send(writer_pb2.StoreEvents(handled=handled))  # (a worker that closed its side is gone: dropped)
-    store.close()
+    writer.store.close()  # (the one it opened, or a fresh one that replaced it)
