@@ -173,7 +173,14 @@ def test_tenants_never_share_answers_and_a_version_bump_starts_empty(server):
         assert client.generate("smollm2", question, max_new_tokens=8, tenant="b").source == "MISS"
         assert client.generate("smollm2", question, max_new_tokens=8, tenant="a", version="2").source == "MISS"
         assert client.invalidate(model="smollm2", version="1", tenant="a") >= 1
-        assert client.generate("smollm2", question, max_new_tokens=8, tenant="a").source == "MISS"
+        answer = client.generate("smollm2", question, max_new_tokens=8, tenant="a")
+        assert answer.source == "MISS"
+        wait_for(lambda: client.generate("smollm2", question, max_new_tokens=8, tenant="a").source == "RESULT_EXACT",
+                 10, "stored again")
+        assert client.invalidate(key=answer.key) == 1  # one answer, by the key its stream ended with
+        with pytest.raises(grpc.RpcError) as raised:
+            client.invalidate(model="smollm2", text=question)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "by its key" in raised.value.details()
 
 
 def test_a_seeded_sample_is_reproducible_and_cached_an_unseeded_one_is_not(server):

@@ -46,6 +46,9 @@ class AdminCalls:
             spec = self.core.repository.get(request.model)
             version = spec.resolve_version(request.version)
         if request.text:
+            if spec.task == "generate":  # its keys cover the rendered prompt and every setting, not a text
+                raise InvalidArgument(f"model {spec.name!r} generates text: invalidate an answer by its key "
+                                      "(GenerationEnd.cache.key), or by model, version or tenant")
             planner = self.core.planner
             key = planner.keyed(request.tenant, planner.served(spec, version), request.text).key
             if request.key and request.key != key.hex():
