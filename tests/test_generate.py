@@ -40,6 +40,8 @@ def gen_models(tmp_path_factory):
     link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
     link_model(root, "smollm2", GEN_CONFIG, {"1": GEN_VERSION_DIR, "2": GEN_VERSION_DIR})
     link_model(root, "smollm2-small", SMALL, {"1": GEN_VERSION_DIR})
+    link_model(root, "smollm2-redact", GEN_CONFIG + "privacy: {pii: redact}\n", {"1": GEN_VERSION_DIR})
+    link_model(root, "smollm2-nostore", GEN_CONFIG + "privacy: {pii: no_store}\n", {"1": GEN_VERSION_DIR})
     return root
 
 
@@ -248,3 +250,18 @@ def test_a_killed_worker_fails_its_streams_with_unavailable_never_a_hang(gen_mod
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 30
     finally:
         srv.stop()
+
+
+def test_pii_is_redacted_before_the_prompt_is_keyed_or_run_and_no_store_keeps_nothing(server):
+    """privacy.pii applies to Generate as to Infer: with redact, two questions that differ only in their
+    card number are one key (the model saw the placeholder); with no_store, a prompt holding PII is
+    answered and never stored."""
+    tail = unique("why was this card declined")
+    with server.client(timeout_s=120) as client:
+        first = client.generate("smollm2-redact", f"My card 4111 1111 1111 1111: {tail}", max_new_tokens=8)
+        assert "4111" not in first.text
+        wait_for(lambda: client.generate("smollm2-redact", f"My card 5555 5555 5555 4444: {tail}",
+                                         max_new_tokens=8).source == "RESULT_EXACT", 10, "one key for both numbers")
+        private = [client.generate("smollm2-nostore", f"My card 4111 1111 1111 1111: {tail}", max_new_tokens=8)
+                   for _ in range(2)]
+    assert first.source == "MISS" and [p.source for p in private] == ["MISS", "MISS"]

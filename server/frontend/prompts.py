@@ -1,5 +1,6 @@
 """A Generate call's plan in a frontend: the model version (a generative one), its prompt rendered with the
-model's chat template and tokenized, the generation settings with the model's defaults filled in, and the
+model's chat template and tokenized (with `privacy.pii: redact`, PII replaced by placeholders first, as for
+Infer; with `no_store`, a prompt holding PII is answered but never looked up or stored), the generation settings with the model's defaults filled in, and the
 cache key, which covers the namespace, the prompt as the model sees it and every setting that changes
 the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
 are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split keys, and the
@@ -9,6 +10,7 @@ model answers the normalized question, so an answer is a function of its key alo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -21,7 +23,8 @@ from server.frontend.plan import check_identifiers, keep
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared.normalize import DEFAULT_STEPS, Normalizer
+from server.shared import pii
+from server.shared.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii, nfkc
 
 Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
@@ -41,7 +44,7 @@ class GenerativeModel:
     version: str
     tokenizer: Tokenizer
     template: object            # the compiled chat template
-    normalize: Normalizer | None
+    normalize: Callable[[str], str] | None  # each turn's text before rendering (generate.normalize, privacy.pii)
 
     def route(self, key: bytes) -> int:
         return int.from_bytes(key[8:16], "little")
@@ -85,7 +88,11 @@ class Prompts:
                 raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
             tokenizer.no_truncation()
             tokenizer.no_padding()
-            normalize = Normalizer(DEFAULT_STEPS) if spec.generation.normalize == "text" else None
+            redact = spec.pii == "redact"
+            if spec.generation.normalize == "text":
+                normalize = Normalizer(REDACTING_STEPS if redact else DEFAULT_STEPS)
+            else:  # as sent, but PII replaced by placeholders where the model says redact
+                normalize = (lambda text: pii.redact(nfkc(text))) if redact else None
             found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize)
         return found
 
@@ -107,7 +114,9 @@ class Prompts:
         if found is None:
             request = parsed(GENERATE_REQUEST(raw))
             found = self.plan(request)
-            if len(raw) <= PREPARED_MAX_BYTES and not request.cache.HasField("max_age_s"):
+            # (not for a privacy.pii model: the bytes would keep the raw text in memory)
+            if (len(raw) <= PREPARED_MAX_BYTES and not request.cache.HasField("max_age_s")
+                    and found.model.spec.pii == "off"):
                 keep(self._prepared, raw, found, PREPARED_KEPT)
         return found
 
@@ -132,11 +141,12 @@ class Prompts:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens; this model's context is {generation.context_length} "
                                   f"tokens (prompt and answer), so a prompt may have at most {generation.context_length - 1}")
         params = _params(request, generation)
+        private = spec.pii == "no_store" and self._holds_pii(request)
         mode = request.cache.mode
         if mode not in Mode.values():
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         deterministic = params.temperature == 0 or params.HasField("seed")
-        cached_at_all = spec.ttl_s > 0 and deterministic
+        cached_at_all = spec.ttl_s > 0 and deterministic and not private  # privacy.pii no_store: never kept
         max_age_us = spec.ttl_s * 1_000_000
         if request.cache.HasField("max_age_s"):
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
@@ -146,6 +156,10 @@ class Prompts:
             cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
             ns=Namespace(request.tenant, spec.name, version))
+
+    @staticmethod
+    def _holds_pii(request: pb.GenerateRequest) -> bool:
+        return holds_pii(request.prompt) or any(holds_pii(m.content) for m in request.messages)
 
     @staticmethod
     def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> str:
