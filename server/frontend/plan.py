@@ -78,6 +78,12 @@ def keep(table: dict, key, value, limit: int) -> None:
     table[key] = value
 
 
+def key_route(key: bytes) -> int:
+    """Which worker computes a key's misses (server/frontend/workers.py: route % workers): from the
+    key's hash part, so identical requests meet in one worker."""
+    return int.from_bytes(key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
+
+
 @dataclass(slots=True)
 class Served:
     """What a frontend needs of one model version to send its misses: tokenizers and routing."""
@@ -94,7 +100,7 @@ class Served:
     head: FrontHead | None             # a head this frontend runs on stored features (server/frontend/features.py)
 
     def route(self, key: bytes) -> int:
-        return int.from_bytes(key[:NS_ID_BYTES] if self.by_namespace else key[NS_ID_BYTES:NS_ID_BYTES + 8], "little")
+        return int.from_bytes(key[:NS_ID_BYTES], "little") if self.by_namespace else key_route(key)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,6 @@ model answers the normalized question, so an answer is a function of its key alo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -19,12 +18,11 @@ from tokenizers import Tokenizer
 from cachestore.keys import Namespace, entry_key, namespace_id
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.frontend.plan import check_identifiers, keep
+from server.frontend.plan import check_identifiers, keep, key_route
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared import pii
-from server.shared.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii, nfkc
+from server.shared.normalize import DEFAULT_STEPS, REDACTING_ONLY, REDACTING_STEPS, Normalizer, holds_pii
 
 Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
@@ -44,10 +42,10 @@ class GenerativeModel:
     version: str
     tokenizer: Tokenizer
     template: object            # the compiled chat template
-    normalize: Callable[[str], str] | None  # each turn's text before rendering (generate.normalize, privacy.pii)
+    normalize: Normalizer | None  # each turn's text before rendering (generate.normalize, privacy.pii)
 
     def route(self, key: bytes) -> int:
-        return int.from_bytes(key[8:16], "little")
+        return key_route(key)
 
 
 @dataclass(slots=True)
@@ -92,7 +90,7 @@ class Prompts:
             if spec.generation.normalize == "text":
                 normalize = Normalizer(REDACTING_STEPS if redact else DEFAULT_STEPS)
             else:  # as sent, but PII replaced by placeholders where the model says redact
-                normalize = (lambda text: pii.redact(nfkc(text))) if redact else None
+                normalize = Normalizer(REDACTING_ONLY) if redact else None
             found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize)
         return found
 

@@ -40,6 +40,7 @@ def fold_whitespace(text: str) -> str:
 
 DEFAULT_STEPS: tuple[Step, ...] = (nfkc, casefold, fold_punctuation, fold_whitespace)
 REDACTING_STEPS: tuple[Step, ...] = (nfkc, pii.redact, casefold, fold_punctuation, fold_whitespace)
+REDACTING_ONLY: tuple[Step, ...] = (nfkc, pii.redact)  # texts kept as sent but for their PII (Generate)
 
 # DEFAULT_STEPS on an ASCII text in one pass (tests/test_units.py checks it against the steps): NFKC
 # leaves ASCII as it is, casefold is lower(), and each character that is neither a word character nor
