@@ -91,7 +91,7 @@ def frontend_pids(server: ServerProcess) -> list[int]:
     return [pid for pid, role in server_roles(server).items() if role == "frontend"]
 
 
-class _GpuSampler:
+class GpuSampler:
     """nvidia-smi's utilization.gpu of every GPU every 100 ms while a run lasts (None without nvidia-smi)."""
 
     def __init__(self) -> None:
@@ -176,7 +176,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     roles = server_roles(server, worker_pids)
     cpu_before = {pid: cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
-    gpu = _GpuSampler()
+    gpu = GpuSampler()
     profiled = next(pid for pid, role in roles.items() if role == "frontend") if profile == "frontend" \
         else next(iter(worker_pids))
     spy = _profile(profiled, 4) if profile else None
