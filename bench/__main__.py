@@ -387,9 +387,10 @@ def main() -> None:
 
                 print("benchmarking generation on the GPU (the server against the engine's raw decode loop) ...",
                       flush=True)
-                report["generate"] = bench_generate_gpu(workdir / "generate", rounds, args.quick,
-                                                        tuple(args.generate_models.split(",")),
-                                                        tuple(args.generate_attention.split(",")))
+                report["generate"] = {}
+                bench_generate_gpu(workdir / "generate", rounds, args.quick, tuple(args.generate_models.split(",")),
+                                   tuple(args.generate_attention.split(",")), report=report["generate"],
+                                   checkpoint=save)
                 print_generate_gpu(report["generate"])
             else:
                 from bench.generate import bench_generate, print_generate

@@ -40,13 +40,16 @@ CHANNELS_PER_PROCESS = 4
 
 
 def _architecture(name: str):
-    from server.engines.llama import LLAMA3_8B, SMOLLM2_135M
+    from server.engines.llama import LLAMA3_8B, SMOLLM2_135M, LlamaArchitecture
 
-    return {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M}[name]
+    tiny = LlamaArchitecture(vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                             rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True, max_positions=2048)
+    return {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M, "tiny": tiny}[name]
 
 
-def write_random_model(root: Path, name: str, max_streams: int) -> Path:
-    """A model repository entry with random bf16 weights of the named shape, made on the GPU."""
+def write_random_model(root: Path, name: str, max_streams: int, device: str = "cuda") -> Path:
+    """A model repository entry with random weights of the named shape ("tiny": the tests' dry run on a
+    CPU, served by the torch decoder there), bf16, made on `device`."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -62,7 +65,7 @@ def write_random_model(root: Path, name: str, max_streams: int) -> Path:
     version = root / name / "1"
     version.mkdir(parents=True)
     started = time.perf_counter()
-    state = {k: v.cpu() for k, v in random_weights(arch, torch.bfloat16, "cuda", seed=1).items()}
+    state = {k: v.cpu() for k, v in random_weights(arch, torch.bfloat16, device, seed=1).items()}
     save_file(state, str(version / DECODER_WEIGHTS_FILE))
     del state
     write_architecture(version, arch, {"source": "random weights (benchmark)"})
@@ -74,7 +77,8 @@ def write_random_model(root: Path, name: str, max_streams: int) -> Path:
     (root / name / "config.yaml").write_text(
         "task: generate\nserving_version: \"1\"\n"
         f"generate: {{context_length: {CONTEXT}, max_new_tokens: {NEW_TOKENS}, max_streams: {max_streams}, "
-        f"max_waiting: {4 * max_streams}, prefill_tokens: {PREFILL_TOKENS}}}\n"
+        f"max_waiting: {4 * max_streams}, prefill_tokens: {PREFILL_TOKENS}"
+        f"{'' if device == 'cuda' else ', runtime: torch'}}}\n"
         "cache: {ttl_s: 600}\n")
     print(f"  {name}: {arch.parameters() / 1e9:.2f}B random bf16 weights written in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
@@ -86,7 +90,7 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
 
 
-def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ...], out) -> None:
+def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ...], device: str, out) -> None:
     """In a child process: the engine's prefill time and raw decode loop for each N (and attention)."""
     import torch
 
@@ -97,14 +101,13 @@ def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ..
     arch = LlamaArchitecture.read(Path(version))
     results = {}
     for attention in attentions:
-        decoder = torch_decoder.load(Path(version), max(streams), CONTEXT, "cuda", attention=attention)
+        decoder = torch_decoder.load(Path(version), max(streams), CONTEXT, device, attention=attention)
         rows = {"capture_s": round(decoder.capture_s, 2)}
         for n in streams:
             prompts = _prompts(n, arch.vocab, seed=n)
             chunks = [Chunk(i, p, 0, last=True) for i, p in enumerate(prompts)]
             prefill = []
             for _ in range(3):
-                torch.cuda.synchronize()
                 started = time.perf_counter()
                 step, budget = Step(), PREFILL_TOKENS
                 for chunk in chunks:  # prompts in steps of at most PREFILL_TOKENS tokens, as the server reads them
@@ -130,10 +133,10 @@ def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ..
     out.send(results)
 
 
-def raw_baseline(version: Path, streams: tuple[int, ...], attentions: tuple[str, ...]) -> dict:
+def raw_baseline(version: Path, streams: tuple[int, ...], attentions: tuple[str, ...], device: str = "cuda") -> dict:
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_raw_child, args=(str(version), streams, attentions, send))
+    child = ctx.Process(target=_raw_child, args=(str(version), streams, attentions, device, send))
     child.start()
     result = receive.recv()
     child.join()
@@ -212,11 +215,13 @@ def wave_figures(calls: list[dict]) -> dict:
     }
 
 
-def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...], rounds: int, vocab: int) -> dict:
+def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...], rounds: int, vocab: int,
+                 frontends: int = 8) -> dict:
     from bench.probes import GpuSampler, cpu_seconds, server_roles
     from tests.servers import ServerProcess
 
-    server = ServerProcess(workdir, root, frontends=8, settings=("server.drain_s=5",), wait=False)
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(workdir, root, frontends=frontends, settings=("server.drain_s=5",), wait=False)
     try:
         server.wait_ready(timeout=600)
         print(f"  server ready after {server.ready_after:.1f} s", flush=True)
@@ -240,27 +245,36 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
                 assert figures["tokens"] == n * NEW_TOKENS, f"{figures['tokens']} tokens, expected {n * NEW_TOKENS}"
                 rows.append(figures)
             keys = ("decode_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_percent", "wall_s")
-            out[str(n)] = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in keys}
+            out[str(n)] = {k: statistics.median(values) if (values := [r[k] for r in rows if r[k] is not None]) else None
+                           for k in keys}
             out[str(n)]["cpu_ms_per_token"] = rows[len(rows) // 2]["cpu_ms_per_token"]
             out[str(n)]["rounds"] = rows
             print(f"    server N={n}: {out[str(n)]['decode_tokens_per_s']:.0f} tok/s decoding, TTFT p99 "
-                  f"{out[str(n)]['ttft_p99_ms']:.0f} ms, GPU busy {out[str(n)]['gpu_busy_percent']}%", flush=True)
+                  f"{out[str(n)]['ttft_p99_ms']:.0f} ms, GPU busy {out[str(n)]['gpu_busy_percent']}%, CPU ms/token "
+                  f"{out[str(n)]['cpu_ms_per_token']}", flush=True)
         return out
     finally:
         server.stop()
 
 
 def bench_generate_gpu(workdir: Path, rounds: int, quick: bool, models: tuple[str, ...] = MODELS,
-                       attentions: tuple[str, ...] = ("matmul",)) -> dict:
-    streams = STREAMS[:3] if quick else STREAMS
-    report: dict = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "context": CONTEXT,
-                    "prefill_tokens": PREFILL_TOKENS, "weights": "random (bf16); speed does not depend on them"}
+                       attentions: tuple[str, ...] = ("matmul",), streams: tuple[int, ...] = STREAMS,
+                       device: str = "cuda", report: dict | None = None, checkpoint=lambda: None) -> dict:
+    """Fills `report` model by model (checkpoint() after each part: a run cut short keeps what it
+    measured). device "cpu" (with the "tiny" model): a dry run of every step, the tests'."""
+    streams = streams[:3] if quick else streams
+    report = {} if report is None else report
+    report.update({"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "context": CONTEXT,
+                   "prefill_tokens": PREFILL_TOKENS, "weights": "random (bf16); speed does not depend on them"})
     for name in models:
         print(f"  {name} ...", flush=True)
         root = workdir / f"models-{name}"
-        version = write_random_model(root, name, max(streams))
-        raw = raw_baseline(version, streams, attentions)
-        served = bench_server(root, workdir / f"server-{name}", name, streams, max(1, rounds), _architecture(name).vocab)
+        version = write_random_model(root, name, max(streams), device)
+        raw = raw_baseline(version, streams, attentions, device)
+        report[name] = {"raw": raw}
+        checkpoint()
+        served = bench_server(root, workdir / f"server-{name}", name, streams, max(1, rounds), _architecture(name).vocab,
+                              frontends=8 if device == "cuda" else 2)
         (version / "decoder.safetensors").unlink()
         ratios = {}
         for n in streams:
@@ -269,7 +283,8 @@ def bench_generate_gpu(workdir: Path, rounds: int, quick: bool, models: tuple[st
                 "decode_vs_raw": round(served[str(n)]["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3),
                 "ttft_p99_vs_prefill": round(served[str(n)]["ttft_p99_ms"] / (1000 * base["prefill_s"]), 2),
             }
-        report[name] = {"raw": raw, "server": served, "ratios": ratios}
+        report[name].update(server=served, ratios=ratios)
+        checkpoint()
     return report
 
 
