@@ -16,7 +16,8 @@ For each model, N in `STREAMS`:
   processes over several connections; each message's arrival time is recorded. Aggregate decode tokens/s:
   the tokens received while all N streams were decoding (from the last stream's first token to the first
   stream's end) over that window. TTFT p50/p99 from the calls' start. Waves alternate `rounds` times;
-  medians. Also the GPU's busy fraction (nvidia-smi) and the server's CPU seconds per token by role.
+  medians. Also the GPU's busy fraction (nvidia-smi) in that window and the server's CPU seconds per token by
+  role.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
 
 
-def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ...], device: str, out) -> None:
-    """In a child process: the engine's prefill time and raw decode loop for each N (and attention)."""
+def _raw_child(version: str, streams: tuple[int, ...], device: str, out) -> None:
+    """In a child process: the engine's prefill time and raw decode loop for each N."""
     import torch
 
     from server.engines import torch_decoder
@@ -99,44 +100,39 @@ def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ..
     from server.engines.llama import LlamaArchitecture
 
     arch = LlamaArchitecture.read(Path(version))
-    results = {}
-    for attention in attentions:
-        decoder = torch_decoder.load(Path(version), max(streams), CONTEXT, device, attention=attention)
-        rows = {"capture_s": round(decoder.capture_s, 2)}
-        for n in streams:
-            prompts = _prompts(n, arch.vocab, seed=n)
-            chunks = [Chunk(i, p, 0, last=True) for i, p in enumerate(prompts)]
-            prefill = []
-            for _ in range(3):
-                started = time.perf_counter()
-                step, budget = Step(), PREFILL_TOKENS
-                for chunk in chunks:  # prompts in steps of at most PREFILL_TOKENS tokens, as the server reads them
-                    step.chunks.append(chunk)
-                    budget -= len(chunk.ids)
-                    if budget <= 0:
-                        decoder.collect(decoder.launch(step))
-                        step, budget = Step(), PREFILL_TOKENS
-                if step:
+    decoder = torch_decoder.load(Path(version), max(streams), CONTEXT, device)
+    rows = {"capture_s": round(decoder.capture_s, 2)}
+    for n in streams:
+        chunks = [Chunk(i, p, 0, last=True) for i, p in enumerate(_prompts(n, arch.vocab, seed=n))]
+        prefill = []
+        for _ in range(3):
+            started = time.perf_counter()
+            step, budget = Step(), PREFILL_TOKENS
+            for chunk in chunks:  # prompts in steps of at most PREFILL_TOKENS tokens, as the server reads them
+                step.chunks.append(chunk)
+                budget -= len(chunk.ids)
+                if budget <= 0:
                     decoder.collect(decoder.launch(step))
-                prefill.append(time.perf_counter() - started)
-            decode = [decoder.raw_decode_loop(n, NEW_TOKENS - 1, PROMPT_TOKENS) for _ in range(3)]
-            seconds = statistics.median(decode)
-            rows[str(n)] = {"prefill_s": round(statistics.median(prefill), 4),
-                            "decode_s": round(seconds, 4),
-                            "decode_tokens_per_s": round(n * (NEW_TOKENS - 1) / seconds, 1),
-                            "step_ms": round(1000 * seconds / (NEW_TOKENS - 1), 3)}
-            print(f"    raw {attention} N={n}: prefill {rows[str(n)]['prefill_s'] * 1000:.1f} ms, "
-                  f"{rows[str(n)]['decode_tokens_per_s']:.0f} tok/s ({rows[str(n)]['step_ms']:.2f} ms/step)", flush=True)
-        results[attention] = rows
-        del decoder
+                    step, budget = Step(), PREFILL_TOKENS
+            if step:
+                decoder.collect(decoder.launch(step))
+            prefill.append(time.perf_counter() - started)
+        seconds = statistics.median(decoder.raw_decode_loop(n, NEW_TOKENS - 1, PROMPT_TOKENS) for _ in range(3))
+        rows[str(n)] = {"prefill_s": round(statistics.median(prefill), 4), "decode_s": round(seconds, 4),
+                        "decode_tokens_per_s": round(n * (NEW_TOKENS - 1) / seconds, 1),
+                        "step_ms": round(1000 * seconds / (NEW_TOKENS - 1), 3)}
+        print(f"    raw N={n}: prefill {rows[str(n)]['prefill_s'] * 1000:.1f} ms, "
+              f"{rows[str(n)]['decode_tokens_per_s']:.0f} tok/s ({rows[str(n)]['step_ms']:.2f} ms/step)", flush=True)
+    del decoder
+    if device == "cuda":
         torch.cuda.empty_cache()
-    out.send(results)
+    out.send(rows)
 
 
-def raw_baseline(version: Path, streams: tuple[int, ...], attentions: tuple[str, ...], device: str = "cuda") -> dict:
+def raw_baseline(version: Path, streams: tuple[int, ...], device: str = "cuda") -> dict:
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_raw_child, args=(str(version), streams, attentions, device, send))
+    child = ctx.Process(target=_raw_child, args=(str(version), streams, device, send))
     child.start()
     result = receive.recv()
     child.join()
@@ -212,6 +208,7 @@ def wave_figures(calls: list[dict]) -> dict:
         "ttft_p50_ms": round(1000 * ttft[len(ttft) // 2], 2),
         "ttft_p99_ms": round(1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
         "wall_s": round(max(ends) - min(c["start"] for c in calls), 3),
+        "window": window,
     }
 
 
@@ -235,8 +232,8 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
                 cpu_before = {pid: cpu_seconds(pid) for pid in roles}
                 gpu = GpuSampler()
                 calls = _wave(server.address, name, prompts)
-                busy = gpu.stop()
                 figures = wave_figures(calls)
+                busy = gpu.stop(between=figures.pop("window"))  # while every stream decoded
                 cpu: dict[str, float] = {}
                 for pid, role in roles.items():
                     cpu[role] = cpu.get(role, 0.0) + cpu_seconds(pid) - cpu_before[pid]
@@ -258,7 +255,7 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
 
 
 def bench_generate_gpu(workdir: Path, rounds: int, quick: bool, models: tuple[str, ...] = MODELS,
-                       attentions: tuple[str, ...] = ("matmul",), streams: tuple[int, ...] = STREAMS,
+                       streams: tuple[int, ...] = STREAMS,
                        device: str = "cuda", report: dict | None = None, checkpoint=lambda: None) -> dict:
     """Fills `report` model by model (checkpoint() after each part: a run cut short keeps what it
     measured). device "cpu" (with the "tiny" model): a dry run of every step, the tests'."""
@@ -270,7 +267,7 @@ def bench_generate_gpu(workdir: Path, rounds: int, quick: bool, models: tuple[st
         print(f"  {name} ...", flush=True)
         root = workdir / f"models-{name}"
         version = write_random_model(root, name, max(streams), device)
-        raw = raw_baseline(version, streams, attentions, device)
+        raw = raw_baseline(version, streams, device)
         report[name] = {"raw": raw}
         checkpoint()
         served = bench_server(root, workdir / f"server-{name}", name, streams, max(1, rounds), _architecture(name).vocab,
@@ -278,7 +275,7 @@ def bench_generate_gpu(workdir: Path, rounds: int, quick: bool, models: tuple[st
         (version / "decoder.safetensors").unlink()
         ratios = {}
         for n in streams:
-            base = raw[attentions[0]][str(n)]
+            base = raw[str(n)]
             ratios[str(n)] = {
                 "decode_vs_raw": round(served[str(n)]["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3),
                 "ttft_p99_vs_prefill": round(served[str(n)]["ttft_p99_ms"] / (1000 * base["prefill_s"]), 2),
@@ -296,7 +293,7 @@ def print_generate_gpu(report: dict) -> None:
     for name, part in report.items():
         if not isinstance(part, dict) or "server" not in part:
             continue
-        raw = next(iter(part["raw"].values()))
+        raw = part["raw"]
         for n, ratios in part["ratios"].items():
             s = part["server"][n]
             print(f"{name:<14} {n:>4} {s['decode_tokens_per_s']:>13.0f} {raw[n]['decode_tokens_per_s']:>10.0f} "

@@ -140,12 +140,12 @@ def _cuda():
     return torch
 
 
-def _random_decoder(torch, dtype, slots: int, context: int, graphs: bool, attention: str = "matmul"):
+def _random_decoder(torch, dtype, slots: int, context: int, graphs: bool):
     from server.engines.llama import SMOLLM2_135M, Llama, random_weights
     from server.engines.torch_decoder import TorchDecoder
 
     module = Llama.from_hf_state(SMOLLM2_135M, random_weights(SMOLLM2_135M, torch.float32, "cuda", seed=3), dtype,
-                                 "cuda", attention)
+                                 "cuda")
     return TorchDecoder(module, slots, context, graphs=graphs)
 
 
