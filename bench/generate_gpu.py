@@ -242,7 +242,7 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
                 assert figures["tokens"] == n * NEW_TOKENS, f"{figures['tokens']} tokens, expected {n * NEW_TOKENS}"
                 rows.append(figures)
             keys = ("decode_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_percent", "wall_s")
-            out[str(n)] = {k: statistics.median(values) if (values := [r[k] for r in rows if r[k] is not None]) else None
+            out[str(n)] = {k: round(statistics.median(values), 2) if (values := [r[k] for r in rows if r[k] is not None]) else None
                            for k in keys}
             out[str(n)]["cpu_ms_per_token"] = rows[len(rows) // 2]["cpu_ms_per_token"]
             out[str(n)]["rounds"] = rows
