@@ -133,7 +133,7 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
         for prefix in on_disk + [fresh(), fresh()]:  # the last two push the others out to disk
             _ttft(stub, "disk", _words(prefix + suffix()))
         deadline = time.monotonic() + 120
-        while server.stats().worker.counters.get("kv.writer.backlog", 0) and time.monotonic() < deadline:
+        while server.stats().worker.counters.get("kv.backlog", 0) and time.monotonic() < deadline:
             time.sleep(0.2)
         counters = dict(server.stats().worker.counters)
         channel.close()
