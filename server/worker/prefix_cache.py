@@ -66,6 +66,7 @@ class PrefixCache:
         self._namespaces: dict[str, bytes] = {}
         self._store_ns = namespace_id("", model, version)
         self._kept_now: set[bytes] = set()  # keys the step being planned keeps (see planning)
+        decoder.reserve_host(self.host_capacity + 2 * MAX_DISK_READS)  # and what exports and disk reads hold
         log.info("%s version %s: prefix blocks of %d tokens (%.1f MiB each): %d in %s memory, %d in host memory%s",
                  model, version, self.block, per / 2**20, self.capacity, decoder.device, self.host_capacity,
                  ", then disk" if self.disk else "")
