@@ -71,6 +71,8 @@ class CacheSection:
     group_commit_ms: int = 50          # a put waits up to this long for others to share its transaction
     sweep_interval_s: float = 30.0     # how often expired entries are deleted
     max_ttl_s: int = 0                 # retention: no entry lives longer, whatever its model's TTL; 0 = no cap
+    ttl_jitter: float = 0.1            # each stored entry's TTL less up to this share, at random (L1, the fleet
+                                       # tier and L2): entries written together do not expire together
     encryption_key_file: str = ""      # AES-256-GCM at rest (cachestore/sealing.py); "" = stored in clear
 
 
@@ -120,7 +122,8 @@ class FleetSection:
     breaker_open_s: float = 2.0        # how long it stays open before one call probes Redis again
     lease_ms: int = 10000              # a computing pod's claim on a key; expires if the pod dies
     lease_wait_s: float = 2.0          # longest another pod's computation is waited for before computing
-    ttl_jitter: float = 0.05           # Redis expiry = remaining TTL less up to this share, at random
+    ttl_jitter: float = 0.0            # Redis expiry = the record's remaining TTL (already spread by
+                                       # cache.ttl_jitter) less up to this further share, at random
     refresh_s: float = 5.0             # namespace generations re-read this often (missed broadcasts)
 
 
@@ -282,6 +285,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.cache.max_ttl_s < 0:
         raise ConfigError("cache.max_ttl_s must be >= 0 (0 = no cap beyond each model's TTL)")
+    if not 0 <= config.cache.ttl_jitter < 1:
+        raise ConfigError(f"cache.ttl_jitter must be within 0..1 (a share of each TTL), got {config.cache.ttl_jitter}")
     if config.cache.sweep_interval_s <= 0 or config.cache.write_batch < 1:
         raise ConfigError("cache.sweep_interval_s must be positive and cache.write_batch >= 1 "
                           f"(got {config.cache.sweep_interval_s} and {config.cache.write_batch})")

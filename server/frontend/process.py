@@ -92,7 +92,7 @@ async def _quiesce(servicer: FrontendServicer, limit_s: float) -> None:
 
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,
                  metrics_dir: Path | None = None, tokens_path: Path | None = None) -> None:
-    repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
+    repository = ModelRepository.of(config)
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
                          default_timeout_s=config.server.worker_timeout_s, counters=counters,

@@ -60,6 +60,7 @@ class GeneratePlan:
     only_if_cached: bool
     max_age_us: int
     ns: Namespace
+    ttl_class: str               # the TTL class of what it stores (server/shared/ttl_classes.py)
 
 
 def _template(source: str):
@@ -144,8 +145,9 @@ class Prompts:
         if mode not in Mode.values():
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         deterministic = params.temperature == 0 or params.HasField("seed")
-        cached_at_all = spec.ttl_s > 0 and deterministic and not private  # privacy.pii no_store: never kept
-        max_age_us = spec.ttl_s * 1_000_000
+        ttl_class, ttl_s = spec.ttl_classes.resolve(request.cache.ttl_class, spec.name)
+        cached_at_all = ttl_s > 0 and deterministic and not private  # privacy.pii no_store: never kept
+        max_age_us = ttl_s * 1_000_000
         if request.cache.HasField("max_age_s"):
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
         return GeneratePlan(
@@ -153,7 +155,7 @@ class Prompts:
             key=entry_key(namespace_id(request.tenant, spec.name, version), _canonical(text, params)),
             cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
-            ns=Namespace(request.tenant, spec.name, version))
+            ns=Namespace(request.tenant, spec.name, version), ttl_class=ttl_class)
 
     @staticmethod
     def _holds_pii(request: pb.GenerateRequest) -> bool:

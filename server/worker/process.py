@@ -287,7 +287,8 @@ async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tup
         memory = 0
     ttl_s = min((t for t in (config.l2.ttl_s, config.cache.max_ttl_s) if t), default=0)
     index = (config.l2.memory_mb << 20) if config.l2.enabled else 0
-    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, index_bytes=index, device=device)
+    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, index_bytes=index, device=device,
+                       ttl_jitter=config.cache.ttl_jitter)
     for source, rows in samples.items():
         tier.add_encoder(source, rows)
     return heads, tier
@@ -364,7 +365,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         writer_lost.set()
         stop.set()
     writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", lose_writer))
-    repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
+    repository = ModelRepository.of(config)
     engine_counters: Counter[str] = Counter()
     engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
                                       threads=_engine_threads(config, cpu_workers))
