@@ -17,7 +17,7 @@ from infercache.v1 import infercache_pb2 as pb
 from server.frontend.features import FrontHead
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed, quoted
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
+from server.shared.normalize import Normalizer, holds_pii
 from server.shared.tokenization import TextEncoder
 
 log = logging.getLogger("infercache.frontend")
@@ -181,7 +181,7 @@ class Planner:
                     log.warning("%s version %s: no FEATURE answers in this frontend: %s", spec.name, version, exc)
             found = self._served[(spec.name, version)] = Served(
                 spec, version, encoder, embed_encoder, spec.semantic is not None,
-                Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store",
+                Normalizer.of(spec), spec.pii == "no_store",
                 embedded_by, (head.encoder, head.encoder_version, head.input) if head is not None else None, front)
         return found
 
@@ -261,4 +261,5 @@ class Planner:
         private = served.no_store and holds_pii(text)
         if private:
             self.counters["pii_not_stored"] += 1
-        return Keyed(normalized, entry_key(namespace_id(tenant, spec.name, served.version), normalized), private)
+        ns_id = namespace_id(tenant, spec.name, served.version, spec.key_variant)
+        return Keyed(normalized, entry_key(ns_id, normalized), private)

@@ -22,7 +22,7 @@ from server.frontend.plan import check_identifiers, keep, key_route
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared.normalize import DEFAULT_STEPS, REDACTING_ONLY, REDACTING_STEPS, Normalizer, holds_pii
+from server.shared.normalize import REDACTING_ONLY, Normalizer, holds_pii
 
 Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
@@ -89,7 +89,7 @@ class Prompts:
             tokenizer.no_padding()
             redact = spec.pii == "redact"
             if spec.generation.normalize == "text":
-                normalize = Normalizer(REDACTING_STEPS if redact else DEFAULT_STEPS)
+                normalize = Normalizer.of(spec)
             else:  # as sent, but PII replaced by placeholders where the model says redact
                 normalize = Normalizer(REDACTING_ONLY) if redact else None
             found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize)
@@ -152,7 +152,7 @@ class Prompts:
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
         return GeneratePlan(
             model=model, tenant=request.tenant, ids=ids, params=params,
-            key=entry_key(namespace_id(request.tenant, spec.name, version), _canonical(text, params)),
+            key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant), _canonical(text, params)),
             cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
             ns=Namespace(request.tenant, spec.name, version), ttl_class=ttl_class)

@@ -22,7 +22,8 @@ import yaml
 from server.shared.errors import ModelNotFound
 from server.shared.generation_spec import DECODER_FILE, GENERATION_KEYS, GenerationSpec, generation_from_config
 from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
-from server.shared import ttl_classes
+from server.shared import synonyms as synonym_files, ttl_classes
+from server.shared.synonyms import Synonyms
 from server.shared.ttl_classes import TtlClasses
 
 MODEL_FILE = "model.onnx"
@@ -62,6 +63,13 @@ class ModelSpec:
     hot_key_text: bool = False        # hot_keys.keep_text: GetHotKeys shows the hottest keys' texts
     generation: GenerationSpec | None = None  # task generate: the `generate:` section (server/shared/generation_spec.py)
     ttl_classes: TtlClasses = TtlClasses(((ttl_classes.DEFAULT_CLASS, 0),), ttl_classes.DEFAULT_CLASS)  # cache: classes
+    synonyms: Synonyms | None = None  # normalize.synonyms: the model's dictionary (server/shared/synonyms.py)
+
+    @property
+    def key_variant(self) -> str:
+        """What the namespace of this model's keys holds beyond tenant, model and version: the synonym
+        dictionary's fingerprint (a changed dictionary never serves keys made under the old one)."""
+        return f"synonyms:{self.synonyms.fingerprint}" if self.synonyms is not None else ""
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -114,6 +122,7 @@ KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "privacy": frozenset({"pii"}),
     "l2": frozenset({"share_across_tenants"}),
     "hot_keys": frozenset({"keep_text"}),
+    "normalize": frozenset({"synonyms"}),
     "generate": GENERATION_KEYS,
 }
 
@@ -145,6 +154,18 @@ def _get(data: dict, path: str, kind: type, default: Any = None) -> Any:
         return kind(node)
     except (TypeError, ValueError):
         raise ModelConfigError(f"setting {path!r} must be {kind.__name__}, got {node!r}") from None
+
+
+def _synonyms(root: Path, data: dict, generation: GenerationSpec | None) -> Synonyms | None:
+    name = (data.get("normalize") or {}).get("synonyms")
+    if not name:
+        return None
+    if generation is not None and generation.normalize != "text":
+        raise ModelConfigError("normalize.synonyms needs generate.normalize: text (prompts are otherwise kept as sent)")
+    try:
+        return synonym_files.load(root / str(name))
+    except synonym_files.SynonymError as exc:
+        raise ModelConfigError(f"normalize.synonyms: {exc}") from None
 
 
 def _lifetimes(spec: ModelSpec, max_ttl_s: int, jitter: float) -> ModelSpec:
@@ -190,6 +211,7 @@ def load_model(root: Path) -> ModelSpec:
             versions=tuple(sorted(p.name for p in root.iterdir() if _is_version(p))),
             ttl_s=lifetimes.ttl_s(lifetimes.default),
             ttl_classes=lifetimes,
+            synonyms=_synonyms(root, data, generation),
             precision=str((data.get("engine") or {}).get("precision", "")),
             semantic=policy_from_config(data.get("semantic")),
             pii=str((data.get("privacy") or {}).get("pii", "off")),
