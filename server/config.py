@@ -125,6 +125,10 @@ class FleetSection:
     ttl_jitter: float = 0.0            # Redis expiry = the record's remaining TTL (already spread by
                                        # cache.ttl_jitter) less up to this further share, at random
     refresh_s: float = 5.0             # namespace generations re-read this often (missed broadcasts)
+    key_filter_keys: int = 1_000_000   # the pod's Bloom filter of fleet keys (server/fleet/key_filter.py): keys
+                                       # it is sized for; a miss it rules out skips the lookup. 0 = off
+    key_filter_fp: float = 0.01        # its false-positive rate at that many keys (each: one lookup for nothing)
+    key_filter_refresh_s: float = 60.0  # rebuilt from a SCAN of the fleet's keys this often (drops expired ones)
 
 
 @dataclass(frozen=True)
@@ -299,6 +303,9 @@ def validate(config: Config) -> None:
         raise ConfigError("fleet.timeout_ms, write_timeout_ms, lease_ms and refresh_s must be positive")
     if not 0 <= fleet.ttl_jitter < 1:
         raise ConfigError(f"fleet.ttl_jitter must be within 0..1, got {fleet.ttl_jitter}")
+    if fleet.key_filter_keys < 0 or not 0 < fleet.key_filter_fp < 0.5 or fleet.key_filter_refresh_s <= 0:
+        raise ConfigError("fleet.key_filter_keys must be >= 0 (0 = off), key_filter_fp within 0..0.5 (exclusive) "
+                          "and key_filter_refresh_s positive")
     if fleet.breaker_failures < 1 or fleet.lease_wait_s < 0 or fleet.breaker_open_s < 0:
         raise ConfigError("fleet.breaker_failures must be >= 1, lease_wait_s and breaker_open_s >= 0")
     l2 = config.l2

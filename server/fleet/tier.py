@@ -47,7 +47,7 @@ from cachestore.records import Record
 from cachestore.sealing import KeyRing
 from cachestore.results import now_us
 from server.config import Config, FleetSection
-from server.fleet import generations
+from server.fleet import generations, key_filter
 from server.fleet.generations import Generations, ns_hex
 from server.fleet.link import FleetUnavailable, Link, describe, subscriber
 
@@ -71,13 +71,27 @@ if redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
 return {0}"""
 
 
-def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None
-          ) -> FleetTier | None:
-    """The tier of this process when `fleet.redis` is set (None otherwise), started on the running loop."""
+def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None,
+          filter_dir: Path | None = None, filter_role: str = "") -> FleetTier | None:
+    """The tier of this process when `fleet.redis` is set (None otherwise), started on the running loop.
+    With fleet.key_filter_keys, the pod's key filter in `filter_dir` (key_filter.py): filter_role
+    "reader" (a frontend: lookups ask it first) or "owner" (worker 0: keeps it); every worker publishes
+    the keys it writes."""
     if not config.fleet.redis:
         return None
     tier = FleetTier(config.fleet, KeyRing(config.secrets.keys) if config.secrets.keys else None, purge, state_path)
     tier.start()
+    if config.fleet.key_filter_keys and filter_dir is not None:
+        path = filter_dir / key_filter.FILE_NAME
+        if filter_role == "reader":
+            tier.filter = key_filter.Reader(path, tier.counters)
+        else:
+            tier.publishing = True
+            if filter_role == "owner":
+                s = config.fleet
+                tier.filter_owner = key_filter.Owner(path, tier.gens, s.redis, tier.link, s.key_filter_keys,
+                                                     s.key_filter_fp, s.key_filter_refresh_s, tier.counters)
+                tier.filter_owner.start()
     return tier
 
 
@@ -105,6 +119,9 @@ class FleetTier:
         self._sending = False                # a pipeline is out
         self._sender: asyncio.Task | None = None
         self._known = False  # generations known from before (a file, or a sync): changes since are purged
+        self.filter: key_filter.Reader | None = None       # a frontend's view of the pod's key filter
+        self.filter_owner: key_filter.Owner | None = None  # worker 0 keeps it
+        self.publishing = False  # workers: each write pipeline publishes the keys it wrote (key_filter.py)
 
     # ---- life ----------------------------------------------------------------------------------------
 
@@ -136,6 +153,10 @@ class FleetTier:
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
+        if self.filter_owner is not None:
+            await self.filter_owner.close()
+        if self.filter is not None:
+            self.filter.close()
         if self.link is not None:
             await self.link.close()
 
@@ -183,9 +204,14 @@ class FleetTier:
             self._sending = False
 
     async def get(self, key: bytes, ns: Namespace, max_age_us: int | None) -> Record | None:
-        """The fresh record of `key` in the fleet, or None (absent, stale, unreadable, or Redis failing)."""
+        """The fresh record of `key` in the fleet, or None (absent, stale, unreadable, or Redis failing, or
+        the pod's key filter rules it out: no round trip)."""
+        name = self.gens.value_key(key, ns)
+        if self.filter is not None and self.filter.absent(name):
+            self.counters["key_filter_skipped"] += 1
+            return None
         try:
-            raw = await self._ask("get", self.gens.value_key(key, ns))
+            raw = await self._ask("get", name)
         except FleetUnavailable:
             return None
         return self._record(key, raw, max_age_us, "misses")
@@ -260,8 +286,8 @@ class FleetTier:
             expiry_ms = max(1, remaining_ms - int(remaining_ms * random.uniform(0, self.settings.ttl_jitter)))
         hex_ns = ns_hex(key)
         register = None if hex_ns in self._registered else (hex_ns, ns.to_json())
-        self._queue(("set", self.gens.value_key(key, ns), records.encode(record, key, self.ring), expiry_ms,
-                     lease_key, register))
+        name = self.gens.value_key(key, ns)
+        self._queue(("set", name, records.encode(record, key, self.ring), expiry_ms, lease_key, register))
 
     def release(self, key: bytes, ns: Namespace) -> None:
         """Drops this pod's lease on a key it will not write (the computation failed, or was not stored)."""
@@ -281,18 +307,22 @@ class FleetTier:
             await asyncio.sleep(0)  # the replies of this loop turn leave first
             batch, self.pending = self.pending[:WRITE_BATCH], self.pending[WRITE_BATCH:]
             pipe = self.link.redis.pipeline(transaction=False)
-            registered = []
+            registered, written = [], []
             for op in batch:
                 if op[0] == "release":
                     pipe.eval(RELEASE, 1, op[1], self.origin)
                     continue
                 _, value_key, value, expiry_ms, lease_key, register = op
                 pipe.set(value_key, value, px=expiry_ms)
+                if self.publishing:
+                    written.append(key_filter.digest(value_key))
                 if lease_key is not None:
                     pipe.eval(RELEASE, 1, lease_key, self.origin)
                 if register is not None:
                     pipe.hsetnx(self.gens.namespaces_key, *register)
                     registered.append(register[0])
+            if written:  # after the SETs, in the same pipeline: a pod hears of a key once it is there
+                pipe.publish(self.gens.keys_channel, b"".join(written))
             try:
                 await self.link.call(pipe.execute, budget=self.settings.write_timeout_ms / 1000)
             except FleetUnavailable:

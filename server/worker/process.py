@@ -294,17 +294,19 @@ async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tup
     return heads, tier
 
 
-def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
+def _fleet_tier(config: Config, writer: WriterProcess | None, index: int, socket_dir: Path):
     """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Each worker purges
     other pods' invalidations through its own writer (which then refuses entries created before them);
-    worker 0 keeps the generations the host's L1 reflects."""
+    worker 0 keeps the generations the host's L1 reflects, and the pod's key filter (in the socket folder,
+    server/fleet/key_filter.py)."""
     if not config.fleet.redis:
         return None
     from server.fleet import tier
 
     keeper = index == 0 and writer is not None
     return tier.start(config, purge=writer.invalidate if writer is not None else None,
-                      state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
+                      state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None,
+                      filter_dir=socket_dir, filter_role="owner" if index == 0 else "publisher")
 
 
 def _generative(repository: ModelRepository, threads: int, gpu: bool) -> dict[tuple[str, str], GenerativeRuntime]:
@@ -381,7 +383,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
     generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers),
                                         placement.gpu is not None)
-    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features,
+    fleet = _fleet_tier(config, writer, placement.index, socket_path.parent)
+    core = WorkerCore(repository, runtimes, writer, tier, fleet, features,
                       generative)
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
