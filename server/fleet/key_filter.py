@@ -23,6 +23,8 @@ What each error costs, and which the design allows:
   its GET. The worker's lease step (TAKE, tier.py) still finds the record, so a request that stores
   answers RESULT_FLEET with no recompute; a NO_STORE request, which takes no lease, computes once.
   Allowed, only in those windows: a lost subscription makes the filter stale until a rebuild.
+  ONLY_IF_CACHED requests never ask the filter (no model run waits behind their lookup, and a false
+  negative would refuse them).
 """
 
 from __future__ import annotations

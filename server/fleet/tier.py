@@ -203,11 +203,12 @@ class FleetTier:
         finally:
             self._sending = False
 
-    async def get(self, key: bytes, ns: Namespace, max_age_us: int | None) -> Record | None:
+    async def get(self, key: bytes, ns: Namespace, max_age_us: int | None, filtered: bool = True) -> Record | None:
         """The fresh record of `key` in the fleet, or None (absent, stale, unreadable, or Redis failing, or
-        the pod's key filter rules it out: no round trip)."""
+        the pod's key filter rules it out: no round trip). filtered=False: looked up whatever the filter
+        says (ONLY_IF_CACHED, where no model run waits behind the lookup and a miss is an error)."""
         name = self.gens.value_key(key, ns)
-        if self.filter is not None and self.filter.absent(name):
+        if filtered and self.filter is not None and self.filter.absent(name):
             self.counters["key_filter_skipped"] += 1
             return None
         try:
@@ -321,8 +322,6 @@ class FleetTier:
                 if register is not None:
                     pipe.hsetnx(self.gens.namespaces_key, *register)
                     registered.append(register[0])
-            if written:  # after the SETs, in the same pipeline: a pod hears of a key once it is there
-                pipe.publish(self.gens.keys_channel, b"".join(written))
             try:
                 await self.link.call(pipe.execute, budget=self.settings.write_timeout_ms / 1000)
             except FleetUnavailable:
@@ -330,6 +329,12 @@ class FleetTier:
                 continue
             self.counters["writes"] += len(batch)
             self._registered.update(registered)
+            if written:  # once the SETs are done: a pod hears of a key once it is there (a cluster
+                try:     # pipeline cannot carry a PUBLISH)
+                    await self.link.call(self.link.redis.publish, self.gens.keys_channel, b"".join(written),
+                                         budget=self.settings.write_timeout_ms / 1000)
+                except FleetUnavailable:  # those keys reach the other pods' filters at their next rebuild
+                    self.counters["key_broadcasts_dropped"] += 1
 
     # ---- invalidation ------------------------------------------------------------------------------------
 

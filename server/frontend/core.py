@@ -117,7 +117,7 @@ class FrontendCore:
         None (and the worker need not look again)."""
         if not plan.cached_ok or keyed.private:
             return None
-        record = await self.fleet.get(keyed.key, plan.ns, plan.max_age_us)
+        record = await self.fleet.get(keyed.key, plan.ns, plan.max_age_us, filtered=plan.mode != ONLY_IF_CACHED)
         if record is None:
             return None
         self.counters["hit_fleet"] += 1
