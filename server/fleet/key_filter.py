@@ -199,27 +199,25 @@ class Owner:
             self.counters["key_filter_added"] += found.add(digests)
 
     async def _run(self) -> None:
-        from server.fleet.link import subscriber
+        from server.fleet.link import subscribed
 
         attempt = 0
         while True:
-            client = subscriber(self.redis_url, attempt)
-            pubsub = client.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
-                await self._rebuild()  # after subscribing: no broadcast from here on is missed
-                loop = asyncio.get_running_loop()
-                rebuild_at = stamp_at = loop.time()
-                while True:
-                    if loop.time() >= stamp_at:
-                        self._stamp(time.time_ns() // 1000)
-                        stamp_at = loop.time() + STAMP_EVERY_S
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=STAMP_EVERY_S / 2)
-                    if message is not None and message.get("type") == "message":
-                        self.heard(message["data"])
-                    if loop.time() - rebuild_at >= self.refresh_s:
-                        await self._rebuild()
-                        rebuild_at = loop.time()
+                async with subscribed(self.redis_url, self.channel, attempt, RETRY_S * 2) as pubsub:
+                    await self._rebuild()  # after subscribing: no broadcast from here on is missed
+                    loop = asyncio.get_running_loop()
+                    rebuild_at = stamp_at = loop.time()
+                    while True:
+                        if loop.time() >= stamp_at:
+                            self._stamp(time.time_ns() // 1000)
+                            stamp_at = loop.time() + STAMP_EVERY_S
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=STAMP_EVERY_S / 2)
+                        if message is not None and message.get("type") == "message":
+                            self.heard(message["data"])
+                        if loop.time() - rebuild_at >= self.refresh_s:
+                            await self._rebuild()
+                            rebuild_at = loop.time()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -228,12 +226,6 @@ class Owner:
                 log.warning("fleet key filter: %r; not used until it is rebuilt", exc)
                 attempt += 1
                 await asyncio.sleep(RETRY_S)
-            finally:
-                for closing in (pubsub, client):
-                    try:
-                        await closing.aclose()
-                    except Exception:
-                        pass
 
     async def _rebuild(self) -> None:
         """A new filter of every fleet key (SCAN), plus what was heard meanwhile, then in place of the old."""

@@ -49,7 +49,7 @@ from cachestore.results import now_us
 from server.config import Config, FleetSection
 from server.fleet import generations, key_filter
 from server.fleet.generations import Generations, ns_hex
-from server.fleet.link import FleetUnavailable, Link, describe, subscriber
+from server.fleet.link import FleetUnavailable, Link, describe, subscribed
 
 log = logging.getLogger("infercache.fleet")
 
@@ -368,24 +368,21 @@ class FleetTier:
         loop = asyncio.get_running_loop()
         attempt = 0
         while True:
-            client = subscriber(self.settings.redis, attempt)
-            pubsub = client.pubsub()
             try:
-                async with asyncio.timeout(RESYNC_BUDGET_S):
-                    await pubsub.subscribe(self.gens.channel)
-                await self._resync()  # after subscribing: nothing published from here on is missed
-                if not self.ready:
-                    log.info("fleet tier subscribed; generations of %d selectors", len(self.gens.values))
-                self.ready = True
-                refresh_at = loop.time() + self.settings.refresh_s
-                while True:
-                    wait = max(0.0, min(1.0, refresh_at - loop.time()))
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-                    if message is not None and message.get("type") == "message":
-                        await self._on_broadcast(message["data"])
-                    if loop.time() >= refresh_at:
-                        await self._resync()
-                        refresh_at = loop.time() + self.settings.refresh_s
+                async with subscribed(self.settings.redis, self.gens.channel, attempt, RESYNC_BUDGET_S) as pubsub:
+                    await self._resync()  # after subscribing: nothing published from here on is missed
+                    if not self.ready:
+                        log.info("fleet tier subscribed; generations of %d selectors", len(self.gens.values))
+                    self.ready = True
+                    refresh_at = loop.time() + self.settings.refresh_s
+                    while True:
+                        wait = max(0.0, min(1.0, refresh_at - loop.time()))
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                        if message is not None and message.get("type") == "message":
+                            await self._on_broadcast(message["data"])
+                        if loop.time() >= refresh_at:
+                            await self._resync()
+                            refresh_at = loop.time() + self.settings.refresh_s
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -395,12 +392,6 @@ class FleetTier:
                 self.counters["resubscribes"] += 1
                 attempt += 1
                 await asyncio.sleep(RETRY_S)
-            finally:
-                for closing in (pubsub, client):
-                    try:
-                        await closing.aclose()
-                    except Exception:
-                        pass
 
     async def _resync(self) -> None:
         async with asyncio.timeout(RESYNC_BUDGET_S):
