@@ -3,8 +3,9 @@
 The dictionary is mined from the Banking77 train split itself (`mine`), so that nothing hand-picked
 flatters it: two texts of the same intent that differ in one span only ("how do i get my money back" /
 "how do i get a refund") make that pair of spans (up to MAX_SPAN words each) a candidate; a pair seen in
-at least MIN_PAIRS distinct text pairs is kept; kept pairs join into groups, and each group's most
-frequent phrase in the split becomes its canonical form. Entries that `problems` objects to are dropped,
+at least MIN_PAIRS distinct text pairs is kept, unless swapping its spans turns some text of the split
+into another text of another intent; kept pairs join into groups, and each group's most frequent phrase
+in the split becomes its canonical form. Entries that `problems` objects to are dropped,
 the most recently added first, until none is left. The labels only pick candidates: replaying counts a
 hit whose stored text had another intent as a wrong hit.
 
@@ -18,6 +19,7 @@ alternating, medians.
 from __future__ import annotations
 
 import csv
+import re
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -69,8 +71,12 @@ def mine(rows: list[tuple[str, str]]) -> str:
             x = parent[x]
         return x
 
+    intents: dict[str, set[str]] = defaultdict(set)  # normalized text -> the intents it was labelled with
+    for label, texts in by_label.items():
+        for words in texts:
+            intents[" ".join(words)].add(label)
     for (a, b), seen in pairs.items():
-        if seen >= MIN_PAIRS:
+        if seen >= MIN_PAIRS and not _joins_intents(a, b, intents):
             parent[root(a)] = root(b)
     groups: dict[str, list[str]] = defaultdict(list)
     for phrase in parent:
@@ -85,6 +91,16 @@ def mine(rows: list[tuple[str, str]]) -> str:
             return "\n".join(lines) + "\n"
         worst = max(int(p.split(":", 2)[1]) for p in found)
         del lines[worst - 1]
+
+
+def _joins_intents(a: str, b: str, intents: dict[str, set[str]]) -> bool:
+    """Whether swapping phrase a for b (or b for a) in a text of the split gives a text of another intent."""
+    for x, y in ((a, b), (b, a)):
+        pattern = re.compile(rf"(?<!\S){re.escape(x)}(?!\S)")
+        for text, labels in intents.items():
+            if x in text and (other := intents.get(pattern.sub(y, text))) is not None and other != labels:
+                return True
+    return False
 
 
 def replay(rows: list[tuple[str, str]], normalize: Normalizer, variant: str = "") -> dict:
