@@ -80,11 +80,11 @@ def _positions_many(digests: np.ndarray, m: int, k: int) -> np.ndarray:
 
 
 class Bits:
-    """A filter's bits in memory (numpy), as the owner builds them."""
+    """A filter's bits (numpy): in memory as the owner builds them, or `array`, a view of its file."""
 
-    def __init__(self, m: int, k: int) -> None:
+    def __init__(self, m: int, k: int, array: np.ndarray | None = None) -> None:
         self.m, self.k = m, k
-        self.array = np.zeros((m + 7) // 8, dtype=np.uint8)
+        self.array = np.zeros((m + 7) // 8, dtype=np.uint8) if array is None else array
 
     def add(self, digests: bytes) -> int:
         """Sets the bits of concatenated 16-byte digests; how many digests."""
@@ -168,8 +168,7 @@ class Owner:
         self.refresh_s = refresh_s
         self.counters = counters
         self._map: mmap.mmap | None = None
-        self._bits: np.ndarray | None = None
-        self._building: list[bytes] | None = None  # digests heard while a rebuild scans
+        self._live: Bits | None = None  # the bits of the file in place (a view of its map)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -182,7 +181,7 @@ class Owner:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._stamp(0)
-        self._bits = None
+        self._live = None
         if self._map is not None:
             self._map.close()
 
@@ -191,12 +190,8 @@ class Owner:
         if len(digests) % 16:
             self.counters["key_filter_unreadable"] += 1
             return
-        if self._building is not None:
-            self._building.append(digests)
-        if self._bits is not None:
-            found = Bits(self.m, self.k)
-            found.array = self._bits
-            self.counters["key_filter_added"] += found.add(digests)
+        if self._live is not None:
+            self.counters["key_filter_added"] += self._live.add(digests)
 
     async def _run(self) -> None:
         from server.fleet.link import subscribed
@@ -217,7 +212,7 @@ class Owner:
                             self.heard(message["data"])
                         if loop.time() - rebuild_at >= self.refresh_s:
                             await self._rebuild()
-                            rebuild_at = loop.time()
+                            rebuild_at = stamp_at = loop.time()  # (a new file starts unstamped)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -228,48 +223,45 @@ class Owner:
                 await asyncio.sleep(RETRY_S)
 
     async def _rebuild(self) -> None:
-        """A new filter of every fleet key (SCAN), plus what was heard meanwhile, then in place of the old."""
+        """A new filter of every fleet key (SCAN), then in place of the old. Broadcasts that arrive
+        meanwhile wait in the subscription and are added to the new one."""
         started = time.monotonic()
-        self._building = []
         fresh = Bits(self.m, self.k)
         count = 0
-        try:
-            batch: list[bytes] = []
-            async for name in self.link.redis.scan_iter(match=self.pattern, count=SCAN_COUNT):
-                batch.append(digest(name.decode() if isinstance(name, bytes) else name))
-                if len(batch) >= SCAN_COUNT:
-                    count += fresh.add(b"".join(batch))
-                    batch = []
-            count += fresh.add(b"".join(batch))
-            for heard in self._building:
-                fresh.add(heard)
-        finally:
-            self._building = None
-        self._install(fresh.array)
+        batch: list[bytes] = []
+        async for name in self.link.redis.scan_iter(match=self.pattern, count=SCAN_COUNT):
+            batch.append(digest(name.decode() if isinstance(name, bytes) else name))
+            if len(batch) >= SCAN_COUNT:
+                count += fresh.add(b"".join(batch))
+                batch = []
+        count += fresh.add(b"".join(batch))
+        fill = await asyncio.to_thread(self._write, fresh.array)  # (a large filter's file: off the loop)
+        self._map_file()
         self.counters["key_filter_rebuilds"] += 1
         self.counters["key_filter_keys_scanned"] = count
+        # (past about half, the filter holds more keys than it was sized for: its false positives grow)
+        self.counters["key_filter_fill_permille"] = fill
         log.debug("fleet key filter rebuilt from %d keys in %.2f s", count, time.monotonic() - started)
 
-    def _install(self, array: np.ndarray) -> None:
-        """Writes the file anew and renames it into place (readers re-map it), then keeps it mapped."""
+    def _write(self, array: np.ndarray) -> int:
+        """The new file, renamed into place (readers re-map it); its bits set, per thousand."""
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(HEADER.pack(MAGIC, self.m, self.k, 0, 0))
             f.write(array.tobytes())
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
+        return int(1000 * np.unpackbits(array).mean())
+
+    def _map_file(self) -> None:
+        """Maps the file in place, whose bits `heard` sets from now on."""
         with open(self.path, "r+b") as f:
             mapped = mmap.mmap(f.fileno(), 0)
         old, self._map = self._map, mapped
-        self._bits = np.frombuffer(mapped, dtype=np.uint8, offset=HEADER.size)  # (the old view goes first)
-        if old is not None:
+        self._live = Bits(self.m, self.k, np.frombuffer(mapped, dtype=np.uint8, offset=HEADER.size))
+        if old is not None:  # (its view went with the old Bits)
             old.close()
 
     def _stamp(self, value: int) -> None:
         if self._map is not None:
             struct.pack_into("<q", self._map, STAMP_OFFSET, value)
-
-    def fill(self) -> float:
-        """The share of bits set (a filter past its capacity has more, and more false positives)."""
-        return float(np.unpackbits(self._bits).mean()) if self._bits is not None else 0.0
-

@@ -100,7 +100,7 @@ class FrontendCore:
             return "store_error"
         reason = self._l1.cache.missed_because
         if reason == "too_old" and plan.max_age_us >= plan.ttl_us:
-            return "expired"  # the class's TTL cut it (shorter than the storing class's, or lowered), not the request
+            return "expired"  # the class's TTL cut it (shorter than the storing class's, or lowered)
         return reason
 
     def _seen(self, plan: Plan, keyed: list[Keyed]) -> None:
@@ -117,7 +117,8 @@ class FrontendCore:
         None (and the worker need not look again)."""
         if not plan.cached_ok or keyed.private:
             return None
-        record = await self.fleet.get(keyed.key, plan.ns, plan.max_age_us, filtered=plan.mode != ONLY_IF_CACHED)
+        record = await self.fleet.get(keyed.key, plan.ns, plan.max_age_us,
+                                      filtered=plan.mode != ONLY_IF_CACHED)
         if record is None:
             return None
         self.counters["hit_fleet"] += 1

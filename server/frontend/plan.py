@@ -246,7 +246,8 @@ class Planner:
         return Plan(
             served=self.served(spec, version), tenant=request.tenant, mode=mode,
             cached_ok=mode != Mode.BYPASS and cached_at_all, store=cached_at_all and mode != Mode.NO_STORE,
-            max_age_us=max_age_us, ttl_class=ttl_class, ttl_us=ttl_s * 1_000_000, semantic=_copied(request.semantic) if request.HasField("semantic") else None,
+            max_age_us=max_age_us, ttl_class=ttl_class, ttl_us=ttl_s * 1_000_000,
+            semantic=_copied(request.semantic) if request.HasField("semantic") else None,
             ns=Namespace(request.tenant, spec.name, version),
         )
 

@@ -152,7 +152,8 @@ class Prompts:
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
         return GeneratePlan(
             model=model, tenant=request.tenant, ids=ids, params=params,
-            key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant), _canonical(text, params)),
+            key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant),
+                          _canonical(text, params)),
             cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
             ns=Namespace(request.tenant, spec.name, version), ttl_class=ttl_class)

@@ -62,7 +62,8 @@ class ModelSpec:
                                       # are keyed without the tenant (the text alone decides them)
     hot_key_text: bool = False        # hot_keys.keep_text: GetHotKeys shows the hottest keys' texts
     generation: GenerationSpec | None = None  # task generate: the `generate:` section (server/shared/generation_spec.py)
-    ttl_classes: TtlClasses = TtlClasses(((ttl_classes.DEFAULT_CLASS, 0),), ttl_classes.DEFAULT_CLASS)  # cache: classes
+    # cache.classes (server/shared/ttl_classes.py); load_model sets it, with cache.ttl_s as one class
+    ttl_classes: TtlClasses = TtlClasses(((ttl_classes.DEFAULT_CLASS, 0),), ttl_classes.DEFAULT_CLASS)
     synonyms: Synonyms | None = None  # normalize.synonyms: the model's dictionary (server/shared/synonyms.py)
 
     @property

@@ -73,7 +73,12 @@ class TtlClasses:
             ttl_us = self.ttl_s(name) * 1_000_000
         except KeyError:
             ttl_us = self.ttl_s(self.default) * 1_000_000
-        return created_us + ttl_us - int(ttl_us * self.jitter * random.random())
+        return jittered(created_us, ttl_us, self.jitter)
+
+
+def jittered(created_us: int, ttl_us: int, jitter: float) -> int:
+    """An expiry `ttl_us` after `created_us`, less up to `jitter` of it at random (cache.ttl_jitter)."""
+    return created_us + ttl_us - int(ttl_us * jitter * random.random())
 
 
 def from_config(cache: dict | None) -> TtlClasses:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import Counter
 
 import numpy as np
@@ -32,6 +31,7 @@ from cachestore.errors import CorruptRecord
 from cachestore.keys import Namespace, Selector
 from cachestore.results import ResultCache, now_us
 from server.shared.feature_records import Source, decode, encode, feature_tenant, storage_dtype
+from server.shared.ttl_classes import jittered
 from server.worker.feature_lru import DeviceRow, FeatureLRU
 from server.worker.writer import WriterProcess
 
@@ -138,7 +138,7 @@ class FeatureTier:
     def _expires(self, created_us: int) -> int:
         if not self.ttl_us:
             return 0
-        return created_us + self.ttl_us - int(self.ttl_us * self.ttl_jitter * random.random())
+        return jittered(created_us, self.ttl_us, self.ttl_jitter)
 
     def _remember(self, encoder: _Encoder, ns: Namespace, key: bytes, vector: np.ndarray, created_us: int) -> None:
         try:
