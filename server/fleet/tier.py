@@ -9,7 +9,9 @@ A frontend looks an L1 miss up here (`get`) before sending it to a worker; a wor
    for that pod's result and, when its lease lapsed without one (the pod died), takes the lease over:
    one waiter computes instead of all of them. The wait is bounded (`fleet.lease_wait_s`).
 3. `put`: a computed result goes to Redis behind the reply, in pipelined batches, with the entry's
-   remaining TTL (less a random jitter) as its expiry; the lease is dropped in the same pipeline.
+   remaining TTL (which cache.ttl_jitter spread when the record was made; fleet.ttl_jitter may take a
+   further share) as its expiry; the lease is dropped in the same pipeline. Each pipeline's keys are
+   then published for the pods' key filters (key_filter.py).
 
 Invalidations bump a generation (or delete one key) and are broadcast; every pod's subscription
 (`_follow`) advances its generations and purges the same range from its own L1. A pod that was
