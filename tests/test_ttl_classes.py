@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -16,7 +18,7 @@ from server.shared import ttl_classes
 from server.shared.models import ModelConfigError, load_model
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, unique, wait_cached
-from tests.servers import free_port
+from tests.servers import REPO, free_port
 
 CLASSES = "cache:\n  classes: {static: 3600, dynamic: 2, realtime: 0}\n  default_class: static\n"
 CLASSY_CONFIG = MINILM_CONFIG.split("cache:")[0] + CLASSES
@@ -82,6 +84,9 @@ def test_a_request_picks_its_class_and_the_store_counts_entries_by_class(start_s
         assert client.infer("classy", static, ttl_class="dynamic", mode="NO_STORE").source == "MISS"
         # The sweep (every second in tests) removes the expired entry, and its class's count goes with it.
         assert _until(lambda: dict(server.stats().store.entries_by_class) == {"static": 1})
+    shown = subprocess.run([sys.executable, "-m", "server", "cache", "stats", "--cache-dir", str(server.cache_dir)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "1 entries (by TTL class: static 1)" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_the_retention_cap_caps_every_class(start_server, classy_models):
