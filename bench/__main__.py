@@ -294,9 +294,6 @@ def main() -> None:
                              "installed; else Python) or Python (grpc.aio)")
     parser.add_argument("--generate-models", default="llama3-8b,smollm2-135m",
                         help="generate section on a GPU host: the random-weight model shapes, comma-separated")
-    parser.add_argument("--generate-attention", default="matmul",
-                        help="generate section on a GPU host: the raw loop's attention (matmul, sdpa; comma-separated "
-                             "to compare; the first is the baseline)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     missing = banking77_missing()
@@ -391,9 +388,9 @@ def main() -> None:
 
                 print("benchmarking generation on the GPU (the server against the engine's raw decode loop) ...",
                       flush=True)
-                report["generate"] = bench_generate_gpu(workdir / "generate", rounds, args.quick,
-                                                        tuple(args.generate_models.split(",")),
-                                                        tuple(args.generate_attention.split(",")))
+                report["generate"] = {}
+                bench_generate_gpu(workdir / "generate", rounds, args.quick, tuple(args.generate_models.split(",")),
+                                   report=report["generate"], checkpoint=save)
                 print_generate_gpu(report["generate"])
             else:
                 from bench.generate import bench_generate, print_generate

@@ -16,7 +16,8 @@ For each model, N in `STREAMS`:
   processes over several connections; each message's arrival time is recorded. Aggregate decode tokens/s:
   the tokens received while all N streams were decoding (from the last stream's first token to the first
   stream's end) over that window. TTFT p50/p99 from the calls' start. Waves alternate `rounds` times;
-  medians. Also the GPU's busy fraction (nvidia-smi) and the server's CPU seconds per token by role.
+  medians. Also the GPU's busy fraction (nvidia-smi) in that window and the server's CPU seconds per token by
+  role.
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ CHANNELS_PER_PROCESS = 4
 
 
 def _architecture(name: str):
-    from server.engines.llama import LLAMA3_8B, SMOLLM2_135M
+    from server.engines.llama import LLAMA3_8B, SMOLLM2_135M, LlamaArchitecture
 
-    return {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M}[name]
+    tiny = LlamaArchitecture(vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                             rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True, max_positions=2048)
+    return {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M, "tiny": tiny}[name]
 
 
-def write_random_model(root: Path, name: str, max_streams: int) -> Path:
-    """A model repository entry with random bf16 weights of the named shape, made on the GPU."""
+def write_random_model(root: Path, name: str, max_streams: int, device: str = "cuda") -> Path:
+    """A model repository entry with random weights of the named shape ("tiny": the tests' dry run on a
+    CPU, served by the torch decoder there), bf16, made on `device`."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -62,7 +66,7 @@ def write_random_model(root: Path, name: str, max_streams: int) -> Path:
     version = root / name / "1"
     version.mkdir(parents=True)
     started = time.perf_counter()
-    state = {k: v.cpu() for k, v in random_weights(arch, torch.bfloat16, "cuda", seed=1).items()}
+    state = {k: v.cpu() for k, v in random_weights(arch, torch.bfloat16, device, seed=1).items()}
     save_file(state, str(version / DECODER_WEIGHTS_FILE))
     del state
     write_architecture(version, arch, {"source": "random weights (benchmark)"})
@@ -74,7 +78,8 @@ def write_random_model(root: Path, name: str, max_streams: int) -> Path:
     (root / name / "config.yaml").write_text(
         "task: generate\nserving_version: \"1\"\n"
         f"generate: {{context_length: {CONTEXT}, max_new_tokens: {NEW_TOKENS}, max_streams: {max_streams}, "
-        f"max_waiting: {4 * max_streams}, prefill_tokens: {PREFILL_TOKENS}}}\n"
+        f"max_waiting: {4 * max_streams}, prefill_tokens: {PREFILL_TOKENS}"
+        f"{'' if device == 'cuda' else ', runtime: torch'}}}\n"
         "cache: {ttl_s: 600}\n")
     print(f"  {name}: {arch.parameters() / 1e9:.2f}B random bf16 weights written in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
@@ -86,8 +91,8 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
 
 
-def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ...], out) -> None:
-    """In a child process: the engine's prefill time and raw decode loop for each N (and attention)."""
+def _raw_child(version: str, streams: tuple[int, ...], device: str, out) -> None:
+    """In a child process: the engine's prefill time and raw decode loop for each N."""
     import torch
 
     from server.engines import torch_decoder
@@ -95,45 +100,39 @@ def _raw_child(version: str, streams: tuple[int, ...], attentions: tuple[str, ..
     from server.engines.llama import LlamaArchitecture
 
     arch = LlamaArchitecture.read(Path(version))
-    results = {}
-    for attention in attentions:
-        decoder = torch_decoder.load(Path(version), max(streams), CONTEXT, "cuda", attention=attention)
-        rows = {"capture_s": round(decoder.capture_s, 2)}
-        for n in streams:
-            prompts = _prompts(n, arch.vocab, seed=n)
-            chunks = [Chunk(i, p, 0, last=True) for i, p in enumerate(prompts)]
-            prefill = []
-            for _ in range(3):
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                step, budget = Step(), PREFILL_TOKENS
-                for chunk in chunks:  # prompts in steps of at most PREFILL_TOKENS tokens, as the server reads them
-                    step.chunks.append(chunk)
-                    budget -= len(chunk.ids)
-                    if budget <= 0:
-                        decoder.collect(decoder.launch(step))
-                        step, budget = Step(), PREFILL_TOKENS
-                if step:
+    decoder = torch_decoder.load(Path(version), max(streams), CONTEXT, device)
+    rows = {"capture_s": round(decoder.capture_s, 2)}
+    for n in streams:
+        chunks = [Chunk(i, p, 0, last=True) for i, p in enumerate(_prompts(n, arch.vocab, seed=n))]
+        prefill = []
+        for _ in range(3):
+            started = time.perf_counter()
+            step, budget = Step(), PREFILL_TOKENS
+            for chunk in chunks:  # prompts in steps of at most PREFILL_TOKENS tokens, as the server reads them
+                step.chunks.append(chunk)
+                budget -= len(chunk.ids)
+                if budget <= 0:
                     decoder.collect(decoder.launch(step))
-                prefill.append(time.perf_counter() - started)
-            decode = [decoder.raw_decode_loop(n, NEW_TOKENS - 1, PROMPT_TOKENS) for _ in range(3)]
-            seconds = statistics.median(decode)
-            rows[str(n)] = {"prefill_s": round(statistics.median(prefill), 4),
-                            "decode_s": round(seconds, 4),
-                            "decode_tokens_per_s": round(n * (NEW_TOKENS - 1) / seconds, 1),
-                            "step_ms": round(1000 * seconds / (NEW_TOKENS - 1), 3)}
-            print(f"    raw {attention} N={n}: prefill {rows[str(n)]['prefill_s'] * 1000:.1f} ms, "
-                  f"{rows[str(n)]['decode_tokens_per_s']:.0f} tok/s ({rows[str(n)]['step_ms']:.2f} ms/step)", flush=True)
-        results[attention] = rows
-        del decoder
+                    step, budget = Step(), PREFILL_TOKENS
+            if step:
+                decoder.collect(decoder.launch(step))
+            prefill.append(time.perf_counter() - started)
+        seconds = statistics.median(decoder.raw_decode_loop(n, NEW_TOKENS - 1, PROMPT_TOKENS) for _ in range(3))
+        rows[str(n)] = {"prefill_s": round(statistics.median(prefill), 4), "decode_s": round(seconds, 4),
+                        "decode_tokens_per_s": round(n * (NEW_TOKENS - 1) / seconds, 1),
+                        "step_ms": round(1000 * seconds / (NEW_TOKENS - 1), 3)}
+        print(f"    raw N={n}: prefill {rows[str(n)]['prefill_s'] * 1000:.1f} ms, "
+              f"{rows[str(n)]['decode_tokens_per_s']:.0f} tok/s ({rows[str(n)]['step_ms']:.2f} ms/step)", flush=True)
+    del decoder
+    if device == "cuda":
         torch.cuda.empty_cache()
-    out.send(results)
+    out.send(rows)
 
 
-def raw_baseline(version: Path, streams: tuple[int, ...], attentions: tuple[str, ...]) -> dict:
+def raw_baseline(version: Path, streams: tuple[int, ...], device: str = "cuda") -> dict:
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_raw_child, args=(str(version), streams, attentions, send))
+    child = ctx.Process(target=_raw_child, args=(str(version), streams, device, send))
     child.start()
     result = receive.recv()
     child.join()
@@ -209,14 +208,17 @@ def wave_figures(calls: list[dict]) -> dict:
         "ttft_p50_ms": round(1000 * ttft[len(ttft) // 2], 2),
         "ttft_p99_ms": round(1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
         "wall_s": round(max(ends) - min(c["start"] for c in calls), 3),
+        "window": window,
     }
 
 
-def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...], rounds: int, vocab: int) -> dict:
+def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...], rounds: int, vocab: int,
+                 frontends: int = 8) -> dict:
     from bench.probes import GpuSampler, cpu_seconds, server_roles
     from tests.servers import ServerProcess
 
-    server = ServerProcess(workdir, root, frontends=8, settings=("server.drain_s=5",), wait=False)
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(workdir, root, frontends=frontends, settings=("server.drain_s=5",), wait=False)
     try:
         server.wait_ready(timeout=600)
         print(f"  server ready after {server.ready_after:.1f} s", flush=True)
@@ -230,8 +232,8 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
                 cpu_before = {pid: cpu_seconds(pid) for pid in roles}
                 gpu = GpuSampler()
                 calls = _wave(server.address, name, prompts)
-                busy = gpu.stop()
                 figures = wave_figures(calls)
+                busy = gpu.stop(between=figures.pop("window"))  # while every stream decoded
                 cpu: dict[str, float] = {}
                 for pid, role in roles.items():
                     cpu[role] = cpu.get(role, 0.0) + cpu_seconds(pid) - cpu_before[pid]
@@ -240,36 +242,46 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
                 assert figures["tokens"] == n * NEW_TOKENS, f"{figures['tokens']} tokens, expected {n * NEW_TOKENS}"
                 rows.append(figures)
             keys = ("decode_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_percent", "wall_s")
-            out[str(n)] = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in keys}
+            out[str(n)] = {k: round(statistics.median(values), 2) if (values := [r[k] for r in rows if r[k] is not None]) else None
+                           for k in keys}
             out[str(n)]["cpu_ms_per_token"] = rows[len(rows) // 2]["cpu_ms_per_token"]
             out[str(n)]["rounds"] = rows
             print(f"    server N={n}: {out[str(n)]['decode_tokens_per_s']:.0f} tok/s decoding, TTFT p99 "
-                  f"{out[str(n)]['ttft_p99_ms']:.0f} ms, GPU busy {out[str(n)]['gpu_busy_percent']}%", flush=True)
+                  f"{out[str(n)]['ttft_p99_ms']:.0f} ms, GPU busy {out[str(n)]['gpu_busy_percent']}%, CPU ms/token "
+                  f"{out[str(n)]['cpu_ms_per_token']}", flush=True)
         return out
     finally:
         server.stop()
 
 
 def bench_generate_gpu(workdir: Path, rounds: int, quick: bool, models: tuple[str, ...] = MODELS,
-                       attentions: tuple[str, ...] = ("matmul",)) -> dict:
-    streams = STREAMS[:3] if quick else STREAMS
-    report: dict = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "context": CONTEXT,
-                    "prefill_tokens": PREFILL_TOKENS, "weights": "random (bf16); speed does not depend on them"}
+                       streams: tuple[int, ...] = STREAMS,
+                       device: str = "cuda", report: dict | None = None, checkpoint=lambda: None) -> dict:
+    """Fills `report` model by model (checkpoint() after each part: a run cut short keeps what it
+    measured). device "cpu" (with the "tiny" model): a dry run of every step, the tests'."""
+    streams = streams[:3] if quick else streams
+    report = {} if report is None else report
+    report.update({"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "context": CONTEXT,
+                   "prefill_tokens": PREFILL_TOKENS, "weights": "random (bf16); speed does not depend on them"})
     for name in models:
         print(f"  {name} ...", flush=True)
         root = workdir / f"models-{name}"
-        version = write_random_model(root, name, max(streams))
-        raw = raw_baseline(version, streams, attentions)
-        served = bench_server(root, workdir / f"server-{name}", name, streams, max(1, rounds), _architecture(name).vocab)
+        version = write_random_model(root, name, max(streams), device)
+        raw = raw_baseline(version, streams, device)
+        report[name] = {"raw": raw}
+        checkpoint()
+        served = bench_server(root, workdir / f"server-{name}", name, streams, max(1, rounds), _architecture(name).vocab,
+                              frontends=8 if device == "cuda" else 2)
         (version / "decoder.safetensors").unlink()
         ratios = {}
         for n in streams:
-            base = raw[attentions[0]][str(n)]
+            base = raw[str(n)]
             ratios[str(n)] = {
                 "decode_vs_raw": round(served[str(n)]["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3),
                 "ttft_p99_vs_prefill": round(served[str(n)]["ttft_p99_ms"] / (1000 * base["prefill_s"]), 2),
             }
-        report[name] = {"raw": raw, "server": served, "ratios": ratios}
+        report[name].update(server=served, ratios=ratios)
+        checkpoint()
     return report
 
 
@@ -281,7 +293,7 @@ def print_generate_gpu(report: dict) -> None:
     for name, part in report.items():
         if not isinstance(part, dict) or "server" not in part:
             continue
-        raw = next(iter(part["raw"].values()))
+        raw = part["raw"]
         for n, ratios in part["ratios"].items():
             s = part["server"][n]
             print(f"{name:<14} {n:>4} {s['decode_tokens_per_s']:>13.0f} {raw[n]['decode_tokens_per_s']:>10.0f} "

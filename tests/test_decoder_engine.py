@@ -140,12 +140,12 @@ def _cuda():
     return torch
 
 
-def _random_decoder(torch, dtype, slots: int, context: int, graphs: bool, attention: str = "matmul"):
+def _random_decoder(torch, dtype, slots: int, context: int, graphs: bool):
     from server.engines.llama import SMOLLM2_135M, Llama, random_weights
     from server.engines.torch_decoder import TorchDecoder
 
     module = Llama.from_hf_state(SMOLLM2_135M, random_weights(SMOLLM2_135M, torch.float32, "cuda", seed=3), dtype,
-                                 "cuda", attention)
+                                 "cuda")
     return TorchDecoder(module, slots, context, graphs=graphs)
 
 
@@ -160,23 +160,23 @@ def test_gpu_decode_graphs_replay_what_the_eager_steps_compute():
     assert graphed.counters()["graph_replays"] > 30
 
 
-def test_gpu_continuous_batching_answers_as_each_sequence_alone():
+def test_gpu_continuous_batching_answers_as_each_sequence_alone(monkeypatch):
     """fp32 without TF32, so that a batch's size does not change the arithmetic's rounding."""
     torch = _cuda()
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     decoder = _random_decoder(torch, torch.float32, 4, 512, graphs=True)
     prompts = [list(range(100 + 7 * i, 100 + 7 * i + 30 + 50 * i)) for i in range(5)]
     expected = [alone(decoder, p, 24) for p in prompts]
     assert together(decoder, prompts, 24, budget=48, joins=[0, 0, 3, 4, 9]) == expected
 
 
-def test_gpu_model_matches_transformers_llama_on_the_same_weights():
+def test_gpu_model_matches_transformers_llama_on_the_same_weights(monkeypatch):
     """The module's logits against transformers' LlamaForCausalLM (fp32, same random weights)."""
     torch = _cuda()
     transformers = pytest.importorskip("transformers")
     from server.engines.llama import SMOLLM2_135M, Llama, random_weights
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     arch = SMOLLM2_135M
     state = random_weights(arch, torch.float32, "cuda", seed=5)
     config = transformers.LlamaConfig(
@@ -199,3 +199,48 @@ def test_gpu_model_matches_transformers_llama_on_the_same_weights():
     import numpy as np
 
     assert np.abs(got - expected).max() <= 1e-3 * np.abs(expected).max()
+
+
+def test_gpu_server_streams_from_the_torch_decoder(tmp_path):
+    """A real server on the GPU with a SmolLM2-shaped model (random bf16 weights): the worker runs it on
+    torch; eight generations at once all stream their answers; one alone answers as the engine alone does."""
+    torch = _cuda()
+    from bench.generate_gpu import write_random_model
+    from server.engines import torch_decoder
+    from tests.servers import ServerProcess
+
+    version = write_random_model(tmp_path / "models", "smollm2-135m", 8)
+    prompts = [[(7 * i + 13 * j) % 40000 + 5 for j in range(60 + 20 * i)] for i in range(8)]
+    engine = torch_decoder.load(version, 1, 1024, "cuda")
+    expected = alone(engine, prompts[0], 24)
+    del engine
+    torch.cuda.empty_cache()
+    (tmp_path / "server").mkdir()
+    with ServerProcess(tmp_path / "server", tmp_path / "models", frontends=2) as server:
+        import threading
+
+        def ask(i: int) -> list:
+            words = " ".join(f"w{t}" for t in prompts[i])
+            with server.client(timeout_s=120) as client:
+                return list(client.generate_stream("smollm2-135m", messages=[{"role": "user", "content": words}],
+                                                   max_new_tokens=24, mode="NO_STORE"))
+
+        results: list = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(i))) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for messages in results:
+            assert messages[-1].end.completion_tokens == 24 and messages[-1].end.finish_reason == pb_length()
+            assert sum(len(m.token_ids) for m in messages) == 24
+        assert [t for m in ask(0) for t in m.token_ids] == expected  # alone: the same arithmetic as the engine's
+        engines = {e.model: e for e in server.stats().worker.engines}
+        assert engines["smollm2-135m"].runtime == "torch" and engines["smollm2-135m"].precision == "bf16"
+        assert engines["smollm2-135m"].device.startswith("cuda:0")
+
+
+def pb_length() -> int:
+    from infercache.v1 import infercache_pb2 as pb
+
+    return pb.GenerationEnd.LENGTH

@@ -270,8 +270,7 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else _NoStream()
 
 
-def load(directory: Path, slots: int, context: int, device: str, *, attention: str = "matmul",
-         graphs: bool | None = None) -> TorchDecoder:
+def load(directory: Path, slots: int, context: int, device: str, *, graphs: bool | None = None) -> TorchDecoder:
     """The decoder of a model version directory (decoder.json, decoder.safetensors) on `device` ("cuda" or
     "cpu"): bf16 on a GPU, fp32 on a CPU."""
     from safetensors import safe_open
@@ -284,7 +283,7 @@ def load(directory: Path, slots: int, context: int, device: str, *, attention: s
     started = time.perf_counter()
     with safe_open(str(directory / DECODER_WEIGHTS_FILE), framework="pt", device=device) as f:
         state = {name: f.get_tensor(name) for name in f.keys()}
-    module = Llama.from_hf_state(arch, state, dtype, device, attention)
+    module = Llama.from_hf_state(arch, state, dtype, device)
     del state
     loaded = time.perf_counter() - started
     kv = 2 * arch.layers * slots * arch.kv_heads * (context + 1) * arch.head_dim * module.embed.element_size()
