@@ -23,6 +23,8 @@
    null engine, with every answer written behind against none.
 10. Length groups (`--sections groups`, bench/length_groups.py): minilm misses on ONNX Runtime with batches
    cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
+11. Synonyms (`--sections synonyms`, bench/synonyms.py): exact hit rate on Banking77 with and without a
+   synonym dictionary mined from it, and the normalizer's cost per text.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
 instead), each recording its command, machine, commit and date, and prints a table. Sections that read
@@ -61,13 +63,13 @@ from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 
-NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix"}  # sections that train a head on it or replay its texts
+NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms"}  # sections that train a head on it or replay its texts
 # Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "prefix": "prefix"}
+         "prefix": "prefix", "synonyms": "synonyms"}
 
 
 def make_models(root: Path) -> Path:
@@ -266,7 +268,8 @@ def main() -> None:
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
                              "by bucket), worker (one worker's capacity), "
-                             "commit (the writer's CPU per put by group-commit window), generate (SmolLM2 misses "
+                             "commit (the writer's CPU per put by group-commit window), synonyms (exact hits with a "
+                             "synonym dictionary), generate (SmolLM2 misses "
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
                              "against computing the prompt), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
@@ -408,6 +411,13 @@ def main() -> None:
             else:
                 report["prefix"] = bench_prefix_cpu(workdir / "prefix", rounds, args.quick)
             print_prefix(report["prefix"])
+            save()
+        if "synonyms" in sections:
+            from bench.synonyms import bench_synonyms, print_synonyms
+
+            print("benchmarking synonym dictionaries (Banking77 exact hits, the normalizer's cost) ...", flush=True)
+            report["synonyms"] = bench_synonyms(rounds)
+            print_synonyms(report["synonyms"])
             save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)

@@ -10,13 +10,20 @@ replies; B answers a small set of them once, so they sit in its L1. Then on B, a
 
 alternating, three rounds of each (a fleet hit can be had once per text and pod, so each round has
 texts of its own), so that the machine's changing load hits both alike; medians over rounds. Then
-misses: texts nobody computed (looked up in Redis, leased, computed, written back). Last, the Redis
+misses: texts nobody computed (looked up in Redis, leased, computed, written back). Then the Redis
 round trip alone: GETs of a stored record from one asyncio client (redis-py, as the tier uses it).
+
+Last, the key filter (server/fleet/key_filter.py): misses at 1 caller on two more pods of the same Redis,
+one with the filter (the default) and one without (`fleet.key_filter_keys=0`), rounds alternating, each
+round texts nobody computed; with the null engine (the model costs nothing, so what remains is the
+server's own path and its Redis round trips) and with minilm on ONNX Runtime. And the filter itself:
+its size per million keys, its false-positive rate measured at that many keys, and a lookup's cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -108,11 +115,81 @@ def bench_fleet(workdir: Path, texts: list[str], scale: float) -> dict:
 
         key = entry_key(namespace_id("", "minilm", "1"), Normalizer(DEFAULT_STEPS)(sets["fleet_1"][0]))
         out["redis_round_trip"] = asyncio.run(_redis_round_trip(redis_server.port, f"icache:r:{{{key.hex()}:0}}", 2000))
+        for pod in pods:
+            pod.stop()
+        fresh = (f"{text} ({n})" for n, text in enumerate(itertools.cycle(_distinct(texts))))  # never computed
+        out["key_filter"] = {engine: _filter_misses(workdir / engine, models, redis_server.url, fresh, engine, scale)
+                             for engine in ("null", "onnxruntime")}
+        out["key_filter"]["filter"] = _filter_itself()
         return out
     finally:
         for pod in pods:
             pod.stop()
         redis_server.stop()
+
+
+def _filter_misses(workdir: Path, models: Path, redis_url: str, pool, engine: str, scale: float) -> dict:
+    """Misses at 1 caller on a pod with the key filter and one without, rounds alternating."""
+    per_round = max(50, int(300 * scale))
+    workdir.mkdir()
+    settings = (f"engines.runtime={engine}", f"fleet.redis={redis_url}")
+    pods = {}
+    try:
+        for name, extra in (("with_filter", ()), ("without_filter", ("fleet.key_filter_keys=0",))):
+            (workdir / name).mkdir()
+            pods[name] = ServerProcess(workdir / name, models, frontends=1, engines_dir=workdir.parent / "engines",
+                                       settings=(*settings, *extra))
+        time.sleep(2.0)  # subscribed; the filter built and stamped
+        warm(pods["with_filter"].address, _requests([next(pool) for _ in range(20)]))  # (the filter's first look)
+        runs: dict[str, list[dict]] = {name: [] for name in pods}
+        for _ in range(ROUNDS):
+            for name, pod in pods.items():
+                misses = _requests([next(pool) for _ in range(per_round)])
+                result = asyncio.run(run_load(pod.address, misses, concurrency=1, total=len(misses)))
+                summary = result.summary()
+                summary["share_miss"] = round(result.sources.get("MISS", 0) / max(1, result.requests), 4)
+                runs[name].append(summary)
+        counters = pods["with_filter"].stats().frontend.counters
+        row: dict = {name: {k: statistics.median(r[k] for r in rounds) for k in ("p50_ms", "p99_ms", "share_miss")}
+                     for name, rounds in runs.items()}
+        row["rounds"] = runs
+        row["p50_ratio"] = round(row["with_filter"]["p50_ms"] / row["without_filter"]["p50_ms"], 3)
+        row["lookups_skipped"] = int(counters.get("fleet.key_filter_skipped", 0))
+        row["misses_with_filter"] = per_round * ROUNDS + 20
+        return row
+    finally:
+        for pod in pods.values():
+            pod.stop()
+
+
+def _filter_itself(keys: int = 1_000_000, fp_rate: float = 0.01, probes: int = 100_000) -> dict:
+    """A filter sized for a million keys, filled with a million fleet key names: its size, its measured
+    false-positive rate over names never added, and what a frontend's lookup costs."""
+    import os
+    import tempfile
+    from collections import Counter
+
+    from server.fleet import key_filter
+
+    m, k = key_filter.sized(keys, fp_rate)
+    bits = key_filter.Bits(m, k)
+    for _ in range(keys // 100_000):
+        bits.add(b"".join(key_filter.digest(f"icache:r:{{{os.urandom(24).hex()}:0}}") for _ in range(100_000)))
+    false = sum(bits.may_hold(key_filter.digest(f"icache:r:{{{os.urandom(24).hex()}:1}}")) for _ in range(probes))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / key_filter.FILE_NAME
+        path.write_bytes(key_filter.HEADER.pack(key_filter.MAGIC, m, k, 0, time.time_ns() // 1000) + bits.array.tobytes())
+        reader = key_filter.Reader(path, Counter())
+        names = [f"icache:r:{{{os.urandom(24).hex()}:0}}" for _ in range(20_000)]
+        reader.absent(names[0])
+        started = time.perf_counter()
+        for name in names:
+            reader.absent(name)
+        lookup_us = (time.perf_counter() - started) / len(names) * 1e6
+        reader.close()
+    return {"keys": keys, "bits": m, "hashes": k, "mib_per_million_keys": round(m / 8 / (1 << 20) * 1e6 / keys, 3),
+            "fp_rate_configured": fp_rate, "fp_rate_measured": round(false / probes, 4), "probes": probes,
+            "lookup_us": round(lookup_us, 2)}
 
 
 def print_fleet(report: dict) -> None:
@@ -132,3 +209,13 @@ def print_fleet(report: dict) -> None:
     rtt = report["redis_round_trip"]
     print(f"  Redis round trip alone (redis-py asyncio GET, {rtt['value_bytes']} B): p50 {rtt['p50_ms']} ms, "
           f"p99 {rtt['p99_ms']} ms")
+    key_filter = report.get("key_filter")
+    if key_filter:
+        print("  misses at 1 caller, key filter on / off (medians of alternating rounds):")
+        for engine in ("null", "onnxruntime"):
+            row = key_filter[engine]
+            print(f"    {engine:<12} p50 {row['with_filter']['p50_ms']:.3f} / {row['without_filter']['p50_ms']:.3f} ms "
+                  f"= {row['p50_ratio']}x; lookups skipped {row['lookups_skipped']} of {row['misses_with_filter']}")
+        f = key_filter["filter"]
+        print(f"  the filter: {f['mib_per_million_keys']} MiB per million keys at {f['fp_rate_configured']} "
+              f"configured; measured false positives {f['fp_rate_measured']}; a lookup {f['lookup_us']} us")

@@ -24,14 +24,15 @@ log = logging.getLogger("infercache.store")
 
 STORE_FORMAT = 1
 DB_RESULTS = b"results"        # key(24) -> record
-DB_STORED = b"stored"          # created_us(8, big-endian) + key -> b""   (eviction order)
+DB_STORED = b"stored"          # created_us(8, big-endian) + key -> TTL class   (eviction order)
 DB_EXPIRY = b"expiry"          # expires_us(8, big-endian) + key -> b""   (sweep order)
 DB_NAMESPACES = b"namespaces"  # ns_id(8) -> JSON [tenant, model, version]
 DB_META = b"meta"              # persisted settings
 DB_SEMLOG = b"semlog"          # semantic index entries (cachestore.semantic_log)
 DB_SEMKEYS = b"semkeys"
 DB_SEMNEXT = b"semnext"
-ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META, DB_SEMLOG, DB_SEMKEYS, DB_SEMNEXT)
+DB_CLASSES = b"classes"        # TTL class -> entries stored for it (8, big-endian)
+ALL_DBS = (DB_RESULTS, DB_STORED, DB_EXPIRY, DB_NAMESPACES, DB_META, DB_SEMLOG, DB_SEMKEYS, DB_SEMNEXT, DB_CLASSES)
 READER_DBS = (DB_RESULTS, DB_META)  # what read-only (frontend) handles open
 DIR_MODE, FILE_MODE = 0o700, 0o600  # the store holds users' answers: the server's own user only
 DATA_FILE, LOCK_FILE = "data.mdb", "lock.mdb"
@@ -177,14 +178,23 @@ class Store:
             total += (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
         return total
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         with self.begin() as txn:
             return {
                 "entries": txn.stat(self.dbs[DB_RESULTS])["entries"],
                 "used_bytes": self.used_bytes(txn),
                 "budget_bytes": self.settings.budget,
                 "map_size_bytes": self.env.info()["map_size"],
+                "entries_by_class": self.class_counts(txn),
             }
+
+    def class_counts(self, txn: lmdb.Transaction) -> dict[str, int]:
+        """Entries by the TTL class they were stored for (a store made before classes counts none)."""
+        db = self.dbs.get(DB_CLASSES)
+        if db is None:
+            return {}
+        with txn.cursor(db=db) as cursor:
+            return {bytes(k).decode(): int.from_bytes(v, "big") for k, v in cursor if int.from_bytes(v, "big")}
 
     def close(self) -> None:
         self.env.close()

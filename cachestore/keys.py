@@ -66,9 +66,12 @@ namespace = lru_cache(maxsize=4096)(Namespace)
 
 
 @lru_cache(maxsize=4096)  # every request derives one; few are distinct (identifiers are bounded in length)
-def namespace_id(tenant: str, model: str, version: str) -> bytes:
+def namespace_id(tenant: str, model: str, version: str, variant: str = "") -> bytes:
+    """`variant`: what else decides a model's keys (its synonym dictionary's fingerprint: ModelSpec
+    key_variant); "" leaves the id as it always was. The namespaces table keeps [tenant, model, version]
+    for either, so selectors (Invalidate) match entries made under any variant."""
     # JSON encoding keeps the parts unambiguous ("a|b","c" vs "a","b|c").
-    material = json.dumps([tenant, model, version]).encode()
+    material = json.dumps([tenant, model, version, variant] if variant else [tenant, model, version]).encode()
     return hashlib.blake2b(material, digest_size=NS_ID_BYTES, person=b"icache-ns").digest()
 
 

@@ -19,7 +19,7 @@ import lmdb
 from google.protobuf.message import DecodeError
 
 from cachestore import records, semantic_log, wire
-from cachestore.env import DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
+from cachestore.env import DB_CLASSES, DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
 from cachestore.errors import CorruptRecord, Unsealable, corrupted
 from cachestore.log_limit import RateLimitedLog
 from cachestore.keys import NS_ID_BYTES, Namespace
@@ -140,12 +140,17 @@ class ResultCache:
 # ---- write side: called by the writer thread inside its write transaction -------------------------
 
 def put(store: Store, txn: lmdb.Transaction, key: bytes, ns: Namespace, record: records.Record,
-        removed: list | None = None, namespaces_written: set | None = None) -> None:
-    """`namespaces_written`: ns ids whose namespace row this transaction already wrote (one per batch)."""
+        removed: list | None = None, namespaces_written: set | None = None, ttl_class: str = "") -> None:
+    """`namespaces_written`: ns ids whose namespace row this transaction already wrote (one per batch).
+    `ttl_class`: the TTL class the entry was stored for, kept in its eviction-index row and counted
+    (Store.class_counts); "" = not counted."""
     dbs = store.dbs
     delete(store, txn, key, removed)
     txn.put(key, records.encode(record, key, store.ring), db=dbs[DB_RESULTS])
-    txn.put(_U64.pack(record.created_us) + key, b"", db=dbs[DB_STORED])
+    name = ttl_class.encode()
+    txn.put(_U64.pack(record.created_us) + key, name, db=dbs[DB_STORED])
+    if name:
+        _count(store, txn, name, 1)
     if record.expires_us:
         txn.put(_U64.pack(record.expires_us) + key, b"", db=dbs[DB_EXPIRY])
     ns_id = key[:NS_ID_BYTES]
@@ -166,12 +171,22 @@ def delete(store: Store, txn: lmdb.Transaction, key: bytes, removed: list | None
         removed.append(gone)
     try:
         created, expires = records.decode_times(raw)
-        txn.delete(_U64.pack(created) + key, db=dbs[DB_STORED])
+        name = txn.pop(_U64.pack(created) + key, db=dbs[DB_STORED])
+        if name:
+            _count(store, txn, bytes(name), -1)
         if expires:
             txn.delete(_U64.pack(expires) + key, db=dbs[DB_EXPIRY])
     except CorruptRecord:
         pass  # its index rows (if any) age out through sweep/evict, which skip missing records
     return txn.delete(key, db=dbs[DB_RESULTS])
+
+
+def _count(store: Store, txn: lmdb.Transaction, name: bytes, step: int) -> None:
+    """Entries of a TTL class, up or down by one (within the transaction that adds or removes one)."""
+    db = store.dbs[DB_CLASSES]
+    raw = txn.get(name, db=db)
+    count = max(0, (int.from_bytes(raw, "big") if raw is not None else 0) + step)
+    txn.put(name, count.to_bytes(8, "big"), db=db)
 
 
 def delete_namespace(store: Store, txn: lmdb.Transaction, ns_id: bytes, removed: list | None = None) -> int:
@@ -203,8 +218,8 @@ def _delete_index_prefix(store: Store, txn: lmdb.Transaction, index: bytes, stop
                 break
             victims.append(bytes(row))
     for row in victims:
-        txn.delete(row, db=store.dbs[index])
-        delete(store, txn, row[_U64.size:], removed)
+        delete(store, txn, row[_U64.size:], removed)  # (with its index rows: its class is counted down)
+        txn.delete(row, db=store.dbs[index])          # a row whose record is gone or unreadable
     for ns_id in {row[_U64.size:_U64.size + NS_ID_BYTES] for row in victims}:
         drop_namespace_if_empty(store, txn, ns_id)
     return len(victims)

@@ -70,6 +70,7 @@ class _Put:
     record: records.Record
     on_done: Callable[[], None] | None = None
     semantic: SemanticEntry | None = None
+    ttl_class: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,11 @@ class WriteBehind:
     # ---- called from any thread; never block -------------------------------------------------------
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,
-            on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
+            on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None,
+            ttl_class: str = "") -> None:
         """on_done runs on the writer thread once the put was committed or dropped. With `semantic`,
-        the entry also joins its namespace's semantic index."""
-        self._queue.put(_Put(key, ns, record, on_done, semantic))
+        the entry also joins its namespace's semantic index. `ttl_class`: what the store counts it as."""
+        self._queue.put(_Put(key, ns, record, on_done, semantic, ttl_class))
 
     def invalidate(self, selector: Selector) -> Future:
         """Future of the number of entries removed; ordered after every put enqueued before it."""
@@ -284,7 +286,7 @@ class WriteBehind:
                     if self._fences and self._fenced(op):
                         self.counters["fenced"] += 1
                         continue
-                    results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces)
+                    results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces, op.ttl_class)
                     if op.semantic is not None:
                         added.append(semantic_log.add(self.store, txn, op.key, op.semantic))
                 elif isinstance(op, _Invalidate):

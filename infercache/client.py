@@ -83,8 +83,8 @@ class Client:
 
     def infer(self, model: str, text: str, *, version: str = "", tenant: str = "", mode: str = "DEFAULT",
               max_age_s: int | None = None, semantic: bool | None = None,
-              min_similarity: float | None = None) -> Result:
-        policy = pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s)
+              min_similarity: float | None = None, ttl_class: str = "") -> Result:
+        policy = pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s, ttl_class=ttl_class)
         matching = pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity)
         request = pb.InferRequest(model=model, version=version, tenant=tenant, text=text, cache=policy,
                                   semantic=matching)
@@ -92,11 +92,11 @@ class Client:
 
     def infer_batch(self, model: str, texts: list[str], *, version: str = "", tenant: str = "",
                     mode: str = "DEFAULT", max_age_s: int | None = None, semantic: bool | None = None,
-                    min_similarity: float | None = None) -> list[Result]:
+                    min_similarity: float | None = None, ttl_class: str = "") -> list[Result]:
         """One Result per text, in order (hits and misses mixed); at most ListModels' max_batch_texts."""
         request = pb.InferBatchRequest(
             model=model, version=version, tenant=tenant, texts=texts,
-            cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s),
+            cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s, ttl_class=ttl_class),
             semantic=pb.SemanticPolicy(enabled=semantic, min_similarity=min_similarity),
         )
         response = self.stub.InferBatch(request, timeout=self.timeout_s, metadata=self.metadata)
@@ -105,7 +105,8 @@ class Client:
     def generate_stream(self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None,
                         version: str = "", tenant: str = "", max_new_tokens: int = 0, stop: list[str] | None = None,
                         temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                        seed: int | None = None, mode: str = "DEFAULT", max_age_s: int | None = None):
+                        seed: int | None = None, mode: str = "DEFAULT", max_age_s: int | None = None,
+                        ttl_class: str = ""):
         """The GenerateResponse messages as they come, an iterator with cancel(): a user's question
         (`prompt`, with the model's chat template) or `messages` ([{"role": "user", "content": "..."},
         ...]); the last message has `end` set."""
@@ -114,7 +115,7 @@ class Client:
         request = pb.GenerateRequest(
             model=model, version=version, tenant=tenant, messages=[pb.ChatMessage(**m) for m in messages],
             max_new_tokens=max_new_tokens, stop=stop or [], temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s))
+            seed=seed, cache=pb.CachePolicy(mode=Mode.Value(mode), max_age_s=max_age_s, ttl_class=ttl_class))
         return self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, model: str, prompt: str | None = None, **options) -> Generated:

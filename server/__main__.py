@@ -6,6 +6,7 @@
     infercache prepare-model [--models-dir DIR] [--force]
     infercache generate "question" [--model smollm2] [--address HOST:PORT] [--max-new-tokens N]
     infercache train-head data.csv --name NAME [--text-column text] [--label-column label] [--whole-graph]
+    infercache synonyms check FILE
 """
 
 from __future__ import annotations
@@ -171,6 +172,12 @@ def _cache(args: argparse.Namespace) -> int:
     return cache_cli.run(config, args.cache_command)
 
 
+def _synonyms(args: argparse.Namespace) -> int:
+    from server.tools.synonyms_cli import check
+
+    return check(Path(args.file))
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (default: $INFERCACHE_CONFIG)")
     parser.add_argument("--models-dir")
@@ -277,6 +284,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cache.add_argument("--texts", action="store_true", help="hot: print the texts only (a warm file)")
     cache.add_argument("--token-file", help="warm, hot: a file holding the bearer token (hot needs an admin one)")
     cache.set_defaults(func=_cache)
+
+    synonyms = commands.add_parser("synonyms", help="check a synonym dictionary (a model's normalize.synonyms)")
+    synonyms.add_argument("synonyms_command", choices=("check",))
+    synonyms.add_argument("file", help="the dictionary: 'phrase | phrase => canonical' per line")
+    synonyms.set_defaults(func=_synonyms)
 
     head = commands.add_parser("train-head", help="train a classification head on an encoder from a labelled CSV")
     head.add_argument("csv", help="CSV file with a header row")

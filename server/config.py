@@ -71,6 +71,8 @@ class CacheSection:
     group_commit_ms: int = 50          # a put waits up to this long for others to share its transaction
     sweep_interval_s: float = 30.0     # how often expired entries are deleted
     max_ttl_s: int = 0                 # retention: no entry lives longer, whatever its model's TTL; 0 = no cap
+    ttl_jitter: float = 0.1            # each stored entry's TTL less up to this share, at random (L1, the fleet
+                                       # tier and L2): entries written together do not expire together
     encryption_key_file: str = ""      # AES-256-GCM at rest (cachestore/sealing.py); "" = stored in clear
 
 
@@ -131,8 +133,13 @@ class FleetSection:
     breaker_open_s: float = 2.0        # how long it stays open before one call probes Redis again
     lease_ms: int = 10000              # a computing pod's claim on a key; expires if the pod dies
     lease_wait_s: float = 2.0          # longest another pod's computation is waited for before computing
-    ttl_jitter: float = 0.05           # Redis expiry = remaining TTL less up to this share, at random
+    ttl_jitter: float = 0.0            # Redis expiry = the record's remaining TTL (already spread by
+                                       # cache.ttl_jitter) less up to this further share, at random
     refresh_s: float = 5.0             # namespace generations re-read this often (missed broadcasts)
+    key_filter_keys: int = 1_000_000   # the pod's Bloom filter of fleet keys (server/fleet/key_filter.py): keys
+                                       # it is sized for; a miss it rules out skips the lookup. 0 = off
+    key_filter_fp: float = 0.01        # its false-positive rate at that many keys (each: one lookup for nothing)
+    key_filter_refresh_s: float = 60.0  # rebuilt from a SCAN of the fleet's keys this often (drops expired ones)
 
 
 @dataclass(frozen=True)
@@ -294,6 +301,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"engines.runtime must be one of {', '.join(RUNTIMES)}, got {config.engines.runtime!r}")
     if config.cache.max_ttl_s < 0:
         raise ConfigError("cache.max_ttl_s must be >= 0 (0 = no cap beyond each model's TTL)")
+    if not 0 <= config.cache.ttl_jitter < 1:
+        raise ConfigError(f"cache.ttl_jitter must be within 0..1 (a share of each TTL), got {config.cache.ttl_jitter}")
     if config.cache.sweep_interval_s <= 0 or config.cache.write_batch < 1:
         raise ConfigError("cache.sweep_interval_s must be positive and cache.write_batch >= 1 "
                           f"(got {config.cache.sweep_interval_s} and {config.cache.write_batch})")
@@ -306,6 +315,9 @@ def validate(config: Config) -> None:
         raise ConfigError("fleet.timeout_ms, write_timeout_ms, lease_ms and refresh_s must be positive")
     if not 0 <= fleet.ttl_jitter < 1:
         raise ConfigError(f"fleet.ttl_jitter must be within 0..1, got {fleet.ttl_jitter}")
+    if fleet.key_filter_keys < 0 or not 0 < fleet.key_filter_fp < 0.5 or fleet.key_filter_refresh_s <= 0:
+        raise ConfigError("fleet.key_filter_keys must be >= 0 (0 = off), key_filter_fp within 0..0.5 (exclusive) "
+                          "and key_filter_refresh_s positive")
     if fleet.breaker_failures < 1 or fleet.lease_wait_s < 0 or fleet.breaker_open_s < 0:
         raise ConfigError("fleet.breaker_failures must be >= 1, lease_wait_s and breaker_open_s >= 0")
     l2 = config.l2

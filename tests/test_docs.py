@@ -87,7 +87,10 @@ def _model_defaults() -> dict[str, object]:
     full.update({"engine": {"precision": "fp32"}, "privacy": {"pii": "redact"}, "l2": {"share_across_tenants": True},
                  "hot_keys": {"keep_text": True}})
     attribute = {"engine.precision": "precision", "privacy.pii": "pii", "l2.share_across_tenants": "share_features",
-                 "hot_keys.keep_text": "hot_key_text"}
+                 "hot_keys.keep_text": "hot_key_text", "normalize.synonyms": "key_variant",
+                 # (unset: one class, named "default", of cache.ttl_s)
+                 "cache.classes": lambda spec: "" if spec.ttl_classes.names == ("default",) else spec.ttl_classes.pairs,
+                 "cache.default_class": lambda spec: "" if spec.ttl_classes.names == ("default",) else spec.ttl_classes.default}
     generative = yaml.safe_load((REPO / "models" / "smollm2" / "config.yaml").read_text())
     out: dict[str, object] = {}
     for key, inner in KNOWN_KEYS.items():
@@ -126,7 +129,8 @@ def _model_defaults() -> dict[str, object]:
                     out[name] = "required"
                     continue
             assert name in attribute, f"{name} has a default: tell this test which ModelSpec field holds it"
-            out[name] = getattr(spec, attribute[name])
+            found = attribute[name]
+            out[name] = found(spec) if callable(found) else getattr(spec, found)
     return out
 
 
@@ -282,7 +286,7 @@ def _bench_flags(module: str) -> set[str]:
 
 
 BENCH_SECTIONS = {"serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
-                  "commit", "workers", "gpu", "generate"}
+                  "commit", "workers", "gpu", "generate", "synonyms"}
 
 
 def test_bench_sections_listed_here_are_the_bench_s():

@@ -267,7 +267,7 @@ def test_pad_batch_pads_each_row_to_the_length():
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c.replace("cache:\n  ttl_s:", "cache:\n  ttl_sec:"), r"unknown key 'cache.ttl_sec' \(known in cache: ttl_s\)"),
+    (lambda c: c.replace("cache:\n  ttl_s:", "cache:\n  ttl_sec:"), r"unknown key 'cache.ttl_sec' \(known in cache: classes, default_class, ttl_s\)"),
     (lambda c: c + "batchng: {max_batch_size: 4}\n", r"unknown key 'batchng' \(known: task, serving_version, outputs"),
     (lambda c: c + "semantic: {enabled: false, max_eror: 0.01}\n", r"semantic: max_eror not settings of either rule"),
     (lambda c: c + "privacy: redact\n", r"'privacy' must be a mapping of pii"),

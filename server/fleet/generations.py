@@ -14,6 +14,7 @@ Keys of one entry share a hash tag, so its value and its lease live in one clust
     <prefix>:l:{<entry key hex>:<sum>}   the lease of the pod computing it
     <prefix>:ns                          hash: namespace id (hex) -> [tenant, model, version]
     <prefix>:inv                         the broadcast channel of invalidations
+    <prefix>:keys                        the broadcast channel of the keys written (key_filter.py)
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ class Generations:
     @property
     def channel(self) -> str:
         return f"{self.prefix}:inv"
+
+    @property
+    def keys_channel(self) -> str:
+        return f"{self.prefix}:keys"
+
+    @property
+    def value_pattern(self) -> str:
+        """A SCAN pattern of every record's key (the prefix's glob characters escaped)."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + ":r:*"
 
 
 def ns_hex(key: bytes) -> str:

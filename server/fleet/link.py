@@ -13,6 +13,7 @@ budget, off the request path) closes it once Redis answers again. MOVED, ASK and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from urllib.parse import urlsplit
@@ -53,6 +54,23 @@ def connect(url: str):
     import redis.asyncio as redis
 
     return redis.Redis.from_url(url, **options)
+
+
+@contextlib.asynccontextmanager
+async def subscribed(url: str, channel: str, attempt: int, budget_s: float):
+    """A pub/sub connection subscribed to `channel` (subscriber's client), closed quietly on the way out."""
+    client = subscriber(url, attempt)
+    pubsub = client.pubsub()
+    try:
+        async with asyncio.timeout(budget_s):
+            await pubsub.subscribe(channel)
+        yield pubsub
+    finally:
+        for closing in (pubsub, client):
+            try:
+                await closing.aclose()
+            except Exception:
+                pass
 
 
 def subscriber(url: str, attempt: int):

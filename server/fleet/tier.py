@@ -9,7 +9,9 @@ A frontend looks an L1 miss up here (`get`) before sending it to a worker; a wor
    for that pod's result and, when its lease lapsed without one (the pod died), takes the lease over:
    one waiter computes instead of all of them. The wait is bounded (`fleet.lease_wait_s`).
 3. `put`: a computed result goes to Redis behind the reply, in pipelined batches, with the entry's
-   remaining TTL (less a random jitter) as its expiry; the lease is dropped in the same pipeline.
+   remaining TTL (which cache.ttl_jitter spread when the record was made; fleet.ttl_jitter may take a
+   further share) as its expiry; the lease is dropped in the same pipeline. Each pipeline's keys are
+   then published for the pods' key filters (key_filter.py).
 
 Invalidations bump a generation (or delete one key) and are broadcast; every pod's subscription
 (`_follow`) advances its generations and purges the same range from its own L1. A pod that was
@@ -47,9 +49,9 @@ from cachestore.records import Record
 from cachestore.sealing import KeyRing
 from cachestore.results import now_us
 from server.config import Config, FleetSection
-from server.fleet import generations
+from server.fleet import generations, key_filter
 from server.fleet.generations import Generations, ns_hex
-from server.fleet.link import FleetUnavailable, Link, describe, subscriber
+from server.fleet.link import FleetUnavailable, Link, describe, subscribed
 
 log = logging.getLogger("infercache.fleet")
 
@@ -71,13 +73,27 @@ if redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
 return {0}"""
 
 
-def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None
-          ) -> FleetTier | None:
-    """The tier of this process when `fleet.redis` is set (None otherwise), started on the running loop."""
+def start(config: Config, purge: Callable[[Selector], object] | None = None, state_path: Path | None = None,
+          filter_dir: Path | None = None, filter_role: str = "") -> FleetTier | None:
+    """The tier of this process when `fleet.redis` is set (None otherwise), started on the running loop.
+    With fleet.key_filter_keys, the pod's key filter in `filter_dir` (key_filter.py): filter_role
+    "reader" (a frontend: lookups ask it first) or "owner" (worker 0: keeps it); every worker publishes
+    the keys it writes."""
     if not config.fleet.redis:
         return None
     tier = FleetTier(config.fleet, KeyRing(config.secrets.keys) if config.secrets.keys else None, purge, state_path)
     tier.start()
+    if config.fleet.key_filter_keys and filter_dir is not None:
+        path = filter_dir / key_filter.FILE_NAME
+        if filter_role == "reader":
+            tier.filter = key_filter.Reader(path, tier.counters)
+        else:
+            tier.publishing = True
+            if filter_role == "owner":
+                s = config.fleet
+                tier.filter_owner = key_filter.Owner(path, tier.gens, s.redis, tier.link, s.key_filter_keys,
+                                                     s.key_filter_fp, s.key_filter_refresh_s, tier.counters)
+                tier.filter_owner.start()
     return tier
 
 
@@ -105,6 +121,9 @@ class FleetTier:
         self._sending = False                # a pipeline is out
         self._sender: asyncio.Task | None = None
         self._known = False  # generations known from before (a file, or a sync): changes since are purged
+        self.filter: key_filter.Reader | None = None       # a frontend's view of the pod's key filter
+        self.filter_owner: key_filter.Owner | None = None  # worker 0 keeps it
+        self.publishing = False  # workers: each write pipeline publishes the keys it wrote (key_filter.py)
 
     # ---- life ----------------------------------------------------------------------------------------
 
@@ -136,6 +155,10 @@ class FleetTier:
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
+        if self.filter_owner is not None:
+            await self.filter_owner.close()
+        if self.filter is not None:
+            self.filter.close()
         if self.link is not None:
             await self.link.close()
 
@@ -182,10 +205,16 @@ class FleetTier:
         finally:
             self._sending = False
 
-    async def get(self, key: bytes, ns: Namespace, max_age_us: int | None) -> Record | None:
-        """The fresh record of `key` in the fleet, or None (absent, stale, unreadable, or Redis failing)."""
+    async def get(self, key: bytes, ns: Namespace, max_age_us: int | None, filtered: bool = True) -> Record | None:
+        """The fresh record of `key` in the fleet, or None (absent, stale, unreadable, or Redis failing, or
+        the pod's key filter rules it out: no round trip). filtered=False: looked up whatever the filter
+        says (ONLY_IF_CACHED, where no model run waits behind the lookup and a miss is an error)."""
+        name = self.gens.value_key(key, ns)
+        if filtered and self.filter is not None and self.filter.absent(name):
+            self.counters["key_filter_skipped"] += 1
+            return None
         try:
-            raw = await self._ask("get", self.gens.value_key(key, ns))
+            raw = await self._ask("get", name)
         except FleetUnavailable:
             return None
         return self._record(key, raw, max_age_us, "misses")
@@ -260,8 +289,8 @@ class FleetTier:
             expiry_ms = max(1, remaining_ms - int(remaining_ms * random.uniform(0, self.settings.ttl_jitter)))
         hex_ns = ns_hex(key)
         register = None if hex_ns in self._registered else (hex_ns, ns.to_json())
-        self._queue(("set", self.gens.value_key(key, ns), records.encode(record, key, self.ring), expiry_ms,
-                     lease_key, register))
+        name = self.gens.value_key(key, ns)
+        self._queue(("set", name, records.encode(record, key, self.ring), expiry_ms, lease_key, register))
 
     def release(self, key: bytes, ns: Namespace) -> None:
         """Drops this pod's lease on a key it will not write (the computation failed, or was not stored)."""
@@ -281,13 +310,15 @@ class FleetTier:
             await asyncio.sleep(0)  # the replies of this loop turn leave first
             batch, self.pending = self.pending[:WRITE_BATCH], self.pending[WRITE_BATCH:]
             pipe = self.link.redis.pipeline(transaction=False)
-            registered = []
+            registered, written = [], []
             for op in batch:
                 if op[0] == "release":
                     pipe.eval(RELEASE, 1, op[1], self.origin)
                     continue
                 _, value_key, value, expiry_ms, lease_key, register = op
                 pipe.set(value_key, value, px=expiry_ms)
+                if self.publishing:
+                    written.append(key_filter.digest(value_key))
                 if lease_key is not None:
                     pipe.eval(RELEASE, 1, lease_key, self.origin)
                 if register is not None:
@@ -300,6 +331,12 @@ class FleetTier:
                 continue
             self.counters["writes"] += len(batch)
             self._registered.update(registered)
+            if written:  # once the SETs are done: a pod hears of a key once it is there (a cluster
+                try:     # pipeline cannot carry a PUBLISH)
+                    await self.link.call(self.link.redis.publish, self.gens.keys_channel, b"".join(written),
+                                         budget=self.settings.write_timeout_ms / 1000)
+                except FleetUnavailable:  # those keys reach the other pods' filters at their next rebuild
+                    self.counters["key_broadcasts_dropped"] += 1
 
     # ---- invalidation ------------------------------------------------------------------------------------
 
@@ -333,24 +370,21 @@ class FleetTier:
         loop = asyncio.get_running_loop()
         attempt = 0
         while True:
-            client = subscriber(self.settings.redis, attempt)
-            pubsub = client.pubsub()
             try:
-                async with asyncio.timeout(RESYNC_BUDGET_S):
-                    await pubsub.subscribe(self.gens.channel)
-                await self._resync()  # after subscribing: nothing published from here on is missed
-                if not self.ready:
-                    log.info("fleet tier subscribed; generations of %d selectors", len(self.gens.values))
-                self.ready = True
-                refresh_at = loop.time() + self.settings.refresh_s
-                while True:
-                    wait = max(0.0, min(1.0, refresh_at - loop.time()))
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-                    if message is not None and message.get("type") == "message":
-                        await self._on_broadcast(message["data"])
-                    if loop.time() >= refresh_at:
-                        await self._resync()
-                        refresh_at = loop.time() + self.settings.refresh_s
+                async with subscribed(self.settings.redis, self.gens.channel, attempt, RESYNC_BUDGET_S) as pubsub:
+                    await self._resync()  # after subscribing: nothing published from here on is missed
+                    if not self.ready:
+                        log.info("fleet tier subscribed; generations of %d selectors", len(self.gens.values))
+                    self.ready = True
+                    refresh_at = loop.time() + self.settings.refresh_s
+                    while True:
+                        wait = max(0.0, min(1.0, refresh_at - loop.time()))
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                        if message is not None and message.get("type") == "message":
+                            await self._on_broadcast(message["data"])
+                        if loop.time() >= refresh_at:
+                            await self._resync()
+                            refresh_at = loop.time() + self.settings.refresh_s
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -360,12 +394,6 @@ class FleetTier:
                 self.counters["resubscribes"] += 1
                 attempt += 1
                 await asyncio.sleep(RETRY_S)
-            finally:
-                for closing in (pubsub, client):
-                    try:
-                        await closing.aclose()
-                    except Exception:
-                        pass
 
     async def _resync(self) -> None:
         async with asyncio.timeout(RESYNC_BUDGET_S):

@@ -126,6 +126,7 @@ class AdminCalls:
                 name=m.name, serving_version=m.serving_version, versions=m.versions, task=m.task,
                 outputs=m.outputs, max_text_chars=m.max_text_chars, buckets=m.buckets, ttl_s=m.ttl_s,
                 engines=engines.get(m.name, []), max_batch_texts=max_batch_texts,
+                ttl_classes=dict(m.ttl_classes.pairs), default_ttl_class=m.ttl_classes.default,
             )
             for m in self.core.repository.servable()
         ])

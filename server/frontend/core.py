@@ -37,9 +37,10 @@ BYPASS, ONLY_IF_CACHED = Mode.BYPASS, Mode.ONLY_IF_CACHED
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
 
 
-def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes, source: int) -> None:
+def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes, source: int,
+               ttl_class: str) -> None:
     item.model, item.version, item.tenant, item.key, item.answered_record = model, version, tenant, key, raw
-    item.answered_from = source
+    item.answered_from, item.ttl_class = source, ttl_class
 
 
 def _answer(result) -> bytes:
@@ -92,14 +93,14 @@ class FrontendCore:
     def _why_missed(self, plan: Plan, private: bool) -> str:
         """Why _hit (just now) found no answer: a miss reason of /metrics."""
         if not plan.cached_ok:
-            return "bypass" if plan.mode == BYPASS else "not_cacheable"  # (the model's ttl_s is 0)
+            return "bypass" if plan.mode == BYPASS else "not_cacheable"  # (the class's TTL is 0)
         if private:
             return "no_store"
         if self._l1.cache is None:
             return "store_error"
         reason = self._l1.cache.missed_because
-        if reason == "too_old" and plan.max_age_us >= plan.served.spec.ttl_s * 1_000_000:
-            return "expired"  # the model's TTL cut it (lowered since it was stored), not the request
+        if reason == "too_old" and plan.max_age_us >= plan.ttl_us:
+            return "expired"  # the class's TTL cut it (shorter than the storing class's, or lowered)
         return reason
 
     def _seen(self, plan: Plan, keyed: list[Keyed]) -> None:
@@ -116,7 +117,8 @@ class FrontendCore:
         None (and the worker need not look again)."""
         if not plan.cached_ok or keyed.private:
             return None
-        record = await self.fleet.get(keyed.key, plan.ns, plan.max_age_us)
+        record = await self.fleet.get(keyed.key, plan.ns, plan.max_age_us,
+                                      filtered=plan.mode != ONLY_IF_CACHED)
         if record is None:
             return None
         self.counters["hit_fleet"] += 1
@@ -130,7 +132,7 @@ class FrontendCore:
         served = plan.served
         self.workers.send(served.route(key), functools.partial(
             _copy_item, model=served.spec.name, version=served.version, tenant=plan.tenant, key=key, raw=raw,
-            source=source))
+            source=source, ttl_class=plan.ttl_class))
 
     def _feature_answers(self, plan: Plan, keyed: list[Keyed]) -> list[bytes | None]:
         """For each keyed text that L1 missed: a FEATURE answer made here from a stored feature (a
@@ -139,7 +141,7 @@ class FrontendCore:
         public = [n for n, one in enumerate(keyed) if not one.private]
         found = self.features.answers(served.head, [
             (keyed[n].key, feature_key(served.spec, served.feature_source, plan.tenant, keyed[n].text)) for n in public],
-            plan.store)
+            plan.store, plan.ttl_class)
         answers: list[bytes | None] = [None] * len(keyed)
         for n, made in zip(public, found):
             if made is not None:
@@ -167,7 +169,7 @@ class FrontendCore:
             if embed_ids is not None:
                 item.embed_ids = np.asarray(embed_ids[n], dtype="<i4").tobytes()
             item.store, item.cached_ok = plan.store and not private, plan.cached_ok and not private
-            item.max_age_us = plan.max_age_us
+            item.max_age_us, item.ttl_class = plan.max_age_us, plan.ttl_class
             item.fleet_looked = fleet_looked
             if source is not None:
                 item.feature_key = feature_key(spec, source, plan.tenant, texts[n])

@@ -71,10 +71,10 @@ class FeatureAnswers:
         self.counters = counters  # the frontend's own
         self._answered: dict[bytes, None] = {}  # the doorkeeper: keys answered once (cleared when full)
 
-    def answers(self, head: FrontHead, keyed: list[tuple[bytes, bytes]], store: bool) -> list:
+    def answers(self, head: FrontHead, keyed: list[tuple[bytes, bytes]], store: bool, ttl_class: str = "") -> list:
         """For each (result key, feature key): (the serialized InferResponse, its record to copy into L1
-        or None) made from the stored feature, or None where the store does not hold it. One matrix
-        product for all that it holds."""
+        or None; stored for TTL class `ttl_class`) made from the stored feature, or None where the store
+        does not hold it. One matrix product for all that it holds."""
         out: list = [None] * len(keyed)
         cache = self._store.get()
         if cache is None:
@@ -97,11 +97,11 @@ class FeatureAnswers:
         for n, row in zip(found, scores):
             key = keyed[n][0]
             payload = head.answers.payload({"scores": row}, key)
-            out[n] = payload, self._copied(head, key, payload, now) if store else None
+            out[n] = payload, self._copied(head, key, payload, now, ttl_class) if store else None
         self.counters["feature_answers"] += len(found)
         return out
 
-    def _copied(self, head: FrontHead, key: bytes, payload: bytes, now: int) -> bytes | None:
+    def _copied(self, head: FrontHead, key: bytes, payload: bytes, now: int, ttl_class: str) -> bytes | None:
         """The record of a text's second answer (the doorkeeper held its key), to copy into L1; None
         for a first one, whose key it now holds."""
         if key not in self._answered:
@@ -111,7 +111,7 @@ class FeatureAnswers:
             return None
         del self._answered[key]
         self.counters["feature_copies"] += 1
-        return records.encode(answer_record(head.answers.spec, now, payload))
+        return records.encode(answer_record(head.answers.spec, now, payload, ttl_class))
 
     def stats(self) -> dict:
         return dict(self._store.cache.counters) if self._store.cache is not None else {}

@@ -30,7 +30,7 @@ def _fill(item, *, plan: GeneratePlan) -> None:
     item.model, item.version, item.tenant, item.key = model.spec.name, model.version, plan.tenant, plan.key
     item.ids = np.asarray(plan.ids, dtype="<i4").tobytes()
     item.store, item.cached_ok = plan.store, plan.cached_ok
-    item.max_age_us = plan.max_age_us
+    item.max_age_us, item.ttl_class = plan.max_age_us, plan.ttl_class
     item.generate.CopyFrom(plan.params)
     item.public_prefix = plan.public_prefix
 

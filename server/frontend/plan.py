@@ -17,7 +17,7 @@ from infercache.v1 import infercache_pb2 as pb
 from server.frontend.features import FrontHead
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed, quoted
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared.normalize import DEFAULT_STEPS, REDACTING_STEPS, Normalizer, holds_pii
+from server.shared.normalize import Normalizer, holds_pii
 from server.shared.tokenization import TextEncoder
 
 log = logging.getLogger("infercache.frontend")
@@ -55,7 +55,7 @@ def _plan_key(request) -> tuple | None:
     None for a request with max_age_s (its plan holds that age)."""
     if request.cache.HasField("max_age_s"):
         return None
-    return (request.model, request.version, request.tenant, request.cache.mode,
+    return (request.model, request.version, request.tenant, request.cache.mode, request.cache.ttl_class,
             _overrides(request.semantic) if request.HasField("semantic") else None)
 
 
@@ -112,7 +112,9 @@ class Plan:
     mode: int
     cached_ok: bool
     store: bool
-    max_age_us: int  # the model's TTL, or less by the request's max_age_s
+    max_age_us: int  # the TTL of the request's class, or less by the request's max_age_s
+    ttl_class: str   # the TTL class of what it stores (server/shared/ttl_classes.py)
+    ttl_us: int      # that class's TTL
     semantic: pb.SemanticPolicy | None
     ns: Namespace    # (tenant, model, version): the fleet tier's keys need it
 
@@ -179,7 +181,7 @@ class Planner:
                     log.warning("%s version %s: no FEATURE answers in this frontend: %s", spec.name, version, exc)
             found = self._served[(spec.name, version)] = Served(
                 spec, version, encoder, embed_encoder, spec.semantic is not None,
-                Normalizer(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS), spec.pii == "no_store",
+                Normalizer.of(spec), spec.pii == "no_store",
                 embedded_by, (head.encoder, head.encoder_version, head.input) if head is not None else None, front)
         return found
 
@@ -234,16 +236,18 @@ class Planner:
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         if request.semantic.HasField("min_similarity") and not 0.0 <= request.semantic.min_similarity <= 1.0:
             raise InvalidArgument(f"semantic.min_similarity must be within 0..1, got {request.semantic.min_similarity}")
-        cached_at_all = spec.ttl_s > 0
-        # No entry older than the model's TTL (capped by cache.max_ttl_s) is served, also one stored
-        # while the TTL was longer: retention holds from the moment the setting does.
-        max_age_us = spec.ttl_s * 1_000_000
+        ttl_class, ttl_s = spec.ttl_classes.resolve(request.cache.ttl_class, spec.name)
+        cached_at_all = ttl_s > 0
+        # No entry older than the class's TTL (capped by cache.max_ttl_s) is served, also one stored for
+        # a longer-lived class, or while the TTL was longer: retention holds from the moment the setting does.
+        max_age_us = ttl_s * 1_000_000
         if request.cache.HasField("max_age_s"):
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
         return Plan(
             served=self.served(spec, version), tenant=request.tenant, mode=mode,
             cached_ok=mode != Mode.BYPASS and cached_at_all, store=cached_at_all and mode != Mode.NO_STORE,
-            max_age_us=max_age_us, semantic=_copied(request.semantic) if request.HasField("semantic") else None,
+            max_age_us=max_age_us, ttl_class=ttl_class, ttl_us=ttl_s * 1_000_000,
+            semantic=_copied(request.semantic) if request.HasField("semantic") else None,
             ns=Namespace(request.tenant, spec.name, version),
         )
 
@@ -258,4 +262,5 @@ class Planner:
         private = served.no_store and holds_pii(text)
         if private:
             self.counters["pii_not_stored"] += 1
-        return Keyed(normalized, entry_key(namespace_id(tenant, spec.name, served.version), normalized), private)
+        ns_id = namespace_id(tenant, spec.name, served.version, spec.key_variant)
+        return Keyed(normalized, entry_key(ns_id, normalized), private)

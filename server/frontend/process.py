@@ -92,7 +92,7 @@ async def _quiesce(servicer: FrontendServicer, limit_s: float) -> None:
 
 async def _serve(config: Config, index: int, socket_paths: list[Path], ready, stop: asyncio.Event,
                  metrics_dir: Path | None = None, tokens_path: Path | None = None) -> None:
-    repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
+    repository = ModelRepository.of(config)
     counters: Counter[str] = Counter()
     workers = WorkerPool(socket_paths, wait_s=config.server.worker_wait_s,
                          default_timeout_s=config.server.worker_timeout_s, counters=counters,
@@ -101,7 +101,7 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     if config.fleet.redis:  # redis-py is imported only then
         from server.fleet import tier
 
-        fleet = tier.start(config)
+        fleet = tier.start(config, filter_dir=socket_paths[0].parent, filter_role="reader")
     metrics = FrontendMetrics(repository.models) if config.server.metrics_port else None
     hot = HotKeys(config.server.hot_keys) if config.server.hot_keys else None
     core = FrontendCore(config, repository, workers, counters, fleet, metrics, hot)

@@ -22,7 +22,7 @@ from server.frontend.plan import check_identifiers, keep, key_route
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared.normalize import DEFAULT_STEPS, REDACTING_ONLY, REDACTING_STEPS, Normalizer, holds_pii
+from server.shared.normalize import REDACTING_ONLY, Normalizer, holds_pii
 
 Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
@@ -61,6 +61,7 @@ class GeneratePlan:
     only_if_cached: bool
     max_age_us: int
     ns: Namespace
+    ttl_class: str               # the TTL class of what it stores (server/shared/ttl_classes.py)
     public_prefix: int = 0       # leading prompt tokens of a public system prompt (ComputeItem.public_prefix)
 
 
@@ -90,7 +91,7 @@ class Prompts:
             tokenizer.no_padding()
             redact = spec.pii == "redact"
             if spec.generation.normalize == "text":
-                normalize = Normalizer(REDACTING_STEPS if redact else DEFAULT_STEPS)
+                normalize = Normalizer.of(spec)
             else:  # as sent, but PII replaced by placeholders where the model says redact
                 normalize = Normalizer(REDACTING_ONLY) if redact else None
             public = {}
@@ -152,16 +153,19 @@ class Prompts:
         if mode not in Mode.values():
             raise InvalidArgument(f"cache.mode {mode} is not one of {sorted(Mode.keys())}")
         deterministic = params.temperature == 0 or params.HasField("seed")
-        cached_at_all = spec.ttl_s > 0 and deterministic and not private  # privacy.pii no_store: never kept
-        max_age_us = spec.ttl_s * 1_000_000
+        ttl_class, ttl_s = spec.ttl_classes.resolve(request.cache.ttl_class, spec.name)
+        cached_at_all = ttl_s > 0 and deterministic and not private  # privacy.pii no_store: never kept
+        max_age_us = ttl_s * 1_000_000
         if request.cache.HasField("max_age_s"):
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
         return GeneratePlan(
             model=model, tenant=request.tenant, ids=ids, params=params,
-            key=entry_key(namespace_id(request.tenant, spec.name, version), _canonical(text, params)),
+            key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant),
+                          _canonical(text, params)),
             cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
-            ns=Namespace(request.tenant, spec.name, version), public_prefix=_public_prefix(model, request, ids))
+            ns=Namespace(request.tenant, spec.name, version), ttl_class=ttl_class,
+            public_prefix=_public_prefix(model, request, ids))
 
     @staticmethod
     def _holds_pii(request: pb.GenerateRequest) -> bool:

@@ -38,9 +38,10 @@ def response_of(spec: ModelSpec, version: str, labels: list[str], outputs: dict[
     return response
 
 
-def answer_record(spec: ModelSpec, created_us: int, payload: bytes) -> records.Record:
-    """An answer as stored in L1: it expires after the model's TTL."""
-    return records.Record(created_us, created_us + spec.ttl_s * 1_000_000, payload)
+def answer_record(spec: ModelSpec, created_us: int, payload: bytes, ttl_class: str = "") -> records.Record:
+    """An answer as stored in L1: it expires after the TTL of its class ("" = the model's default),
+    less its jitter (server/shared/ttl_classes.py)."""
+    return records.Record(created_us, spec.ttl_classes.expires_us(ttl_class, created_us), payload)
 
 
 class _Template:

@@ -23,6 +23,9 @@ from server.shared.errors import ModelNotFound
 from server.shared.generation_spec import (DECODER_FILE, DECODER_WEIGHTS_FILE, GENERATION_KEYS, PREFIX_KEYS,
                                            GenerationSpec, PrefixSpec, generation_from_config, prefix_from_config)
 from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
+from server.shared import synonyms as synonym_files, ttl_classes
+from server.shared.synonyms import Synonyms
+from server.shared.ttl_classes import TtlClasses
 
 MODEL_FILE = "model.onnx"
 TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch_bert.py): its architecture
@@ -52,7 +55,7 @@ class ModelSpec:
     buckets: tuple[int, ...]          # ascending token counts; one engine profile each
     max_batch_size: int
     max_queue_delay_ms: float
-    ttl_s: int                        # 0 = results are never cached
+    ttl_s: int                        # the default TTL class's; 0 = results are never cached
     precision: str = ""               # engine precision override ("int8-qdq" for Q/DQ models); "" = server default
     semantic: CalibratedPolicy | MatchPolicy | None = None  # near-duplicate matching (classification); None = exact only
     pii: str = "off"                  # privacy.pii: redact (placeholders before keying), no_store, off
@@ -61,6 +64,15 @@ class ModelSpec:
     hot_key_text: bool = False        # hot_keys.keep_text: GetHotKeys shows the hottest keys' texts
     generation: GenerationSpec | None = None  # task generate: the `generate:` section (server/shared/generation_spec.py)
     prefix: PrefixSpec | None = None          # task generate: its `prefix_cache:` section
+    # cache.classes (server/shared/ttl_classes.py); load_model sets it, with cache.ttl_s as one class
+    ttl_classes: TtlClasses = TtlClasses(((ttl_classes.DEFAULT_CLASS, 0),), ttl_classes.DEFAULT_CLASS)
+    synonyms: Synonyms | None = None  # normalize.synonyms: the model's dictionary (server/shared/synonyms.py)
+
+    @property
+    def key_variant(self) -> str:
+        """What the namespace of this model's keys holds beyond tenant, model and version: the synonym
+        dictionary's fingerprint (a changed dictionary never serves keys made under the old one)."""
+        return f"synonyms:{self.synonyms.fingerprint}" if self.synonyms is not None else ""
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -109,11 +121,12 @@ KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "task": None, "serving_version": None, "outputs": None, "semantic": None,
     "input": frozenset({"max_text_chars", "max_tokens"}),
     "batching": frozenset({"buckets", "max_batch_size", "max_queue_delay_ms"}),
-    "cache": frozenset({"ttl_s"}),
+    "cache": frozenset({"ttl_s", "classes", "default_class"}),
     "engine": frozenset({"precision"}),
     "privacy": frozenset({"pii"}),
     "l2": frozenset({"share_across_tenants"}),
     "hot_keys": frozenset({"keep_text"}),
+    "normalize": frozenset({"synonyms"}),
     "generate": GENERATION_KEYS,
     "prefix_cache": PREFIX_KEYS,
 }
@@ -148,6 +161,23 @@ def _get(data: dict, path: str, kind: type, default: Any = None) -> Any:
         raise ModelConfigError(f"setting {path!r} must be {kind.__name__}, got {node!r}") from None
 
 
+def _synonyms(root: Path, data: dict, generation: GenerationSpec | None) -> Synonyms | None:
+    name = (data.get("normalize") or {}).get("synonyms")
+    if not name:
+        return None
+    if generation is not None and generation.normalize != "text":
+        raise ModelConfigError("normalize.synonyms needs generate.normalize: text (prompts are otherwise kept as sent)")
+    try:
+        return synonym_files.load(root / str(name))
+    except synonym_files.SynonymError as exc:
+        raise ModelConfigError(f"normalize.synonyms: {exc}") from None
+
+
+def _lifetimes(spec: ModelSpec, max_ttl_s: int, jitter: float) -> ModelSpec:
+    classes = dataclasses.replace(spec.ttl_classes.capped(max_ttl_s), jitter=jitter)
+    return dataclasses.replace(spec, ttl_classes=classes, ttl_s=classes.ttl_s(classes.default))
+
+
 def load_model(root: Path) -> ModelSpec:
     config_path = root / "config.yaml"
     try:
@@ -178,13 +208,16 @@ def load_model(root: Path) -> ModelSpec:
                      "max_batch_size": _get(data, "batching.max_batch_size", int),
                      "max_queue_delay_ms": _get(data, "batching.max_queue_delay_ms", float)}
         buckets, max_tokens = shape["buckets"], shape["max_tokens"]
+        lifetimes = ttl_classes.from_config(data.get("cache"))
         spec = ModelSpec(
             name=root.name,
             root=root,
             task=task,
             serving_version=str(_get(data, "serving_version", str)),
             versions=tuple(sorted(p.name for p in root.iterdir() if _is_version(p))),
-            ttl_s=_get(data, "cache.ttl_s", int),
+            ttl_s=lifetimes.ttl_s(lifetimes.default),
+            ttl_classes=lifetimes,
+            synonyms=_synonyms(root, data, generation),
             precision=str((data.get("engine") or {}).get("precision", "")),
             semantic=policy_from_config(data.get("semantic")),
             pii=str((data.get("privacy") or {}).get("pii", "off")),
@@ -194,7 +227,7 @@ def load_model(root: Path) -> ModelSpec:
             prefix=prefix,
             **shape,
         )
-    except (ModelConfigError, ValueError) as exc:
+    except (ModelConfigError, ValueError) as exc:  # (a TtlClassError is a ValueError)
         raise ModelConfigError(f"{config_path}: {exc}") from None
     if not buckets or buckets[-1] < max_tokens:
         raise ModelConfigError(f"{config_path}: the largest bucket must be >= input.max_tokens ({max_tokens})")
@@ -208,16 +241,21 @@ def load_model(root: Path) -> ModelSpec:
 
 
 class ModelRepository:
-    """The models of a directory. `max_ttl_s` (cache.max_ttl_s, retention) caps every model's TTL."""
+    """The models of a directory. `max_ttl_s` (cache.max_ttl_s, retention) caps every TTL class of every
+    model; `ttl_jitter` (cache.ttl_jitter) is the share of random jitter on the TTL of what they store."""
 
-    def __init__(self, models_dir: Path, max_ttl_s: int = 0) -> None:
+    def __init__(self, models_dir: Path, max_ttl_s: int = 0, ttl_jitter: float = 0.0) -> None:
         self.root = models_dir
         if not models_dir.is_dir():
             raise ModelConfigError(f"model repository {models_dir} does not exist")
         specs = [load_model(p) for p in sorted(models_dir.iterdir()) if (p / "config.yaml").is_file()]
-        if max_ttl_s:
-            specs = [dataclasses.replace(s, ttl_s=min(s.ttl_s, max_ttl_s)) for s in specs]
+        specs = [_lifetimes(s, max_ttl_s, ttl_jitter) for s in specs]
         self.models = {spec.name: spec for spec in specs}
+
+    @classmethod
+    def of(cls, config) -> "ModelRepository":
+        """The repository a server process serves, with the cache settings that shape its TTLs."""
+        return cls(Path(config.server.models_dir), config.cache.max_ttl_s, config.cache.ttl_jitter)
 
     def get(self, name: str) -> ModelSpec:
         spec = self.models.get(name)

@@ -3,7 +3,8 @@
 Each step is a plain function str -> str; `Normalizer` runs them in order. PII redaction (a model's
 `privacy.pii: redact`) is a step of its own, after NFKC (so full-width digits are digits) and before
 case and punctuation folding (which would break e-mail addresses and phone numbers apart): the key, the
-model's input and whatever is stored all come from the redacted text.
+model's input and whatever is stored all come from the redacted text. A model's synonym dictionary
+(server/shared/synonyms.py) runs last, on the folded text.
 """
 
 from __future__ import annotations
@@ -57,13 +58,21 @@ def holds_pii(text: str) -> bool:
 
 
 class Normalizer:
-    def __init__(self, steps: tuple[Step, ...] = DEFAULT_STEPS) -> None:
+    def __init__(self, steps: tuple[Step, ...] = DEFAULT_STEPS, synonyms: Step | None = None) -> None:
         self.steps = steps
+        self.synonyms = synonyms  # a model's dictionary (server/shared/synonyms.py), after the steps
         self._ascii_fold = steps == DEFAULT_STEPS
+
+    @classmethod
+    def of(cls, spec) -> "Normalizer":
+        """A model's normalization (server/shared/models.py ModelSpec): with PII redaction where its
+        privacy.pii says redact, and its synonym dictionary where it names one."""
+        return cls(REDACTING_STEPS if spec.pii == "redact" else DEFAULT_STEPS, spec.synonyms)
 
     def __call__(self, text: str) -> str:
         if self._ascii_fold and text.isascii():
-            return " ".join(text.translate(_ASCII_FOLD).split())
-        for step in self.steps:
-            text = step(text)
-        return text
+            text = " ".join(text.translate(_ASCII_FOLD).split())
+        else:
+            for step in self.steps:
+                text = step(text)
+        return self.synonyms(text) if self.synonyms is not None else text

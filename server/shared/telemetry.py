@@ -75,6 +75,9 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "histogram", "Texts per engine launch.", ("model",), BATCH_BOUNDS),
     "infercache_queue_depth": ("gauge", "Texts waiting in the model's batch queue.", ("model",), ()),
     "infercache_store_entries": ("gauge", "Entries in the store.", ("store",), ()),
+    "infercache_store_class_entries": (
+        "gauge", "Entries in the store by the TTL class they were stored for (entries stored before the store "
+        "counted classes are left out).", ("store", "ttl_class"), ()),
     "infercache_store_bytes": ("gauge", "Bytes of live pages in the store.", ("store",), ()),
     "infercache_store_budget_bytes": ("gauge", "The store's byte budget (eviction starts above it).",
                                       ("store",), ()),

@@ -45,8 +45,10 @@ def stats(config: Config) -> int:
         return 2
     totals = store.stats()
     mb = 1024 * 1024
-    print(f"store {store.settings.path}: {totals['entries']} entries, {totals['used_bytes'] / mb:.1f} MiB live "
-          f"of a {totals['budget_bytes'] / mb:.0f} MiB budget (map {totals['map_size_bytes'] / mb:.0f} MiB)")
+    by_class = ", ".join(f"{printable(name)} {count}" for name, count in sorted(totals["entries_by_class"].items()))
+    print(f"store {store.settings.path}: {totals['entries']} entries{f' (by TTL class: {by_class})' if by_class else ''}, "
+          f"{totals['used_bytes'] / mb:.1f} MiB live of a {totals['budget_bytes'] / mb:.0f} MiB budget "
+          f"(map {totals['map_size_bytes'] / mb:.0f} MiB)")
     semlog = store.dbs.get(DB_SEMLOG)
     with store.begin() as txn:
         spaces = results.namespaces(store, txn)

@@ -165,7 +165,7 @@ class WorkerCore:
             self.counters["copies_unreadable"] += 1
             return
         ns = namespace(item.tenant, item.model, item.version)
-        self.writer.put(item.key, ns, record)
+        self.writer.put(item.key, ns, record, ttl_class=item.ttl_class)
         if item.answered_from == Source.FEATURE and self.fleet is not None:
             self.fleet.put(item.key, ns, record, release=False)
         self.counters["copies"] += 1
@@ -278,14 +278,15 @@ class WorkerCore:
         if outcome.matched is not None:
             # A copy of the record it came from (a near-duplicate's, the fleet's): the same text next
             # time is a frontend RESULT_EXACT.
-            self.writer.put(flight.key, ns, outcome.matched, on_done=done)
+            self.writer.put(flight.key, ns, outcome.matched, on_done=done, ttl_class=item.ttl_class)
             self._release(flight)
             return
-        record = answer_record(flight.runtime.spec, flight.created_us, outcome.stored or outcome.payload)
+        record = answer_record(flight.runtime.spec, flight.created_us, outcome.stored or outcome.payload,
+                               item.ttl_class)
         entry = None
         if outcome.embedding is not None:
             entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
-        self.writer.put(flight.key, ns, record, on_done=done, semantic=entry)
+        self.writer.put(flight.key, ns, record, on_done=done, semantic=entry, ttl_class=item.ttl_class)
         if self.fleet is not None:
             self.fleet.put(flight.key, ns, record, release=flight.leased)
             flight.leased = False

@@ -31,6 +31,7 @@ from cachestore.errors import CorruptRecord
 from cachestore.keys import Namespace, Selector
 from cachestore.results import ResultCache, now_us
 from server.shared.feature_records import Source, decode, encode, feature_tenant, storage_dtype
+from server.shared.ttl_classes import jittered
 from server.worker.feature_lru import DeviceRow, FeatureLRU
 from server.worker.writer import WriterProcess
 
@@ -59,15 +60,17 @@ class _Encoder:
 
 class FeatureTier:
     def __init__(self, writer: WriterProcess | None, *, ttl_s: int, memory_bytes: int, index_bytes: int,
-                 device: str | None) -> None:
+                 device: str | None, ttl_jitter: float = 0.0) -> None:
         """memory_bytes: the memory level's cap (device memory on a GPU host); index_bytes: the host memory
-        its index may take (which bounds the rows too, at INDEX_BYTES_PER_ROW each)."""
+        its index may take (which bounds the rows too, at INDEX_BYTES_PER_ROW each). ttl_jitter
+        (cache.ttl_jitter): each feature's TTL less up to this share, at random."""
         self.writer = writer
         self.store = ResultCache(writer.store) if writer is not None else None
         if writer is not None:  # (as the core's L1: server/worker/core.py)
             self.store.on_corrupt = writer.check
             writer.on_store.append(self.store.use)
         self.ttl_us = ttl_s * 1_000_000
+        self.ttl_jitter = ttl_jitter
         self.memory_bytes = memory_bytes
         self.index_bytes = index_bytes
         self.device = device  # torch device of the memory level, None = host memory
@@ -133,7 +136,9 @@ class FeatureTier:
             self.writer.put(key, ns, records.Record(created_us, self._expires(created_us), encode(vector)))
 
     def _expires(self, created_us: int) -> int:
-        return created_us + self.ttl_us if self.ttl_us else 0
+        if not self.ttl_us:
+            return 0
+        return jittered(created_us, self.ttl_us, self.ttl_jitter)
 
     def _remember(self, encoder: _Encoder, ns: Namespace, key: bytes, vector: np.ndarray, created_us: int) -> None:
         try:

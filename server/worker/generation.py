@@ -421,9 +421,9 @@ class Generations:
         self.counters["generated"] += 1
         if flight.store and self.writer is not None:
             item = flight.item
-            record = answer_record(flight.model.spec, flight.created_us, flight.answer)
+            record = answer_record(flight.model.spec, flight.created_us, flight.answer, item.ttl_class)
             self.writer.put(flight.key, namespace(item.tenant, item.model, item.version), record,
-                            on_done=partial(self._forget, flight))
+                            on_done=partial(self._forget, flight), ttl_class=item.ttl_class)
         else:
             self._forget(flight)
 

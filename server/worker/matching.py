@@ -145,9 +145,10 @@ class Matching:
         runtime = check.runtime
         response = runtime.response(outputs, item.key)
         # Dated at the hit, not now: an invalidation since then covers it (the writer's fences drop it).
-        record = answer_record(runtime.spec, check.created_us, response.SerializeToString())
+        record = answer_record(runtime.spec, check.created_us, response.SerializeToString(), item.ttl_class)
         self.core.writer.put(item.key, namespace(item.tenant, item.model, item.version), record,
-                        semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label, check.embedding))
+                             semantic=SemanticEntry(item.key[:NS_ID_BYTES], response.classification.label,
+                                                    check.embedding), ttl_class=item.ttl_class)
         self.core.counters["semantic_verified_stored" if agreed else "semantic_corrected"] += 1
 
     def _embedder(self, policy) -> ModelRuntime:

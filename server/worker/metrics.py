@@ -129,4 +129,6 @@ class WorkerMetrics:
             out += [(("infercache_store_entries", name), stats["entries"]),
                     (("infercache_store_bytes", name), stats["used_bytes"]),
                     (("infercache_store_budget_bytes", name), stats["budget_bytes"])]
+            out += [(("infercache_store_class_entries", name, ttl_class), count)
+                    for ttl_class, count in stats["entries_by_class"].items()]
         return out

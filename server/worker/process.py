@@ -287,23 +287,26 @@ async def _heads(config: Config, repository: ModelRepository, runtimes: dict[tup
         memory = 0
     ttl_s = min((t for t in (config.l2.ttl_s, config.cache.max_ttl_s) if t), default=0)
     index = (config.l2.memory_mb << 20) if config.l2.enabled else 0
-    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, index_bytes=index, device=device)
+    tier = FeatureTier(writer, ttl_s=ttl_s, memory_bytes=memory, index_bytes=index, device=device,
+                       ttl_jitter=config.cache.ttl_jitter)
     for source, rows in samples.items():
         tier.add_encoder(source, rows)
     return heads, tier
 
 
-def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
+def _fleet_tier(config: Config, writer: WriterProcess | None, index: int, socket_dir: Path):
     """The fleet tier when `fleet.redis` is set (redis-py is imported only then). Each worker purges
     other pods' invalidations through its own writer (which then refuses entries created before them);
-    worker 0 keeps the generations the host's L1 reflects."""
+    worker 0 keeps the generations the host's L1 reflects, and the pod's key filter (in the socket folder,
+    server/fleet/key_filter.py)."""
     if not config.fleet.redis:
         return None
     from server.fleet import tier
 
     keeper = index == 0 and writer is not None
     return tier.start(config, purge=writer.invalidate if writer is not None else None,
-                      state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
+                      state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None,
+                      filter_dir=socket_dir, filter_role="owner" if index == 0 else "publisher")
 
 
 def _open_block_store(config: Config):
@@ -378,7 +381,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         writer_lost.set()
         stop.set()
     writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", lose_writer))
-    repository = ModelRepository(Path(config.server.models_dir), config.cache.max_ttl_s)
+    repository = ModelRepository.of(config)
     engine_counters: Counter[str] = Counter()
     engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
                                       threads=_engine_threads(config, cpu_workers))
@@ -397,8 +400,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         kv_store = await asyncio.to_thread(_open_block_store, config)
     generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers),
                                         placement.gpu is not None, kv_store)
-    core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features,
-                      generative, kv_store)
+    fleet = _fleet_tier(config, writer, placement.index, socket_path.parent)
+    core = WorkerCore(repository, runtimes, writer, tier, fleet, features, generative, kv_store)
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
         core.matching.calibrations.update(await asyncio.to_thread(

@@ -234,11 +234,13 @@ class WriterProcess:
             self._protocol.flush_soon()
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,
-            on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None) -> None:
-        """on_done runs on the worker's loop once the put was committed or dropped."""
+            on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None,
+            ttl_class: str = "") -> None:
+        """on_done runs on the worker's loop once the put was committed or dropped. `ttl_class`: the
+        TTL class the entry was stored for (the store counts entries by class)."""
         if threading.get_ident() != self._loop_thread:
             try:
-                self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic)
+                self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic, ttl_class)
             except RuntimeError:  # the loop has closed: the worker is gone, so is the write
                 pass
             return
@@ -252,7 +254,7 @@ class WriterProcess:
         put = self._ops(put=True).puts.add()
         put.key, put.payload = key, record.payload
         put.tenant, put.model, put.version = ns.tenant, ns.model, ns.version
-        put.created_us, put.expires_us = record.created_us, record.expires_us
+        put.created_us, put.expires_us, put.ttl_class = record.created_us, record.expires_us, ttl_class
         if semantic is not None:
             put.semantic, put.answer = True, semantic.answer
             put.embedding = np.asarray(semantic.embedding, dtype="<f4").tobytes()

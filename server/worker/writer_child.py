@@ -125,7 +125,8 @@ def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_t
                 if put.semantic:
                     entry = SemanticEntry(put.key[:NS_ID_BYTES], put.answer, np.frombuffer(put.embedding, dtype="<f4"))
                 writer.put(put.key, namespace(put.tenant, put.model, put.version),
-                           records.Record(put.created_us, put.expires_us, put.payload), semantic=entry)
+                           records.Record(put.created_us, put.expires_us, put.payload), semantic=entry,
+                           ttl_class=put.ttl_class)
             handled += len(ops.puts)
             for request in ops.requests:
                 if request.HasField("invalidate"):
