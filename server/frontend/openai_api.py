@@ -17,6 +17,7 @@ its usage reports), as the gRPC door does for repeated request bytes."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import time
@@ -26,12 +27,12 @@ import numpy as np
 import orjson
 
 from infercache.v1 import infercache_pb2 as pb
-from server.frontend.core import FrontendCore
+from server.frontend.core import TOKENIZE_INLINE_MAX, FrontendCore
 from server.frontend.http1 import Request, Response, Stream
 from server.frontend.plan import keep
 from server.frontend.tally import measured
 from server.shared.auth import CLIENT, Gate, Grant, bind_tenant
-from server.shared.errors import InvalidArgument, http_status_of, quoted
+from server.shared.errors import InvalidArgument, http_status_of, quoted, status_of
 
 Mode = pb.CachePolicy.Mode
 MODES = {b"default": Mode.DEFAULT, b"bypass": Mode.BYPASS, b"no-store": Mode.NO_STORE,
@@ -74,6 +75,16 @@ def _get(body: dict, name: str, kinds: type | tuple, default=None, what: str = "
     if not isinstance(value, kinds) or (isinstance(value, bool) and kinds is not bool):
         raise InvalidArgument(f"{name} must be {what or getattr(kinds, '__name__', kinds)}, got {quoted(str(value))}")
     return value
+
+
+def _model_named(body: bytes) -> str:
+    """The model a body names, where it names one (a /metrics label of a refused call)."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    model = value.get("model") if isinstance(value, dict) else None
+    return model if isinstance(model, str) else ""
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -131,7 +142,7 @@ class _Embed:
     batch: pb.InferBatchRequest | None     # all of them as one InferBatch call (more than one input)
     base64: bool
     dimensions: int | None
-    prompt_tokens: int
+    prompt_tokens: int | None  # usage: counted once the texts were answered (so they are valid)
 
 
 @dataclass(slots=True)
@@ -233,24 +244,41 @@ class OpenAIDoor:
                                   f"models (use {use})")
         tenant, policy = self._tenant(grant, headers), _policy(headers)
         one = pb.InferRequest(model=model, tenant=tenant, cache=policy)
-        planner = self.core.planner
-        plan = planner.plan(one)
-        tokens, requests = 0, []
+        requests = []
         for text in inputs:
-            keyed = planner.keyed(tenant, plan.served, text)  # (INVALID_ARGUMENT for an unusable text)
-            tokens += len(plan.served.encoder.encode(keyed.text))
             one.text = text
             requests.append(one.SerializeToString())
         batch = (pb.InferBatchRequest(model=model, tenant=tenant, texts=inputs, cache=policy)
                  if len(inputs) > 1 else None)
-        found = _Embed(model, orjson.dumps(model), requests, batch, encoding == "base64", dimensions, tokens)
-        if len(request.body) <= KEPT_MAX_BYTES and plan.served.spec.pii == "off":
+        found = _Embed(model, orjson.dumps(model), requests, batch, encoding == "base64", dimensions, None)
+        if len(request.body) <= KEPT_MAX_BYTES and spec.pii == "off":
             keep(self._embeds, key, found, KEPT)
         return found
 
+    async def _prompt_tokens(self, call: _Embed) -> int:
+        """What the texts of `call` are to the model, in tokens (usage), counted once: a hit never
+        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are."""
+        planner = self.core.planner
+        first = pb.InferRequest.FromString(call.requests[0])
+        served = planner.plan(first).served
+        texts = [planner.keyed(first.tenant, served, pb.InferRequest.FromString(raw).text).text
+                 for raw in call.requests]
+        if len(texts) > TOKENIZE_INLINE_MAX:
+            ids = await asyncio.to_thread(served.encoder.encode_batch, texts)
+        else:
+            ids = [served.encoder.encode(text) for text in texts]
+        call.prompt_tokens = sum(map(len, ids))
+        return call.prompt_tokens
+
     async def embeddings(self, request: Request, grant: Grant) -> Response:
-        call = self._embed_call(request, grant)
         core = self.core
+        try:
+            call = self._embed_call(request, grant)
+        except Exception as exc:
+            if core.metrics is not None:  # counted as the native door counts a call it refuses
+                core.metrics.failed(core.metrics.model_label(_model_named(request.body)), 1, status_of(exc)[0].name,
+                                    0.0)
+            raise
         if call.batch is None:
             raw = (await core.infer(call.requests[0], None) if core.metrics is None else
                    await measured(core, core.infer, call.requests[0], 1, _no_deadline))
@@ -271,8 +299,9 @@ class OpenAIDoor:
             else:
                 vector = orjson.dumps(np.frombuffer(tensor.data, "<f4"), option=orjson.OPT_SERIALIZE_NUMPY)
             items.append(b'{"object":"embedding","index":%d,"embedding":%s}' % (index, vector))
+        tokens = call.prompt_tokens if call.prompt_tokens is not None else await self._prompt_tokens(call)
         body = b'{"object":"list","data":[%s],"model":%s,"usage":{"prompt_tokens":%d,"total_tokens":%d}}' % (
-            b",".join(items), call.model_json, call.prompt_tokens, call.prompt_tokens)
+            b",".join(items), call.model_json, tokens, tokens)
         return Response(200, body, cache_headers([answer.cache for answer in answers]))
 
     # --- generation -------------------------------------------------------------------------------------

@@ -24,11 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.config import Config
-from server.frontend import http1
 from server.frontend.core import FrontendCore
 from server.frontend.kserve import KServeServicer, add_kserve
 from server.frontend.kserve import SERVICE_NAME as KSERVE_SERVICE
-from server.frontend.openai_api import OpenAIDoor
 from server.frontend.hot_keys import HotKeys
 from server.frontend.metrics import FrontendMetrics
 from server.frontend.publishing import Published
@@ -130,7 +128,10 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         doors.append(kserve)
         services.append(KSERVE_SERVICE)
     http = None
-    if config.server.http_port:
+    if config.server.http_port:  # httptools and orjson are imported only then
+        from server.frontend import http1
+        from server.frontend.openai_api import OpenAIDoor
+
         http = http1.HttpServer(OpenAIDoor(core, gate).handle, config.server.max_request_bytes)
         doors.append(http)
     if tokens_path is not None:
