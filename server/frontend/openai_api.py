@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from cachestore.wire import split_exact_hit
 from infercache.v1 import infercache_pb2 as pb
 from server.frontend.core import TOKENIZE_INLINE_MAX, FrontendCore
 from server.frontend.http1 import Request, Response, Stream
@@ -45,6 +46,7 @@ UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs",
                "audio", "modalities", "prediction", "echo", "suffix", "best_of")
 KEPT = 4096  # request bodies whose worked-out call is kept (per route); past it, start over
 KEPT_MAX_BYTES = 4096  # longer bodies are worked out each time
+RENDERED_KEPT = 1024  # exact hits' embedding objects kept (see OpenAIDoor._exact_hit); past it, start over
 DONE = b"data: [DONE]\n\n"
 
 
@@ -155,6 +157,13 @@ class _Generate:
     usage_chunk: bool    # stream_options.include_usage
 
 
+def _check_dimensions(call: _Embed, size: int) -> None:
+    """`dimensions` is honoured where it is the model's own size: no model here can shorten its embeddings."""
+    if call.dimensions is not None and call.dimensions != size:
+        raise InvalidArgument(f"model {call.model!r} returns {size}-dimensional embeddings and cannot shorten "
+                              f"them; leave dimensions out (or send {size})")
+
+
 class OpenAIDoor:
     """Routes of the HTTP door; a Request in, a Response or a Stream out. Event loop only."""
 
@@ -164,6 +173,7 @@ class OpenAIDoor:
         self.max_batch_texts = core.config.server.max_batch_texts
         self._embeds: dict[tuple, _Embed] = {}
         self._generates: dict[tuple, _Generate] = {}
+        self._rendered: dict[tuple[bytes, bool], tuple[bytes, int, list]] = {}
         self.routes = {(b"POST", b"/v1/embeddings"): self.embeddings,
                        (b"POST", b"/v1/chat/completions"): self.chat_completions,
                        (b"POST", b"/v1/completions"): self.completions,
@@ -282,6 +292,8 @@ class OpenAIDoor:
         if call.batch is None:
             raw = (await core.infer(call.requests[0], None) if core.metrics is None else
                    await measured(core, core.infer, call.requests[0], 1, _no_deadline))
+            if (hit := split_exact_hit(raw)) is not None:  # the traffic a cache is for: made once per entry
+                return await self._exact_hit(call, *hit)
             answers = [pb.InferResponse.FromString(raw)]
         else:
             raw = (await core.infer_batch(call.batch, None) if core.metrics is None else
@@ -289,20 +301,41 @@ class OpenAIDoor:
             answers = list(pb.InferBatchResponse.FromString(raw).results)
         items = []
         for index, answer in enumerate(answers):
-            tensor = answer.outputs[0]
-            size = len(tensor.data) // 4
-            if call.dimensions is not None and call.dimensions != size:
-                raise InvalidArgument(f"model {call.model!r} returns {size}-dimensional embeddings and cannot "
-                                      f"shorten them; leave dimensions out (or send {size})")
-            if call.base64:
-                vector = b'"%s"' % base64.b64encode(tensor.data)
-            else:
-                vector = orjson.dumps(np.frombuffer(tensor.data, "<f4"), option=orjson.OPT_SERIALIZE_NUMPY)
-            items.append(b'{"object":"embedding","index":%d,"embedding":%s}' % (index, vector))
+            item, size = self._item(answer, index, call.base64)
+            _check_dimensions(call, size)
+            items.append(item)
+        return self._embeddings_response(call, items, cache_headers([answer.cache for answer in answers]))
+
+    async def _embeddings_response(self, call: _Embed, items: list[bytes], headers: list) -> Response:
         tokens = call.prompt_tokens if call.prompt_tokens is not None else await self._prompt_tokens(call)
         body = b'{"object":"list","data":[%s],"model":%s,"usage":{"prompt_tokens":%d,"total_tokens":%d}}' % (
             b",".join(items), call.model_json, tokens, tokens)
-        return Response(200, body, cache_headers([answer.cache for answer in answers]))
+        return Response(200, body, headers)
+
+    @staticmethod
+    def _item(answer: pb.InferResponse, index: int, as_base64: bool) -> tuple[bytes, int]:
+        """One input's embedding object, and the embedding's size."""
+        data = answer.outputs[0].data
+        if as_base64:
+            vector = b'"%s"' % base64.b64encode(data)
+        else:
+            vector = orjson.dumps(np.frombuffer(data, "<f4"), option=orjson.OPT_SERIALIZE_NUMPY)
+        return b'{"object":"embedding","index":%d,"embedding":%s}' % (index, vector), len(data) // 4
+
+    async def _exact_hit(self, call: _Embed, stored: bytes, age_s: float) -> Response:
+        """An exact hit of one input: its embedding object and fixed headers are made once per stored
+        answer and format (kept while it is among the last RENDERED_KEPT), its age set per call."""
+        found = self._rendered.get((stored, call.base64))
+        if found is None:
+            answer = pb.InferResponse.FromString(stored)
+            item, size = self._item(answer, 0, call.base64)
+            found = (item, size, [(b"x-infercache-model-version", answer.cache.model_version.encode()),
+                                  (b"x-infercache-key", answer.cache.key.encode())])
+            keep(self._rendered, (stored, call.base64), found, RENDERED_KEPT)
+        item, size, fixed = found
+        _check_dimensions(call, size)
+        return await self._embeddings_response(call, [item], [
+            (b"x-infercache-source", b"RESULT_EXACT"), (b"x-infercache-age", b"%.3f" % age_s), *fixed])
 
     # --- generation -------------------------------------------------------------------------------------
     def _generate_call(self, request: Request, grant: Grant, chat: bool) -> _Generate:
