@@ -23,6 +23,8 @@
    null engine, with every answer written behind against none.
 10. Length groups (`--sections groups`, bench/length_groups.py): minilm misses on ONNX Runtime with batches
    cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
+11. Doors (`--sections doors`, bench/doors.py): exact hits through the OpenAI-compatible HTTP door against a
+   bare server of its stack, through the KServe v2 door against the native door, and the bare HTTP stacks.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
 instead), each recording its command, machine, commit and date, and prints a table. Sections that read
@@ -66,7 +68,8 @@ NEEDS_BANKING77 = {"semantic", "l2", "groups"}  # sections that train a head on 
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
-         "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate"}
+         "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
+         "doors": "doors"}
 
 
 def make_models(root: Path) -> Path:
@@ -266,7 +269,7 @@ def main() -> None:
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
                              "by bucket), worker (one worker's capacity), "
                              "commit (the writer's CPU per put by group-commit window), generate (SmolLM2 misses "
-                             "and hits), gpu and "
+                             "and hits), doors (hits through the OpenAI and KServe doors), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -380,6 +383,14 @@ def main() -> None:
             print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
             report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick)
             print_generate(report["generate"])
+            save()
+        if "doors" in sections:
+            from bench.doors import bench_doors, print_doors
+
+            print("benchmarking the doors (OpenAI-compatible HTTP, KServe v2) on exact hits ...", flush=True)
+            (workdir / "doors").mkdir()
+            report["doors"] = bench_doors(workdir / "doors", texts, rounds, args.quick)
+            print_doors(report["doors"])
             save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)

@@ -228,6 +228,35 @@ async def _raw_calls(address: str, method: str, concurrency: int) -> tuple[list,
     return channels, [c.unary_unary(method, request_serializer=None, response_deserializer=None) for c in channels]
 
 
+async def run_raw_load(address: str, method: str, payloads: list[bytes], *, concurrency: int, total: int
+                       ) -> LoadResult:
+    """run_load with pre-serialized requests and raw response bytes (no protobuf work in the generator),
+    `total` calls of `method` cycling through `payloads`. Sources are not read: warm() beforehand makes
+    every call a hit."""
+    channels, calls = await _raw_calls(address, method, concurrency)
+    source = iter(itertools.islice(itertools.cycle(payloads), total))
+    latencies: list[float] = []
+    errors = 0
+
+    async def caller(call) -> None:
+        nonlocal errors
+        for payload in source:
+            started = time.perf_counter()
+            try:
+                await call(payload, timeout=30)
+            except grpc.aio.AioRpcError:
+                errors += 1
+                continue
+            latencies.append((time.perf_counter() - started) * 1000)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(calls[i % len(calls)]) for i in range(concurrency)))
+    seconds = time.perf_counter() - started
+    for channel in channels:
+        await channel.close()
+    return LoadResult(len(latencies), errors, seconds, np.array(latencies), {})
+
+
 def _load_process(args, out) -> None:
     address, method, payloads, concurrency, seconds, warmup_s, timeout, start = args
     calls, errors, latencies, codes, cpu_s, host_busy = _event_loop_runner()(
