@@ -55,9 +55,13 @@ def _no_deadline() -> None:
     return None
 
 
+def _error(kind: str, message: str) -> bytes:
+    """OpenAI's error object."""
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
 def error_body(status: int, kind: str, message: str) -> Response:
-    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
-    return Response(status, body)
+    return Response(status, _error(kind, message))
 
 
 def _json(body: bytes) -> dict:
@@ -304,7 +308,7 @@ class OpenAIDoor:
             item, size = self._item(answer, index, call.base64)
             _check_dimensions(call, size)
             items.append(item)
-        return self._embeddings_response(call, items, cache_headers([answer.cache for answer in answers]))
+        return await self._embeddings_response(call, items, cache_headers([answer.cache for answer in answers]))
 
     async def _embeddings_response(self, call: _Embed, items: list[bytes], headers: list) -> Response:
         tokens = call.prompt_tokens if call.prompt_tokens is not None else await self._prompt_tokens(call)
@@ -474,8 +478,8 @@ async def _events(shape: _Shape, call: _Generate, hit: bytes | None, first: byte
                 if answer.text:
                     yield shape.event(answer.text)
     except Exception as exc:  # noqa: BLE001 (its status as an error event: the stream's head went out)
-        status, kind, message, _ = http_status_of(exc, "stream")
-        yield b"data: " + orjson.dumps({"error": {"message": message, "type": kind, "code": status}}) + b"\n\n"
+        _, kind, message, _ = http_status_of(exc, "stream")
+        yield b"data: " + _error(kind, message) + b"\n\n"
         yield DONE
         return
     end = answer.end
