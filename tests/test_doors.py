@@ -10,6 +10,8 @@ import os
 import re
 import signal
 import ssl
+import subprocess
+import sys
 import time
 
 import grpc
@@ -453,3 +455,30 @@ def test_a_worker_down_answers_503_with_retry_after(start_server):
     assert down.value.status_code == 503 and down.value.response.headers["retry-after"] == "1"
     with server.client() as native:  # and it comes back
         wait_for(lambda: native.stats().workers, 60, "the worker's restart")
+
+
+@needs_generator
+def test_the_doors_page_runs_as_written(door):
+    """docs/doors.md's Python blocks, their prints showing what the comments say, and its curl lines,
+    against this module's server (its ports in place of the page's)."""
+    from tests.test_docs import _blocks, _expected, _shows
+
+    ran = 0
+    for kind, code in _blocks((REPO / "docs" / "doors.md").read_text()):
+        code = code.replace("127.0.0.1:8000", f"127.0.0.1:{door.http_port}").replace("127.0.0.1:50051",
+                                                                                      door.server.address)
+        if kind == "python":
+            done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+            printed, expected = done.stdout.splitlines(), _expected(code)
+            assert len(printed) == len(expected), (printed, expected)
+            assert all(_shows(line, want) for line, want in zip(printed, expected)), (printed, expected)
+            ran += 1
+        elif kind == "sh":
+            for line in code.splitlines():
+                if line.startswith("curl "):
+                    done = subprocess.run(line + " --fail-with-body", shell=True, capture_output=True, text=True,
+                                          timeout=300)
+                    assert done.returncode == 0 and done.stdout, (line, done.stdout, done.stderr)
+                    ran += 1
+    assert ran == 5
