@@ -25,17 +25,11 @@ from tritonclient.utils import InferenceServerException
 from infercache.v1 import infercache_pb2 as pb
 from tests import certs
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
+from tests.test_generate import SMALL as ONE_AT_A_TIME  # one generation at a time, no queue, 64 new tokens at most
 from tests.helpers import link_model, unique, wait_cached, wait_for
 from tests.servers import REPO, ServerProcess, free_port
 
-GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
-GEN_CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()
-ONE_AT_A_TIME = """
-task: generate
-serving_version: "1"
-generate: {context_length: 256, max_new_tokens: 64, max_streams: 1, max_waiting: 0}
-cache: {ttl_s: 600}
-"""
 TOKENS = {role: f"{role}-{os.urandom(16).hex()}" for role in ("admin", "client", "acme")}
 NEW_TOKENS = 12  # short answers: a 2-core machine generates them in about a second
 
