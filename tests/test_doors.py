@@ -171,6 +171,9 @@ def test_cache_modes_and_tenants_by_header(door):
     assert hit.headers["x-infercache-source"] == "RESULT_EXACT"
     with pytest.raises(openai.APIStatusError):  # another tenant's entry is not this one's
         only.embeddings.create(model="minilm", input=text)
+    bypass = client.embeddings.with_raw_response.create(
+        model="minilm", input=text, extra_headers={"x-infercache-tenant": "acme", "x-infercache-mode": "bypass"})
+    assert bypass.headers["x-infercache-source"] == "MISS"  # recomputed, though cached
     zero_age = client.embeddings.with_raw_response.create(
         model="minilm", input=text, extra_headers={"x-infercache-tenant": "acme", "x-infercache-max-age": "0"})
     assert zero_age.headers["x-infercache-source"] == "MISS"  # an entry over a second old is refused
