@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard protos/infercache/v1/*.proto protos/infercache/kserve/*.proto)
 STUBS  := infercache/v1/infercache_pb2.py infercache/kserve/grpc_service_pb2.py
 MODEL  := models/minilm/1/model.onnx
-GEN_MODEL := models/smollm2/1/decoder.onnx
+GEN_MODEL := models/smollm2/1/decoder.safetensors
 ARGS   ?=
 
 .PHONY: setup stubs model run test bench clean soak system-deps bench-deps

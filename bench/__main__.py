@@ -269,7 +269,8 @@ def main() -> None:
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
                              "by bucket), worker (one worker's capacity), "
                              "commit (the writer's CPU per put by group-commit window), generate (SmolLM2 misses "
-                             "and hits), doors (hits through the OpenAI and KServe doors), gpu and "
+                             "and hits; on a GPU host the torch decoder against its raw loop), doors (hits "
+                             "through the OpenAI and KServe doors), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -291,6 +292,8 @@ def main() -> None:
     parser.add_argument("--load-generator", choices=("native", "python"), default="native",
                         help="l2 section: its callers, C++ (bench/native/loadgen.cc, where gRPC's C++ library is "
                              "installed; else Python) or Python (grpc.aio)")
+    parser.add_argument("--generate-models", default="llama3-8b,smollm2-135m",
+                        help="generate section on a GPU host: the random-weight model shapes, comma-separated")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     missing = banking77_missing()
@@ -378,11 +381,23 @@ def main() -> None:
             report["worker_capacity"] = bench_worker_capacity(workdir / "worker", 2.0 if args.quick else 5.0,
                                                               ("null", "torch-cuda") if gpu_available() else ("null",))
         if "generate" in sections:
-            from bench.generate import bench_generate, print_generate
+            from bench.probes import gpu_available
 
-            print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
-            report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick)
-            print_generate(report["generate"])
+            if gpu_available():
+                from bench.generate_gpu import bench_generate_gpu, print_generate_gpu
+
+                print("benchmarking generation on the GPU (the server against the engine's raw decode loop) ...",
+                      flush=True)
+                report["generate"] = {}
+                bench_generate_gpu(workdir / "generate", rounds, args.quick, tuple(args.generate_models.split(",")),
+                                   report=report["generate"], checkpoint=save)
+                print_generate_gpu(report["generate"])
+            else:
+                from bench.generate import bench_generate, print_generate
+
+                print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
+                report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick)
+                print_generate(report["generate"])
             save()
         if "doors" in sections:
             from bench.doors import bench_doors, print_doors

@@ -6,6 +6,9 @@
 #   BENCH_COMMIT=<commit> bash bench/device.sh --sections gpu   # GPU tests, then `python -m bench` with these arguments
 #   DEVICE_TESTS=0 BENCH_LIMIT_S=170 bash bench/device.sh --sections gpu --gpu-parts minilm,null   # short lease
 #   DEVICE_TESTS=0 bash bench/device.sh --sections workers   # nvidia-h200-x2: one worker per GPU vs one
+#   DEVICE_TESTS=tests/test_decoder_engine.py DEVICE_MINILM=0 bash bench/device.sh --sections generate
+#     (DEVICE_TESTS: 0, or the test files to run instead of the GPU ones; DEVICE_MINILM=0: MiniLM is not
+#     exported, for sections and tests that do not serve it)
 # Each step has a time limit, so one call (10 minutes at most) always returns what was measured.
 # Result files go to $OUT, named as at home (gpu-h200.json, ...), recording this command, the machine, the
 # commit (BENCH_COMMIT: the device's copy of the tree carries no reliable git metadata) and the date; copy
@@ -19,13 +22,15 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
     .whl/hnswlib-*.tar.gz
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_RESULTS=$OUT \
     BENCH_COMMAND="bash bench/device.sh $*" BENCH_COMMIT="${BENCH_COMMIT:-unknown (BENCH_COMMIT not set)}"
-python3 - <<'PY'
+[ "${DEVICE_MINILM:-1}" = 0 ] || python3 - <<'PY'
 from pathlib import Path
 from server.tools.export_model import export_sentence_encoder
 export_sentence_encoder(Path(".devcarry/minilm-fp16"), Path("models/minilm/1"), 256)
 PY
 echo "cores: $(nproc)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-[ "${DEVICE_TESTS:-1}" = 0 ] || timeout "$TEST_LIMIT_S" python3 -m pytest -q -rs -p no:cacheprovider tests/test_torch_cuda.py tests/test_torch_bert.py \
-    tests/test_cuda.py tests/test_features.py 2>&1 | tee "$OUT/device-tests.txt" || true
+TESTS="tests/test_torch_cuda.py tests/test_torch_bert.py tests/test_cuda.py tests/test_features.py tests/test_decoder_engine.py"
+[ "${DEVICE_TESTS:-1}" = 1 ] || TESTS=${DEVICE_TESTS}
+[ "$TESTS" = 0 ] || timeout "$TEST_LIMIT_S" python3 -m pytest -q -rs -p no:cacheprovider $TESTS 2>&1 \
+    | tee "$OUT/device-tests.txt" || true
 timeout "$BENCH_LIMIT_S" python3 -m bench "$@" 2>&1 | tee "$OUT/bench-device.txt"

@@ -91,11 +91,12 @@ def frontend_pids(server: ServerProcess) -> list[int]:
     return [pid for pid, role in server_roles(server).items() if role == "frontend"]
 
 
-class _GpuSampler:
-    """nvidia-smi's utilization.gpu of every GPU every 100 ms while a run lasts (None without nvidia-smi)."""
+class GpuSampler:
+    """nvidia-smi's utilization.gpu of every GPU every 100 ms while a run lasts (None without nvidia-smi),
+    each sample with the time.perf_counter() it was read at."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, list[float]] = {}
+        self.samples: dict[str, list[tuple[float, float]]] = {}
         try:
             self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu",
                                           "--format=csv,noheader,nounits", "-lms", "100"],
@@ -110,20 +111,25 @@ class _GpuSampler:
         for line in self.proc.stdout:
             try:
                 index, busy = (part.strip() for part in line.split(","))
-                self.samples.setdefault(index, []).append(float(busy))
+                self.samples.setdefault(index, []).append((time.perf_counter(), float(busy)))
             except ValueError:
                 pass
 
-    def stop(self) -> dict[str, float]:
-        """Mean busy percent per GPU index (empty without nvidia-smi)."""
+    def stop(self, between: tuple[float, float] | None = None) -> dict[str, float]:
+        """Mean busy percent per GPU index (empty without nvidia-smi): of the samples read `between` two
+        perf_counter() times, else of the whole run but its edges."""
         if self.proc is None:
             return {}
         self.proc.terminate()
         self.proc.wait(5)
         means = {}
         for index, samples in self.samples.items():
-            samples = samples[2:-2] or samples  # drop the edges of the run
-            means[index] = round(statistics.mean(samples), 1)
+            if between is not None:
+                kept = [busy for at, busy in samples if between[0] <= at <= between[1]]
+            else:
+                kept = [busy for _, busy in samples[2:-2]]  # drop the edges of the run
+            kept = kept or [busy for _, busy in samples]
+            means[index] = round(statistics.mean(kept), 1)
         return means
 
 
@@ -176,7 +182,7 @@ def measured(server: ServerProcess, model: str, fn, *, profile: bool | str = Fal
     roles = server_roles(server, worker_pids)
     cpu_before = {pid: cpu_seconds(pid) for pid in roles}
     counters_before = _batch_counters(stats, model)
-    gpu = _GpuSampler()
+    gpu = GpuSampler()
     profiled = next(pid for pid, role in roles.items() if role == "frontend") if profile == "frontend" \
         else next(iter(worker_pids))
     spy = _profile(profiled, 4) if profile else None

@@ -74,7 +74,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
     the repository has its config."""
     import logging
 
-    from server.shared.generation_spec import DECODER_FILE
+    from server.shared.generation_spec import DECODER_FILE, DECODER_WEIGHTS_FILE
     from server.shared.models import MODEL_FILE, load_model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,8 +92,8 @@ def _prepare_model(args: argparse.Namespace) -> int:
     if not (generative / "config.yaml").is_file():
         return 0
     target = load_model(generative).version_dir(DEFAULT_VERSION)
-    if (target / DECODER_FILE).is_file() and not args.force:
-        print(f"infercache: {target / DECODER_FILE} exists (use --force to export again)")
+    if all((target / name).is_file() for name in (DECODER_FILE, DECODER_WEIGHTS_FILE)) and not args.force:
+        print(f"infercache: {target / DECODER_FILE} and {DECODER_WEIGHTS_FILE} exist (use --force to export again)")
         return 0
     from server.tools.export_decoder import default_gguf, export_decoder
 

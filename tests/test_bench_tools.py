@@ -37,3 +37,19 @@ def test_the_native_generator_fails_loudly_without_a_server(native):
         run_each_once_native(native, "127.0.0.1:1", [pb.InferRequest(model="minilm", text="x")], concurrency=1,
                              timeout=1.0)
     assert failed.value.returncode == 3  # could not connect
+
+
+def test_the_gpu_generate_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_path):
+    """bench/generate_gpu.py's dry run: random weights written, the raw loop in its child, the server's waves
+    from client processes, the figures and their ratios (torch on the CPU; the H200 runs the real shapes)."""
+    pytest.importorskip("torch")
+    from bench.generate_gpu import NEW_TOKENS, bench_generate_gpu
+
+    report = bench_generate_gpu(tmp_path, rounds=1, quick=False, models=("tiny",), streams=(1, 3), device="cpu")
+    tiny = report["tiny"]
+    for n in ("1", "3"):
+        assert tiny["raw"][n]["decode_tokens_per_s"] > 0 and tiny["raw"][n]["prefill_s"] > 0
+        served = tiny["server"][n]
+        assert served["rounds"][0]["tokens"] == int(n) * NEW_TOKENS
+        assert served["decode_tokens_per_s"] > 0 and 0 < served["ttft_p50_ms"] <= served["ttft_p99_ms"]
+        assert tiny["ratios"][n]["decode_vs_raw"] > 0

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 import yaml
 
+from server.shared.telemetry import SCHEMA
 from tests.servers import REPO
 
 GRAFANA = REPO / "deploy" / "grafana"
@@ -22,16 +23,8 @@ _spec = importlib.util.spec_from_file_location("grafana_queries", GRAFANA / "que
 queries = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(queries)
 
-# what the server exposes (histograms also as _bucket, _sum, _count)
-METRICS = {
-    "infercache_requests_total", "infercache_request_duration_seconds", "infercache_misses_total",
-    "infercache_compute_seconds_saved_total", "infercache_compute_seconds_total", "infercache_batch_size",
-    "infercache_queue_depth", "infercache_store_entries", "infercache_store_bytes", "infercache_store_budget_bytes",
-    "infercache_store_evictions_total", "infercache_store_swept_total", "infercache_store_writes_dropped_total",
-    "infercache_store_write_backlog", "infercache_semantic_index_entries",
-    "infercache_semantic_nearest_similarity", "infercache_engines_built_total", "infercache_engine_build_seconds",
-    "infercache_engine_warmup_seconds", "infercache_process_restarts_total", "infercache_processes",
-}
+# what the server exposes (histograms also as _bucket, _sum, _count): every series is named in the schema
+METRICS = set(SCHEMA)
 WITHOUT_QUERIES = {"row", "text"}
 
 

@@ -39,6 +39,9 @@ def gen_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen-models")
     link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
     link_model(root, "smollm2", GEN_CONFIG, {"1": GEN_VERSION_DIR, "2": GEN_VERSION_DIR})
+    # The same weights on the torch decoder (the GPU runtime's code, here fp32 and eager on the CPU).
+    link_model(root, "smollm2-torch", GEN_CONFIG.replace("generate:\n", "generate:\n  runtime: torch\n"),
+               {"1": GEN_VERSION_DIR})
     link_model(root, "smollm2-small", SMALL, {"1": GEN_VERSION_DIR})
     link_model(root, "smollm2-redact", GEN_CONFIG + "privacy: {pii: redact}\n", {"1": GEN_VERSION_DIR})
     link_model(root, "smollm2-nostore", GEN_CONFIG + "privacy: {pii: no_store}\n", {"1": GEN_VERSION_DIR})
@@ -89,17 +92,39 @@ def _messages(n_rules: int) -> list[dict]:
             {"role": "user", "content": "How do I get a refund for a card payment?"}]
 
 
+@pytest.mark.parametrize("model", ["smollm2", "smollm2-torch"])
 @pytest.mark.parametrize("messages", [_user("How do I get a refund?"), _messages(6), _messages(20)],
                          ids=["short", "medium", "long"])
-def test_greedy_answers_equal_transformers_generate_token_for_token(server, reference, messages):
+def test_greedy_answers_equal_transformers_generate_token_for_token(server, reference, messages, model):
     tokenizer, greedy = reference
     prompt, expected = greedy(messages, ANSWER_TOKENS)
     with server.client(timeout_s=120) as client:
-        got = client.generate("smollm2", messages=messages, max_new_tokens=ANSWER_TOKENS)
+        got = client.generate(model, messages=messages, max_new_tokens=ANSWER_TOKENS)
     assert got.prompt_tokens == len(prompt)
     assert got.token_ids == expected, (got.text, tokenizer.decode(expected))
     assert got.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert got.source == "MISS"
+
+
+@pytest.mark.parametrize("model", ["smollm2", "smollm2-torch"])
+def test_generations_that_join_a_running_batch_answer_as_each_alone(server, model):
+    """Three questions at once (the batch changes as they join, read their prompts and end) answer as each
+    does alone, NO_STORE so that each runs."""
+    questions = [unique("Can I freeze my card?"), _messages(12), unique("Where is my transfer?")]
+
+    def ask(question) -> list[int]:
+        options = {"messages": question} if isinstance(question, list) else {"prompt": question}
+        with server.client(timeout_s=120) as client:
+            return client.generate(model, max_new_tokens=20, mode="NO_STORE", **options).token_ids
+
+    alone = [ask(q) for q in questions]
+    results: list = [None] * len(questions)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(questions[i]))) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert results == alone and len({tuple(a) for a in alone}) == 3
 
 
 def test_a_hit_streams_the_identical_answer_at_once(server):

@@ -71,11 +71,15 @@ class GenerateCalls:
         """A missed call's messages from its worker, serialized, as they come."""
         started = time.perf_counter()
         self.counters["generate_forwarded"] += 1
-        first = None
+        first = last = None
+        model = plan.model.spec.name
         async for frame in self.workers.stream(plan.model.route(plan.key), functools.partial(_fill, plan=plan),
                                                time_remaining):
             if frame.more:
-                first = first or time.perf_counter()
+                now = time.perf_counter()
+                if last is not None and self.metrics is not None:
+                    self.metrics.inter_token(model, now - last, len(frame.token_ids))
+                first, last = first or now, now
                 yield pb.GenerateResponse(text=frame.text, token_ids=frame.token_ids).SerializeToString()
             else:  # the whole answer: its last message alone where its text went out already
                 if self.metrics is not None:

@@ -89,6 +89,11 @@ class FrontendMetrics:
         self.recorder.observe(("infercache_generate_duration_seconds", model, name), total_s)
         self.recorder.inc(("infercache_generated_tokens_total", model, name), tokens)
 
+    def inter_token(self, model: str, gap_s: float, tokens: int) -> None:
+        """`tokens` tokens of a streamed answer reached its caller `gap_s` after the previous ones."""
+        if tokens:
+            self.recorder.observe(("infercache_generate_inter_token_seconds", model), gap_s / tokens, tokens)
+
     def missed(self, model: str, reason: str) -> None:
         self.recorder.inc(("infercache_misses_total", model, reason))
 

@@ -351,19 +351,25 @@ class WorkerPool:
                 item_id, frames = link.submit_stream(fill, max(0.001, deadline - loop.time()))
             except LinkLost:
                 continue
+            held = None  # a frame taken from the queue while merging, not merged: the next one
             try:
                 while True:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         raise _deadline_passed()
-                    try:
-                        frame = await asyncio.wait_for(frames.get(), remaining)
-                    except TimeoutError:
-                        raise _deadline_passed() from None
+                    if held is not None:
+                        frame, held = held, None
+                    else:
+                        try:
+                            frame = await asyncio.wait_for(frames.get(), remaining)
+                        except TimeoutError:
+                            raise _deadline_passed() from None
                     if isinstance(frame, LinkLost):
                         break
                     if frame.code:
                         raise from_wire(frame.code, frame.error)
+                    if frame.more:
+                        held = _merge_queued(frame, frames)
                     started = True
                     yield frame
                     if not frame.more:
@@ -399,3 +405,15 @@ class WorkerPool:
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links))
+
+
+def _merge_queued(frame, frames: asyncio.Queue):
+    """Deltas that queued up behind `frame` (its caller reads slower than the model writes) join it: one
+    message for them all, not one each. Returns the first queued frame that is not a delta, if any."""
+    while not frames.empty():
+        following = frames.get_nowait()
+        if isinstance(following, LinkLost) or following.code or not following.more:
+            return following
+        frame.text += following.text
+        frame.token_ids.extend(following.token_ids)
+    return None

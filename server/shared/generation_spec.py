@@ -9,9 +9,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 GENERATION_FILE = "generation.json"  # chat template, end-of-answer token ids, the context the weights know
-DECODER_FILE = "decoder.onnx"  # the decoder with its past keys and values (server/worker/decoder.py runs it)
+DECODER_FILE = "decoder.onnx"  # the decoder with its past keys and values (server/engines/ort_decoder.py runs it)
 DECODER_CONFIG_FILE = "decoder.json"  # its architecture
+DECODER_WEIGHTS_FILE = "decoder.safetensors"  # its weights (server/engines/llama.py: the torch runtime's source)
 NORMALIZE_MODES = ("none", "text")  # none: keys and prompts as sent; text: Infer's normalization of each turn
+# auto: torch on a GPU worker (bf16, CUDA graphs), ONNX Runtime on a CPU one; torch on a CPU runs fp32, eager
+DECODER_RUNTIMES = ("auto", "onnxruntime", "torch")
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,10 @@ class GenerationSpec:
     top_p: float = 1.0
     top_k: int = 0                  # 0: no top-k cut
     normalize: str = "none"         # NORMALIZE_MODES: "text" for FAQ-style traffic (case, punctuation, spaces)
-    max_streams: int = 8            # generations in the running batch at once
+    max_streams: int = 8            # generations in the running batch at once (each holds a key/value slot)
     max_waiting: int = 64           # generations queued behind them; past it RESOURCE_EXHAUSTED
+    prefill_tokens: int = 512       # prompt tokens read per scheduler step, across new generations
+    runtime: str = "auto"           # DECODER_RUNTIMES
 
     def check(self) -> None:
         """ValueError naming the first setting out of range."""
@@ -33,8 +38,10 @@ class GenerationSpec:
             raise ValueError("generate: temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
         if self.normalize not in NORMALIZE_MODES:
             raise ValueError(f"generate: normalize must be one of {', '.join(NORMALIZE_MODES)}, got {self.normalize!r}")
-        if self.max_streams < 1 or self.max_waiting < 0:
-            raise ValueError("generate: max_streams must be >= 1 and max_waiting >= 0")
+        if self.max_streams < 1 or self.max_waiting < 0 or self.prefill_tokens < 1:
+            raise ValueError("generate: max_streams and prefill_tokens must be >= 1 and max_waiting >= 0")
+        if self.runtime not in DECODER_RUNTIMES:
+            raise ValueError(f"generate: runtime must be one of {', '.join(DECODER_RUNTIMES)}, got {self.runtime!r}")
 
 
 GENERATION_KEYS = frozenset(f.name for f in fields(GenerationSpec))

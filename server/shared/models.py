@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from server.shared.errors import ModelNotFound
-from server.shared.generation_spec import DECODER_FILE, GENERATION_KEYS, GenerationSpec, generation_from_config
+from server.shared.generation_spec import (DECODER_FILE, DECODER_WEIGHTS_FILE, GENERATION_KEYS, GenerationSpec,
+                                           generation_from_config)
 from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
@@ -97,7 +98,8 @@ def read_head(version_dir: Path) -> HeadRef | None:
 
 
 def _is_version(path: Path) -> bool:
-    return any((path / name).is_file() for name in (MODEL_FILE, TORCH_WEIGHTS_FILE, HEAD_FILE, DECODER_FILE))
+    return any((path / name).is_file()
+               for name in (MODEL_FILE, TORCH_WEIGHTS_FILE, HEAD_FILE, DECODER_FILE, DECODER_WEIGHTS_FILE))
 
 
 # Every key a config.yaml may hold: a section's own keys, or None for a value (semantic: its rule checks

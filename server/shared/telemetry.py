@@ -43,6 +43,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
     "infercache_generate_duration_seconds": (
         "histogram", "Generate calls' time to the whole answer, by where it came from.", ("model", "source"),
         LATENCY_BOUNDS),
+    "infercache_generate_inter_token_seconds": (
+        "histogram", "Time between a streamed answer's tokens as its caller got them (misses and streams "
+        "joined in flight; deltas that arrive together count each token at their gap over their tokens).",
+        ("model",), LATENCY_BOUNDS),
     "infercache_generated_tokens_total": (
         "counter", "Tokens of the answers Generate calls got, by where they came from (all but miss: tokens "
         "the model did not generate again).", ("model", "source"), ()),

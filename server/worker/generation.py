@@ -1,15 +1,20 @@
 """Generations in a worker: one flight per deterministic key (identical generations in flight run once;
 a caller that joins late gets the text so far, then the rest), and per model version a scheduler, one
-task that owns the running batch. Each of its steps admits a waiting generation while there is room
-(reading its prompt), advances every running one by a token, and retires those that ended, were
-cancelled by all their callers, or passed their deadline; the decoder's work runs on the scheduler's own
-thread, off the event loop. A finished answer goes to every caller, then into L1 behind the reply (the
-flight stays joinable until its entry is committed).
+task that owns the running batch (continuous batching). Each step reads prompt chunks of generations
+that were admitted (within `generate.prefill_tokens`, so a long prompt never stalls running streams for
+long) and advances every running generation by a token; generations join and leave the batch at every
+step, and those that ended, were cancelled by all their callers, or passed their deadline are retired.
+The decoder's work runs on the scheduler's own thread, off the event loop. A pipelined decoder (a GPU,
+server/engines/torch_decoder.py) is given step n+1 before step n is read, so the device does not wait
+for the host: a generation that ended at step n has computed one token more, unused. A finished answer
+goes to every caller, then into L1 behind the reply (the flight stays joinable until its entry is
+committed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -23,13 +28,13 @@ from cachestore.keys import namespace
 from cachestore.results import ResultCache, now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
+from server.engines.decoding import Chunk, Decoder, Outcome, Row, Step
 from server.shared.answers import answer_record
 from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, WorkerUnavailable
 from server.shared.generated import marked, whole_answer
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelSpec
 from server.worker.answer_text import LENGTH, AnswerText, Sampler
-from server.worker.decoder import OrtDecoder
 
 log = logging.getLogger("infercache.generation")
 
@@ -39,8 +44,9 @@ Source = pb.CacheInfo.Source
 class Generation:
     """One generation and the callers it answers: (connection, item id) -> joined."""
 
-    __slots__ = ("key", "item", "model", "listeners", "text", "sampler", "sequence", "sent", "answer",
-                 "dropped", "deadline", "created_us", "store")
+    __slots__ = ("key", "item", "model", "listeners", "text", "sampler", "sent", "answer", "dropped", "deadline",
+                 "created_us", "store", "prompt", "limit", "slot", "fed", "planned", "received", "next_token",
+                 "awaiting", "last_step")
 
     def __init__(self, item: worker_pb2.ComputeItem, model: "GenerativeRuntime", deadline: float | None) -> None:
         params = item.generate
@@ -51,49 +57,69 @@ class Generation:
         self.text = AnswerText(model.tokenizer, model.format.end_ids, list(params.stop), params.max_new_tokens)
         self.sampler = Sampler(params.temperature, params.top_p, params.top_k,
                                params.seed if params.HasField("seed") else None)
-        self.sequence = None                 # the decoder's state, once the prompt is read
         self.sent: list[tuple[str, list[int]]] = []  # deltas so far: a late joiner's replay
         self.answer: bytes | None = None     # once it ended: the whole answer (server/shared/generated.py)
         self.dropped = False                 # cancelled by all its callers, or past its deadline
         self.deadline = deadline
         self.created_us = now_us()
         self.store = item.store
+        self.prompt = np.frombuffer(item.ids, dtype="<i4").tolist()
+        # The answer's most tokens: what was asked, and what the context leaves (prompt + answer <= context).
+        self.limit = min(params.max_new_tokens, model.spec.generation.context_length - len(self.prompt))
+        # The scheduler's bookkeeping: the slot it holds in the decoder, prompt tokens given to steps,
+        # answer tokens that launched steps will produce, those read, the token to give the next row
+        # (sampled: chosen here; greedy: None, the decoder's own), whether a launched step's answer is
+        # awaited before it (sampled), and the last step that used the slot.
+        self.slot: int | None = None
+        self.fed = 0
+        self.planned = 0
+        self.received = 0
+        self.next_token: int | None = None
+        self.awaiting = False
+        self.last_step = 0
 
     @property
-    def prompt(self) -> np.ndarray:
-        return np.frombuffer(self.item.ids, dtype="<i4")
+    def sampled(self) -> bool:
+        return self.sampler.rng is not None
 
 
 class GenerativeRuntime:
     """A generative model version in a worker: its decoder, tokenizer, prompt format and scheduler."""
 
-    def __init__(self, spec: ModelSpec, version: str, threads: int) -> None:
+    def __init__(self, spec: ModelSpec, version: str, decoder: Decoder) -> None:
         directory: Path = spec.version_dir(version)
         self.spec = spec
         self.version = version
         self.format = PromptFormat.read(directory)
         self.tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
-        self.decoder = OrtDecoder(directory, threads)
-        self.info = pb.EngineInfo(model=spec.name, version=version, runtime="onnxruntime", precision="fp32",
-                                  device="cpu")
+        self.decoder = decoder
+        self.info = pb.EngineInfo(model=spec.name, version=version, runtime=decoder.runtime,
+                                  precision=decoder.precision, device=decoder.device)
 
 
 class Scheduler:
-    """The running batch of one model version. Its task is the only writer of `running` and `waiting`."""
+    """The running batch of one model version. Its task is the only writer of `running`, `waiting`, the
+    free slots and the generations' step bookkeeping."""
 
     def __init__(self, runtime: GenerativeRuntime, finished, counters: Counter) -> None:
         self.runtime = runtime
+        self.decoder = runtime.decoder
         self.limit = runtime.spec.generation
         self._finished = finished            # (generation) -> None, on the loop, once it has its answer
         self.counters = counters
         self.waiting: deque[Generation] = deque()
-        self.running: list[Generation] = []
+        self.running: list[Generation] = []  # holding a slot: reading their prompt, or answering
+        self._free = list(range(min(self.decoder.slots, self.limit.max_streams)))  # a heap: lowest first
+        self._releasing: list[Generation] = []  # ended; their slots are free once their last step is read
+        self._launched = 0                   # steps launched, and read
+        self._collected = 0
+        self._pending: tuple[object, list] | None = None  # a launched step not read yet, and its generations
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"generate-{runtime.spec.name}")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"scheduler-{runtime.spec.name}")
 
     def admit(self, generation: Generation) -> None:
-        if len(self.waiting) >= self.limit.max_waiting and len(self.running) >= self.limit.max_streams:
+        if len(self.waiting) >= self.limit.max_waiting and not self._free:
             raise Overloaded(f"{self.runtime.spec.name}: {len(self.running)} generations running and "
                              f"{len(self.waiting)} waiting (generate.max_waiting); retry later")
         self.waiting.append(generation)
@@ -102,62 +128,122 @@ class Scheduler:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self.running and not self.waiting:
+            if not self.running and not self.waiting and self._pending is None:
                 self._wake.clear()
                 await self._wake.wait()
-            now = loop.time()
-            self._retire(now)
-            new = None
-            while self.waiting and len(self.running) < self.limit.max_streams and new is None:
-                candidate = self.waiting.popleft()
-                if not candidate.dropped:
-                    new = candidate
-            stepping = [g for g in self.running if not g.dropped]
-            if new is None and not stepping:
+            self._retire(loop.time())
+            self._seat()
+            step, entries = self._plan()
+            if not step and self._pending is None:
+                if self.running:  # cannot be (see _plan); were it so, a new generation would wake them
+                    log.error("%d generations hold slots with nothing to compute", len(self.running))
+                self._wake.clear()
+                await self._wake.wait()
                 continue
+            pending = self._pending
             try:
-                deltas = await loop.run_in_executor(self._thread, self._step, new, stepping)
+                handle, outcome = await loop.run_in_executor(self._thread, self._work, step, pending)
             except Exception as exc:  # noqa: BLE001 (a decoder failure fails these generations, not the worker)
                 log.exception("generation step failed")
-                for generation in ([new] if new else []) + stepping:
-                    self._fail(generation, WorkerUnavailable(f"generation failed: {exc}"))
-                self.running = [g for g in self.running if g not in stepping]
+                self._fail_all(WorkerUnavailable(f"generation failed: {exc}"))
                 continue
-            if new is not None:
-                self.running.append(new)
-            for generation, delta, ids in deltas:
-                self._emit(generation, delta, ids)
-            self.counters["generate_steps"] += 1
-            self.counters["tokens_generated"] += len(deltas)
+            if step:
+                self._launched += 1
+            if self.decoder.pipelined:
+                self._pending = (handle, entries) if step else None
+                if pending is not None:
+                    self._read(pending[1], outcome)
+            else:
+                self._read(entries, outcome)
             await asyncio.sleep(0)  # new items and cancels are read between steps
 
-    def _step(self, new: Generation | None, running: list[Generation]) -> list[tuple[Generation, str, list[int]]]:
-        """On the scheduler's thread: the new generation's prompt read and its first token, then one token
-        for each running one. (generation, text to send, token) each."""
-        out = []
-        decoder = self.runtime.decoder
-        context = self.limit.context_length
-        if new is not None:
-            new.sequence, logits = decoder.prefill(new.prompt.tolist())
-            out.append(self._next(new, logits, context))
-        for generation in running:
-            logits = decoder.decode(generation.sequence, generation.text.ids[-1])
-            out.append(self._next(generation, logits, context))
-        return out
+    def _work(self, step: Step, pending) -> tuple[object, Outcome | None]:
+        """On the scheduler's thread: launches `step`; answers the step read now (the pending one when the
+        decoder is pipelined, else this one)."""
+        decoder = self.decoder
+        handle = decoder.launch(step) if step else None
+        if not decoder.pipelined:
+            return handle, decoder.collect(handle)
+        return handle, decoder.collect(pending[0]) if pending is not None else None
+
+    def _seat(self) -> None:
+        """Waiting generations take free slots, in arrival order."""
+        while self.waiting and self._free:
+            generation = self.waiting.popleft()
+            if generation.dropped:
+                continue
+            generation.slot = heapq.heappop(self._free)
+            self.running.append(generation)
+
+    def _plan(self) -> tuple[Step, list[Generation | None]]:
+        """The next step: prompt chunks within the budget, in arrival order, and a row for every answering
+        generation whose next input is known (a sampled one waits for the token the launched step gives
+        it). Its generations, in the step's order (None for a chunk that does not end its prompt).
+        Every running generation is in it or in the launched step, so an empty plan with nothing launched
+        means every running one ended."""
+        step = Step()
+        chunked: list[Generation | None] = []
+        answering: list[Generation] = []
+        budget = self.limit.prefill_tokens
+        number = self._launched + 1
+        for generation in self.running:
+            prompt = generation.prompt
+            if generation.fed < len(prompt):
+                if budget <= 0:
+                    continue
+                n = min(budget, len(prompt) - generation.fed)
+                last = generation.fed + n == len(prompt)
+                step.chunks.append(Chunk(generation.slot, prompt[generation.fed:generation.fed + n], generation.fed,
+                                         last, scores=last and generation.sampled))
+                budget -= n
+                generation.fed += n
+                if last:
+                    generation.planned = 1
+                    generation.awaiting = generation.sampled
+                chunked.append(generation if last else None)
+            elif generation.planned < generation.limit and not generation.awaiting:
+                step.rows.append(Row(generation.slot, len(prompt) + generation.planned - 1, generation.next_token,
+                                     scores=generation.sampled))
+                generation.planned += 1
+                generation.next_token = None
+                generation.awaiting = generation.sampled
+                answering.append(generation)
+            else:
+                continue
+            generation.last_step = number
+        return step, chunked + answering
+
+    def _read(self, entries: list[Generation | None], outcome: Outcome) -> None:
+        """A step's outcome: each generation's next token, sent; then the slots no step uses any more."""
+        self._collected += 1
+        emitted = 0
+        for index, generation in enumerate(entries):
+            if generation is None or generation.dropped or generation.text.finish is not None:
+                continue  # a prompt chunk, or the token computed after the end (pipelined): unused
+            if generation.sampled:
+                token = generation.sampler(outcome.scores[index])
+                generation.next_token = token
+                generation.awaiting = False
+            else:
+                token = outcome.tokens[index]
+            generation.received += 1
+            delta, ids = self._next(generation, token)
+            self._emit(generation, delta, ids)
+            emitted += 1
+        self.counters["generate_steps"] += 1
+        self.counters["tokens_generated"] += emitted
+        self._release()
 
     @staticmethod
-    def _next(generation: Generation, logits: np.ndarray, context: int) -> tuple[Generation, str, list[int]]:
-        """The generation's next token: (generation, text to send, ids to send: none for an end token)."""
-        token = generation.sampler(logits)
+    def _next(generation: Generation, token: int) -> tuple[str, list[int]]:
+        """The generation's next token: (text to send, ids to send: none for an end token)."""
         text = generation.text
         delta = text.add(token)
-        if text.finish is None and generation.sequence.length + 1 >= context:
+        if text.finish is None and generation.received >= generation.limit:
             delta += text.end(LENGTH)  # the context is full
-        return generation, delta, [] if token in text.end_ids else [token]
+        return delta, [] if token in text.end_ids else [token]
 
     def _emit(self, generation: Generation, delta: str, ids: list[int]) -> None:
-        if generation.dropped:  # nobody waits (retired at the next step): nothing sent, nothing stored
-            return
         text = generation.text
         if delta or ids:
             generation.sent.append((delta, ids))
@@ -166,33 +252,57 @@ class Scheduler:
         if text.finish is not None:
             item = generation.item
             generation.answer = whole_answer(text.sent, text.ids, text.finish, len(item.ids) // 4, item.version, item.key)
-            generation.sequence = None  # its past's memory goes now
-            self.running.remove(generation)
+            self._leave(generation)
             self._finished(generation)
+
+    def _leave(self, generation: Generation) -> None:
+        """Out of the running batch; its slot is freed once no launched step uses it."""
+        self.running.remove(generation)
+        if generation.slot is not None:
+            self._releasing.append(generation)
+
+    def _release(self) -> None:
+        done = [g for g in self._releasing if g.last_step <= self._collected or self._pending is None]
+        if not done:
+            return
+        self._releasing = [g for g in self._releasing if g not in done]
+        for generation in done:
+            self.decoder.release(generation.slot)
+            heapq.heappush(self._free, generation.slot)
+            generation.slot = None
 
     def _retire(self, now: float) -> None:
         """Drops what nobody waits for any more and what passed its deadline (failing its callers)."""
         for generation in [*self.running, *self.waiting]:
             if not generation.dropped and generation.deadline is not None and now >= generation.deadline:
                 self._fail(generation, DeadlineExceeded("the deadline passed while the answer was generated"))
-        for generation in self.running:
-            if generation.dropped:
-                generation.sequence = None  # its past's memory goes now
-        self.running = [g for g in self.running if not g.dropped]
+        for generation in [g for g in self.running if g.dropped]:
+            self._leave(generation)
+        self._release()
 
     def _fail(self, generation: Generation, exc: InferCacheError) -> None:
         generation.dropped = True
-        generation.sequence = None
         for replies, item_id in list(generation.listeners):
             replies.waiting.pop(item_id, None)
             replies.fail(item_id, exc)
         generation.listeners.clear()
         self._finished(generation)
 
+    def _fail_all(self, exc: InferCacheError) -> None:
+        """After a failed step: every generation holding a slot fails, and every slot is free again."""
+        for generation in list(self.running):
+            if not generation.dropped:
+                self._fail(generation, exc)
+            self._leave(generation)
+        self._pending = None
+        self._collected = self._launched  # what the failed steps launched is never read
+        self._release()
+
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._thread.shutdown(wait=True)
+        self.decoder.close()
 
 
 class Generations:

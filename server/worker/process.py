@@ -36,6 +36,7 @@ from server.engines.artifacts import load_engines
 from server.shared.errors import grpc_errors, to_wire
 from server.shared.framing import FrameProtocol, items_socket
 from server.worker.features import FeatureTier
+from server.worker.decoders import open_decoder
 from server.worker.generation import GenerativeRuntime
 from server.worker.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
@@ -305,9 +306,9 @@ def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
                       state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
 
 
-def _generative(repository: ModelRepository, threads: int) -> dict[tuple[str, str], GenerativeRuntime]:
-    """A runtime for every version of the served generative models (their decoders on ONNX Runtime);
-    one that cannot be loaded is logged and left out."""
+def _generative(repository: ModelRepository, threads: int, gpu: bool) -> dict[tuple[str, str], GenerativeRuntime]:
+    """A runtime for every version of the served generative models (server/worker/decoders.py picks
+    each one's decoder); one that cannot be loaded is logged and left out."""
     found = {}
     for spec in repository.servable():
         if spec.task != "generate":
@@ -315,12 +316,13 @@ def _generative(repository: ModelRepository, threads: int) -> dict[tuple[str, st
         for version in spec.versions:
             started = time.monotonic()
             try:
-                found[(spec.name, version)] = GenerativeRuntime(spec, version, threads)
+                decoder = open_decoder(spec, version, threads, gpu)
+                found[(spec.name, version)] = GenerativeRuntime(spec, version, decoder)
             except Exception as exc:  # noqa: BLE001 (whatever a broken version's files raise)
                 log.error("%s version %s not served: %s", spec.name, version, exc)
                 continue
-            log.info("loaded %s version %s (decoder on onnxruntime) in %.2f s", spec.name, version,
-                     time.monotonic() - started)
+            log.info("loaded %s version %s (decoder on %s, %s, %s) in %.2f s", spec.name, version, decoder.runtime,
+                     decoder.precision, decoder.device, time.monotonic() - started)
     return found
 
 
@@ -376,7 +378,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await _warm(runtime)
     runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
-    generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers))
+    generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers),
+                                        placement.gpu is not None)
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features,
                       generative)
     core.counters.update(engine_counters)

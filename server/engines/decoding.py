@@ -1,0 +1,87 @@
+"""What a generation scheduler asks of a decoder (server/worker/generation.py), whatever runs it.
+
+A decoder holds `slots` sequences at once, each in a slot the scheduler chooses. One step reads prompt
+chunks of some sequences and one new token of others, and answers each chunk that ends its prompt, and
+each row, with its next token's argmax (and the scores themselves where asked: sampled generations). A
+row's input token may be left to the decoder: the argmax it produced for that slot at its previous step
+(greedy generations), which lets a pipelined decoder start step n+1 before the scheduler has read step n.
+
+`launch` starts a step and `collect` waits for its outcome, in launch order. A pipelined decoder (a GPU)
+returns from `launch` at once; the scheduler then launches step n+1 before it collects step n, and the
+device never waits for the host. Others compute in `launch`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Prompt tokens of the sequence in `slot`, at positions start, start + 1, ..."""
+
+    slot: int
+    ids: list[int]
+    start: int
+    last: bool = False      # the prompt's last chunk: the step answers its next token
+    scores: bool = False    # ... and its scores
+
+
+@dataclass(slots=True)
+class Row:
+    """One new token of the sequence in `slot`, at `position`."""
+
+    slot: int
+    position: int
+    token: int | None = None  # None: the decoder's own argmax for this slot at its previous step
+    scores: bool = False
+
+
+@dataclass(slots=True)
+class Step:
+    chunks: list[Chunk] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.rows)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """Of one step: argmax tokens in the step's order (chunks, then rows; a chunk's is its last token's,
+    meaningful where the chunk ends its prompt), and scores by that index where they were asked for."""
+
+    tokens: list[int]
+    scores: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class Decoder(ABC):
+    slots: int                  # sequences held at once
+    context: int                # positions per sequence
+    pipelined: bool = False     # launch returns before the step is computed
+    runtime: str
+    precision: str
+    device: str
+
+    @abstractmethod
+    def launch(self, step: Step):
+        """Starts a step; a handle for `collect`."""
+
+    @abstractmethod
+    def collect(self, handle) -> Outcome:
+        """Waits for a launched step (in launch order) and answers it."""
+
+    def release(self, slot: int) -> None:
+        """The sequence in `slot` is done; its memory may be reused (every step that used it is collected)."""
+
+    def device_memory_bytes(self) -> int:
+        return 0
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
