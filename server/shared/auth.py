@@ -11,9 +11,10 @@ the set in force, never the one the server started with):
     - token: "..."
       role: admin           # everything: also Invalidate and the whole of GetStats
 
-A call carries `authorization: Bearer <token>` (gRPC metadata; an HTTP header on the OpenAI door). A missing or unknown token is UNAUTHENTICATED, a role
-too low PERMISSION_DENIED. A token bound to a tenant fills an empty `tenant` of its requests and refuses
-any other (PERMISSION_DENIED), in Infer, InferBatch and Invalidate alike. Without a token file every
+A call carries `authorization: Bearer <token>` (gRPC metadata; an HTTP header on the OpenAI door). A
+missing or unknown token is UNAUTHENTICATED, a role too low PERMISSION_DENIED. A token bound to a tenant
+fills an empty `tenant` of its requests and refuses any other (PERMISSION_DENIED), in Infer, InferBatch
+and Invalidate alike. Without a token file every
 caller is an unbound admin (the default on loopback; server/config.py refuses other addresses unless
 `security.allow_anonymous` says so). Health checks and reflection stay open: probes carry no token.
 
