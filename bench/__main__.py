@@ -63,13 +63,13 @@ from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 
-NEEDS_BANKING77 = {"semantic", "l2", "groups"}  # sections that train a head on it or replay its texts
+NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix"}  # sections that train a head on it or replay its texts
 # Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "doors": "doors"}
+         "prefix": "prefix", "doors": "doors"}
 
 
 def make_models(root: Path) -> Path:
@@ -269,8 +269,8 @@ def main() -> None:
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
                              "by bucket), worker (one worker's capacity), "
                              "commit (the writer's CPU per put by group-commit window), generate (SmolLM2 misses "
-                             "and hits; on a GPU host the torch decoder against its raw loop), doors (hits "
-                             "through the OpenAI and KServe doors), gpu and "
+                             "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
+                             "against computing the prompt), doors (hits through the OpenAI and KServe doors), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -398,6 +398,18 @@ def main() -> None:
                 print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
                 report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick)
                 print_generate(report["generate"])
+            save()
+        if "prefix" in sections:
+            from bench.prefix import bench_prefix_cpu, bench_prefix_gpu, print_prefix
+            from bench.probes import gpu_available
+
+            print("benchmarking the prefix cache ...", flush=True)
+            if gpu_available():
+                report["prefix"] = {}
+                bench_prefix_gpu(workdir / "prefix", rounds, args.quick, report["prefix"], checkpoint=save)
+            else:
+                report["prefix"] = bench_prefix_cpu(workdir / "prefix", rounds, args.quick)
+            print_prefix(report["prefix"])
             save()
         if "doors" in sections:
             from bench.doors import bench_doors, print_doors

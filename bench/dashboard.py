@@ -1,9 +1,10 @@
 """The README's dashboard picture from a real run: `python -m bench.dashboard [--seconds 240]`.
 
-Starts a server (minilm, and faq: a head on it with semantic matching, trained here from
-examples/faq.csv) with /metrics on, and a real Prometheus scraping it every second; sends mixed
+Starts a server (minilm; faq, a head on it with semantic matching, trained here from
+examples/faq.csv; smollm2, the generative model) with /metrics on, and a real Prometheus scraping it every second; sends mixed
 traffic for a while (Banking77 texts, a hot set asked again and again and a long tail of new ones, some
-in InferBatch calls, some BYPASS; FAQ questions reworded, for semantic hits); kills the worker with
+in InferBatch calls, some BYPASS; FAQ questions reworded, for semantic hits; streamed generations, most
+of them questions asked before); kills the worker with
 SIGKILL once (a restart), sends one burst of misses past the queue (RESOURCE_EXHAUSTED); then draws every
 panel of deploy/grafana/infercache.json against that Prometheus into deploy/grafana/dashboard.png.
 """
@@ -28,6 +29,7 @@ import grpc
 
 from bench import BANKING77, banking77_missing
 from bench.load import minilm_only
+from tests.helpers import link_model
 from tests.servers import REPO, ServerProcess, free_port
 from tests.prometheus_server import PrometheusProcess
 
@@ -40,6 +42,8 @@ FAQ = REPO / "examples" / "faq.csv"
 
 def _models(root: Path) -> Path:
     minilm_only(root)
+    link_model(root, "smollm2", (REPO / "models" / "smollm2" / "config.yaml").read_text(),
+               {"1": REPO / "models" / "smollm2" / "1"})
     trained = subprocess.run([sys.executable, "-m", "server", "train-head", str(FAQ), "--name", "faq",
                               "--label-column", "intent", "--models-dir", str(root)],
                              cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -77,6 +81,21 @@ def _traffic(server: ServerProcess, banking: list[str], faq: list[str], until: f
             except grpc.RpcError:
                 pass  # the worker restart and the burst refuse some calls: that is what is drawn
             time.sleep(rng.uniform(0.0, 0.02))
+
+
+def _generations(server: ServerProcess, faq: list[str], until: float, seed: int) -> None:
+    """Streamed answers of 16 tokens: four in five to questions asked before (hits once stored), the rest new."""
+    rng = random.Random(seed)
+    asked = faq[:8]
+    with server.client(timeout_s=30.0) as client:
+        while time.monotonic() < until:
+            question = rng.choice(asked) if rng.random() < 0.8 else f"{rng.choice(faq)} ({rng.randrange(10**6)})"
+            try:
+                for _ in client.generate_stream("smollm2", question, max_new_tokens=16):
+                    pass
+            except grpc.RpcError:
+                pass
+            time.sleep(rng.uniform(0.0, 0.2))
 
 
 def _burst(server: ServerProcess, banking: list[str]) -> None:
@@ -117,6 +136,7 @@ def main() -> None:
             until = time.monotonic() + args.seconds
             print(f"traffic for {args.seconds:.0f} s ...", flush=True)
             senders = [threading.Thread(target=_traffic, args=(server, banking, faq, until, n)) for n in range(4)]
+            senders.append(threading.Thread(target=_generations, args=(server, faq, until, 7)))
             for sender in senders:
                 sender.start()
             time.sleep(0.4 * args.seconds)

@@ -21,7 +21,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
     .whl/hnswlib-*.tar.gz
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_RESULTS=$OUT \
-    BENCH_COMMAND="bash bench/device.sh $*" BENCH_COMMIT="${BENCH_COMMIT:-unknown (BENCH_COMMIT not set)}"
+    BENCH_COMMIT="${BENCH_COMMIT:-unknown (BENCH_COMMIT not set)}"
+# The command as run, with the settings of this script that change what it measures.
+settings=$(for name in DEVICE_TESTS DEVICE_MINILM TEST_LIMIT_S BENCH_LIMIT_S; do
+    [ -z "${!name:-}" ] || printf '%s=%s ' "$name" "${!name}"; done)
+export BENCH_COMMAND="${settings}bash bench/device.sh $*"
 [ "${DEVICE_MINILM:-1}" = 0 ] || python3 - <<'PY'
 from pathlib import Path
 from server.tools.export_model import export_sentence_encoder

@@ -44,13 +44,14 @@ def _architecture(name: str):
     from server.engines.llama import LLAMA3_8B, SMOLLM2_135M, LlamaArchitecture
 
     tiny = LlamaArchitecture(vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-                             rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True, max_positions=2048)
+                             rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True, max_positions=8192)
     return {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M, "tiny": tiny}[name]
 
 
-def write_random_model(root: Path, name: str, max_streams: int, device: str = "cuda") -> Path:
+def write_random_model(root: Path, name: str, max_streams: int, device: str = "cuda", **config) -> Path:
     """A model repository entry with random weights of the named shape ("tiny": the tests' dry run on a
-    CPU, served by the torch decoder there), bf16, made on `device`."""
+    CPU, served by the torch decoder there), bf16, made on `device`; its config the generate section's,
+    with `config`'s sections instead where given (model_config says how)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -73,17 +74,27 @@ def write_random_model(root: Path, name: str, max_streams: int, device: str = "c
     tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(arch.vocab)}, unk_token="w0"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
     tokenizer.save(str(version / TOKENIZER_FILE))
-    (version / GENERATION_FILE).write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}",
-                                                       "end_ids": [], "max_positions": arch.max_positions}))
-    (root / name / "config.yaml").write_text(
-        "task: generate\nserving_version: \"1\"\n"
-        f"generate: {{context_length: {CONTEXT}, max_new_tokens: {NEW_TOKENS}, max_streams: {max_streams}, "
-        f"max_waiting: {4 * max_streams}, prefill_tokens: {PREFILL_TOKENS}"
-        f"{'' if device == 'cuda' else ', runtime: torch'}}}\n"
-        "cache: {ttl_s: 600}\n")
+    # The turns' words one after another: a conversation's next prompt starts with the tokens of the last
+    # prompt and its answer (what the prefix cache's multi-turn replay needs).
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (version / GENERATION_FILE).write_text(json.dumps({"chat_template": template, "end_ids": [],
+                                                       "max_positions": arch.max_positions}))
+    (root / name / "config.yaml").write_text(model_config(max_streams, device, **config))
     print(f"  {name}: {arch.parameters() / 1e9:.2f}B random bf16 weights written in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
     return version
+
+
+def model_config(max_streams: int, device: str = "cuda", *, generate: str = "", prefix_cache: str = "") -> str:
+    """config.yaml of a benchmark model: the generate section's settings (or `generate`, a YAML flow
+    mapping's inside), and a prefix_cache section where given."""
+    generate = generate or (f"context_length: {CONTEXT}, max_new_tokens: {NEW_TOKENS}, max_streams: {max_streams}, "
+                            f"max_waiting: {4 * max_streams}, prefill_tokens: {PREFILL_TOKENS}")
+    if device != "cuda":
+        generate += ", runtime: torch"
+    return ("task: generate\nserving_version: \"1\"\n"
+            f"generate: {{{generate}}}\n" + (f"prefix_cache: {{{prefix_cache}}}\n" if prefix_cache else "")
+            + "cache: {ttl_s: 600}\n")
 
 
 def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -242,7 +253,7 @@ def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...],
                 assert figures["tokens"] == n * NEW_TOKENS, f"{figures['tokens']} tokens, expected {n * NEW_TOKENS}"
                 rows.append(figures)
             keys = ("decode_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "gpu_busy_percent", "wall_s")
-            out[str(n)] = {k: statistics.median(values) if (values := [r[k] for r in rows if r[k] is not None]) else None
+            out[str(n)] = {k: round(statistics.median(values), 2) if (values := [r[k] for r in rows if r[k] is not None]) else None
                            for k in keys}
             out[str(n)]["cpu_ms_per_token"] = rows[len(rows) // 2]["cpu_ms_per_token"]
             out[str(n)]["rounds"] = rows

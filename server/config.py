@@ -95,6 +95,17 @@ class L2Section:
 
 
 @dataclass(frozen=True)
+class KvSection:
+    """The prefix key/value cache's disk tier (server/worker/prefix_cache.py): blocks of generative models'
+    prompts that every worker of the host reuses, kept across restarts."""
+
+    dir: str = ""                      # the host's LMDB block store; "" = <cache.dir>/kv
+    map_size_mb: int = 8192
+    budget_mb: int = 6144              # eviction keeps live blocks under this; must be below map_size_mb
+    ttl_s: int = 86400                 # a block's life (cache.max_ttl_s caps it too); 0 = no expiry
+
+
+@dataclass(frozen=True)
 class EnginesSection:
     dir: str = "var/engines"           # L3 engine store (may be shared by pods: NFS, a PVC)
     runtime: str = "auto"              # auto, onnxruntime (CPU), torch-cuda or tensorrt (GPU): server/shared/devices.py
@@ -141,6 +152,7 @@ class Config:
     server: ServerSection = field(default_factory=ServerSection)
     cache: CacheSection = field(default_factory=CacheSection)
     l2: L2Section = field(default_factory=L2Section)
+    kv: KvSection = field(default_factory=KvSection)
     engines: EnginesSection = field(default_factory=EnginesSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     fleet: FleetSection = field(default_factory=FleetSection)
@@ -309,6 +321,9 @@ def validate(config: Config) -> None:
                           "l2.frontend_head_mb >= 0")
     if not 0 < l2.budget_mb < l2.map_size_mb:
         raise ConfigError(f"l2.budget_mb ({l2.budget_mb}) must be positive and below l2.map_size_mb ({l2.map_size_mb})")
+    if not 0 < config.kv.budget_mb < config.kv.map_size_mb:
+        raise ConfigError(f"kv.budget_mb ({config.kv.budget_mb}) must be positive and below kv.map_size_mb "
+                          f"({config.kv.map_size_mb})")
     if config.engines.precision not in ("fp16", "fp32", "int8-qdq"):
         raise ConfigError(f"engines.precision must be fp16, fp32 or int8-qdq, got {config.engines.precision!r}")
 
@@ -318,6 +333,15 @@ def store_settings(config: Config) -> StoreSettings:
     return StoreSettings(
         path=Path(config.cache.dir), map_size=config.cache.map_size_mb * mb,
         budget=config.cache.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
+    )
+
+
+def kv_store_settings(config: Config) -> StoreSettings:
+    """The prefix cache's block store: its own LMDB environment, sealed like the result store when that is."""
+    mb = 1024 * 1024
+    return StoreSettings(
+        path=Path(config.kv.dir or Path(config.cache.dir) / "kv"), map_size=config.kv.map_size_mb * mb,
+        budget=config.kv.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
     )
 
 

@@ -53,3 +53,18 @@ def test_the_gpu_generate_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_p
         assert served["rounds"][0]["tokens"] == int(n) * NEW_TOKENS
         assert served["decode_tokens_per_s"] > 0 and 0 < served["ttft_p50_ms"] <= served["ttft_p99_ms"]
         assert tiny["ratios"][n]["decode_vs_raw"] > 0
+
+
+def test_the_gpu_prefix_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_path):
+    """bench/prefix.py's GPU part, dry: tiers (computed, device, host, disk after a restart), waves with the
+    cache on and off, conversations; every figure there (torch on the CPU; the H200 runs the 8B shape)."""
+    pytest.importorskip("torch")
+    from bench.prefix import bench_prefix_gpu
+
+    report = bench_prefix_gpu(tmp_path, rounds=1, quick=True, report={}, arch_name="tiny", device="cpu")
+    tiers = report["tiers"]
+    assert set(tiers["ratios"]) == {"device", "host", "disk"} and all(v > 0 for v in tiers["ratios"].values())
+    assert tiers["reused_tokens"]["memory"] > 0 and tiers["reused_tokens"]["disk"] > 0
+    assert report["no_reuse"]["decode_ratio_on_off"] > 0
+    conversations = report["conversations"]
+    assert conversations["reused_tokens"] > 0 and conversations["off_over_on"] > 0

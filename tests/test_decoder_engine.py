@@ -244,3 +244,30 @@ def pb_length() -> int:
     from infercache.v1 import infercache_pb2 as pb
 
     return pb.GenerationEnd.LENGTH
+
+
+def test_gpu_prefix_blocks_kept_exported_and_restored_give_the_same_answer(monkeypatch):
+    """Blocks kept from one slot, copied out to host memory and to bytes (the disk tier's form), then
+    restored into other slots from device memory, pinned host memory and bytes: each continues as the
+    prompt computed whole does (fp32 without TF32: other slots decode in other batch classes)."""
+    torch = _cuda()
+    from server.engines.decoding import Keep, Restore
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    decoder = _random_decoder(torch, torch.float32, 4, 512, graphs=True)
+    block = 16
+    assert decoder.open_blocks(block, 8 * decoder.block_bytes(block)) == 8
+    prompt = list(range(300, 364))  # 4 blocks
+    expected = alone(decoder, prompt, 12)
+    keeps = [Keep(0, i * block, i) for i in range(3)]
+    decoder.collect(decoder.launch(Step(chunks=[Chunk(0, prompt, 0, last=True)], keeps=keeps)))
+    exported = decoder.collect(decoder.launch(Step(exports=[(1, "one"), (2, "two")]))).exports
+    host = dict(exported)
+    disk = decoder.host_block(bytes(decoder.host_bytes(host["two"])))
+    decoder.release(0)
+    for slot, sources in ((1, [0, 1, 2]), (2, [0, host["one"], disk])):
+        restores = [Restore(slot, i * block, source) for i, source in enumerate(sources)]
+        got = decoder.collect(decoder.launch(Step(restores=restores, chunks=[Chunk(slot, prompt[48:], 48, last=True)]))).tokens
+        while len(got) < 12:
+            got += decoder.collect(decoder.launch(Step(rows=[Row(slot, len(prompt) + len(got) - 1)]))).tokens
+        assert got == expected, slot

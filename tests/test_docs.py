@@ -47,6 +47,8 @@ def literal(value) -> str:
         return "true" if value else "false"
     if value == "":
         return '""'
+    if value == ():
+        return "{}"  # an empty mapping (prefix_cache.public_prompts)
     return str(value)
 
 
@@ -57,7 +59,7 @@ def test_every_server_setting_is_documented_with_its_default():
 
     text = (DOCS / "configuration.md").read_text()
     documented: dict[str, list[str]] = {}
-    for section in ("### server", "### cache", "### l2", "### engines", "### security", "### fleet"):
+    for section in ("### server", "### cache", "### l2", "### kv", "### engines", "### security", "### fleet"):
         documented.update(rows(text, section))
     expected = {}
     for section in dataclasses.fields(Config):
@@ -99,6 +101,13 @@ def _model_defaults() -> dict[str, object]:
                     (Path(tmp) / "m").mkdir()
                     (Path(tmp) / "m" / "config.yaml").write_text(yaml.safe_dump(config))
                     out[f"generate.{leaf}"] = getattr(load_model(Path(tmp) / "m").generation, leaf)
+            continue
+        if key == "prefix_cache":  # a generative model's too: its PrefixSpec's defaults
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "m").mkdir()
+                (Path(tmp) / "m" / "config.yaml").write_text(yaml.safe_dump(generative))
+                spec = load_model(Path(tmp) / "m").prefix
+            out.update({f"prefix_cache.{leaf}": getattr(spec, leaf) for leaf in sorted(inner)})
             continue
         for name in ([f"{key}.{n}" for n in sorted(inner)] if inner else [key]):
             outer, _, leaf = name.partition(".")

@@ -9,6 +9,13 @@ row's input token may be left to the decoder: the argmax it produced for that sl
 `launch` starts a step and `collect` waits for its outcome, in launch order. A pipelined decoder (a GPU)
 returns from `launch` at once; the scheduler then launches step n+1 before it collects step n, and the
 device never waits for the host. Others compute in `launch`.
+
+Prefix blocks (server/worker/prefix_cache.py): a decoder keeps key/value blocks of `block_tokens`
+positions in its fastest memory (`open_blocks`: device memory on a GPU), numbered 0..count-1. A step
+first copies the blocks it exports out to host memory (the outcome carries them, tagged), then writes
+restored blocks into slots (from a memory block, a host block, or a block's bytes from disk), computes,
+and last keeps slot ranges as memory blocks. A block's layout: [2 (keys, values), layers, kv_heads,
+block_tokens, head_dim] in the decoder's dtype.
 """
 
 from __future__ import annotations
@@ -41,12 +48,33 @@ class Row:
 
 
 @dataclass(slots=True)
+class Restore:
+    """A cached block into the slot's positions start .. start + block_tokens - 1."""
+
+    slot: int
+    start: int
+    source: object  # int: a memory block; else a host block (an export, or host_block() of disk bytes)
+
+
+@dataclass(slots=True)
+class Keep:
+    """The slot's positions start .. start + block_tokens - 1 into memory block `block`."""
+
+    slot: int
+    start: int
+    block: int
+
+
+@dataclass(slots=True)
 class Step:
     chunks: list[Chunk] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)
+    keeps: list[Keep] = field(default_factory=list)
+    exports: list[tuple[int, object]] = field(default_factory=list)  # (memory block, tag): copied out first
 
     def __bool__(self) -> bool:
-        return bool(self.chunks or self.rows)
+        return bool(self.chunks or self.rows or self.restores or self.keeps or self.exports)
 
 
 @dataclass(slots=True)
@@ -56,6 +84,7 @@ class Outcome:
 
     tokens: list[int]
     scores: dict[int, np.ndarray] = field(default_factory=dict)
+    exports: list[tuple[object, object]] = field(default_factory=list)  # (tag, host block)
 
 
 class Decoder(ABC):
@@ -73,6 +102,22 @@ class Decoder(ABC):
     @abstractmethod
     def collect(self, handle) -> Outcome:
         """Waits for a launched step (in launch order) and answers it."""
+
+    def open_blocks(self, tokens: int, budget_bytes: int) -> int:
+        """Memory for prefix blocks of `tokens` positions within `budget_bytes`; how many fit (0: none)."""
+        return 0
+
+    def block_bytes(self, tokens: int) -> int:
+        """Bytes of one block of `tokens` positions."""
+        return 0
+
+    def host_block(self, data) -> object:
+        """A host block from its bytes (a disk record's payload); ValueError when they do not fit."""
+        raise ValueError("this decoder keeps no prefix blocks")
+
+    def host_bytes(self, block) -> memoryview:
+        """The bytes of a host block (what the disk tier stores)."""
+        raise ValueError("this decoder keeps no prefix blocks")
 
     def release(self, slot: int) -> None:
         """The sequence in `slot` is done; its memory may be reused (every step that used it is collected)."""

@@ -53,12 +53,13 @@ def _first_at_least(classes: tuple[int, ...], n: int) -> int:
 
 
 class _Launched:
-    __slots__ = ("event", "tokens", "scores", "outcome")
+    __slots__ = ("event", "tokens", "scores", "exports", "outcome")
 
     def __init__(self) -> None:
         self.event = None
         self.tokens = None                 # host tensor: argmax of chunks then rows
         self.scores: dict[int, torch.Tensor] = {}
+        self.exports: list = []            # (tag, pinned host block)
         self.outcome: Outcome | None = None  # computed already (CPU)
 
 
@@ -88,9 +89,12 @@ class TorchDecoder(Decoder):
         self.batches = batch_classes(slots)
         self.spans = span_classes(context)
         self.stream = torch.cuda.Stream(self.torch_device) if cuda else None
+        self._copies = torch.cuda.Stream(self.torch_device) if cuda else None  # block exports beside compute
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._counters: Counter[str] = Counter()
         self.capture_s = 0.0
+        self.blocks: torch.Tensor | None = None  # prefix blocks (open_blocks)
+        self.block_tokens = 0
         if self.graphed:
             self._capture_all()
         self._memory = (torch.cuda.memory_allocated(self.torch_device) - before) if cuda else 0
@@ -100,6 +104,9 @@ class TorchDecoder(Decoder):
     def launch(self, step: Step) -> _Launched:
         handle = _Launched()
         with torch.inference_mode(), _on(self.stream):
+            exports, exported = self._exports(step.exports)
+            for restore in step.restores:
+                self._restore(restore)
             parts = []
             scores: list[tuple[int, torch.Tensor]] = []
             if step.rows:
@@ -112,29 +119,101 @@ class TorchDecoder(Decoder):
                 parts.append(decoded)
                 base = len(step.chunks)
                 scores += [(base + i, logits[r.slot]) for i, r in enumerate(step.rows) if r.scores]
-            tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if exported is not None:
+                self.stream.wait_event(exported)  # the blocks it keeps into were copied out first
+            for keep in step.keeps:
+                self._keep(keep)
+            tokens = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None
             if self.pipelined:
-                handle.tokens = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
-                handle.tokens.copy_(tokens, non_blocking=True)
+                if tokens is not None:
+                    handle.tokens = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+                    handle.tokens.copy_(tokens, non_blocking=True)
                 for index, row in scores:
                     host = torch.empty(row.shape, dtype=torch.float32, pin_memory=True)
                     host.copy_(row.float(), non_blocking=True)
                     handle.scores[index] = host
+                handle.exports = exports
                 handle.event = torch.cuda.Event(blocking=True)
                 handle.event.record(self.stream)
             else:
-                handle.outcome = Outcome(tokens.tolist(), {i: row.float().numpy().copy() for i, row in scores})
+                handle.outcome = Outcome([] if tokens is None else tokens.tolist(),
+                                         {i: row.float().numpy().copy() for i, row in scores}, exports)
         c = self._counters
         c["steps"] += 1
         c["decode_rows"] += len(step.rows)
         c["prefill_tokens"] += sum(len(chunk.ids) for chunk in step.chunks)
+        c["blocks_restored"] += len(step.restores)
+        c["blocks_kept"] += len(step.keeps)
+        c["blocks_exported"] += len(step.exports)
         return handle
 
     def collect(self, handle: _Launched) -> Outcome:
         if handle.outcome is not None:
             return handle.outcome
         handle.event.synchronize()  # blocking event: sleeps, without the GIL
-        return Outcome(handle.tokens.tolist(), {i: t.numpy() for i, t in handle.scores.items()})
+        return Outcome([] if handle.tokens is None else handle.tokens.tolist(),
+                       {i: t.numpy() for i, t in handle.scores.items()}, handle.exports)
+
+    # -- prefix blocks -----------------------------------------------------------------------------------
+
+    def block_bytes(self, tokens: int) -> int:
+        return self.arch.kv_bytes_per_token(self.dtype) * tokens
+
+    def open_blocks(self, tokens: int, budget_bytes: int) -> int:
+        count = budget_bytes // self.block_bytes(tokens)
+        arch = self.arch
+        self.block_tokens = tokens
+        self._block_shape = (2, arch.layers, arch.kv_heads, tokens, arch.head_dim)
+        self.blocks = torch.empty((count, *self._block_shape), dtype=self.dtype, device=self.torch_device) \
+            if count else None
+        return count
+
+    def host_block(self, data) -> torch.Tensor:
+        """A copy of a block's bytes, in pinned memory on a GPU host (its copy to the device then does not
+        wait for the host)."""
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if raw.size != self.block_bytes(self.block_tokens):
+            raise ValueError(f"a block of {raw.size} bytes, this decoder's hold {self.block_bytes(self.block_tokens)}")
+        block = torch.empty(raw.size, dtype=torch.uint8, pin_memory=self.stream is not None)
+        block.numpy()[:] = raw
+        return block.view(self.dtype).view(self._block_shape)
+
+    def host_bytes(self, block: torch.Tensor) -> memoryview:
+        return memoryview(block.view(torch.uint8).numpy()).cast("B")
+
+    def _span(self, slot: int, start: int):
+        end = start + self.block_tokens
+        return self.keys[:, slot, :, start:end], self.values[:, slot, :, start:end]
+
+    def _exports(self, wanted: list[tuple[int, object]]) -> tuple[list, torch.cuda.Event | None]:
+        """Memory blocks copied out to host memory: (tag, host block) each, and on a GPU the event that
+        marks the copies' end. There they run on a stream of their own, beside the step's compute, from the
+        state the earlier steps left; only the step's keeps wait for them."""
+        if not wanted:
+            return [], None
+        if self.stream is None:
+            return [(tag, self.blocks[index].clone()) for index, tag in wanted], None
+        self._copies.wait_stream(self.stream)
+        out = []
+        with torch.cuda.stream(self._copies):
+            for index, tag in wanted:
+                host = torch.empty(self._block_shape, dtype=self.dtype, pin_memory=True)
+                host.copy_(self.blocks[index], non_blocking=True)
+                out.append((tag, host))
+            done = torch.cuda.Event()
+            done.record(self._copies)
+        return out, done
+
+    def _restore(self, restore) -> None:
+        source = self.blocks[restore.source] if isinstance(restore.source, int) else restore.source
+        keys, values = self._span(restore.slot, restore.start)
+        keys.copy_(source[0], non_blocking=True)
+        values.copy_(source[1], non_blocking=True)
+
+    def _keep(self, keep) -> None:
+        keys, values = self._span(keep.slot, keep.start)
+        self.blocks[keep.block, 0].copy_(keys)
+        self.blocks[keep.block, 1].copy_(values)
 
     def _decode(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         rows = step.rows

@@ -32,6 +32,7 @@ def _fill(item, *, plan: GeneratePlan) -> None:
     item.store, item.cached_ok = plan.store, plan.cached_ok
     item.max_age_us = plan.max_age_us
     item.generate.CopyFrom(plan.params)
+    item.public_prefix = plan.public_prefix
 
 
 class GenerateCalls:

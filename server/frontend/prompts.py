@@ -43,6 +43,7 @@ class GenerativeModel:
     tokenizer: Tokenizer
     template: object            # the compiled chat template
     normalize: Normalizer | None  # each turn's text before rendering (generate.normalize, privacy.pii)
+    public: dict[str, list[int]]  # a public system prompt's text (as normalized) -> its tokens rendered alone
 
     def route(self, key: bytes) -> int:
         return key_route(key)
@@ -60,6 +61,7 @@ class GeneratePlan:
     only_if_cached: bool
     max_age_us: int
     ns: Namespace
+    public_prefix: int = 0       # leading prompt tokens of a public system prompt (ComputeItem.public_prefix)
 
 
 def _template(source: str):
@@ -91,7 +93,13 @@ class Prompts:
                 normalize = Normalizer(REDACTING_STEPS if redact else DEFAULT_STEPS)
             else:  # as sent, but PII replaced by placeholders where the model says redact
                 normalize = Normalizer(REDACTING_ONLY) if redact else None
-            found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize)
+            public = {}
+            for _, text in spec.prefix.public_prompts:
+                text = normalize(text) if normalize else text
+                rendered = template.render(messages=[{"role": "system", "content": text}], add_generation_prompt=False)
+                public[text] = tokenizer.encode(rendered, add_special_tokens=False).ids
+            found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize,
+                                                                         public)
         return found
 
     def prepare_models(self) -> None:
@@ -153,7 +161,7 @@ class Prompts:
             key=entry_key(namespace_id(request.tenant, spec.name, version), _canonical(text, params)),
             cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
-            ns=Namespace(request.tenant, spec.name, version))
+            ns=Namespace(request.tenant, spec.name, version), public_prefix=_public_prefix(model, request, ids))
 
     @staticmethod
     def _holds_pii(request: pb.GenerateRequest) -> bool:
@@ -177,6 +185,23 @@ class Prompts:
         if turns[-1]["role"] == "assistant":
             raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
         return model.template.render(messages=turns, add_generation_prompt=True)
+
+
+def _public_prefix(model: GenerativeModel, request: pb.GenerateRequest, ids: list[int]) -> int:
+    """How many of the prompt's first tokens a public system prompt made: the tokens it shares with that
+    prompt rendered alone (the conversation's first turn is that system prompt, word for word)."""
+    if not model.public or not request.messages or request.messages[0].role != "system":
+        return 0
+    content = request.messages[0].content
+    public = model.public.get(model.normalize(content) if model.normalize else content)
+    if public is None:
+        return 0
+    shared = 0
+    for mine, theirs in zip(ids, public):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared
 
 
 def _params(request: pb.GenerateRequest, generation) -> worker_pb2.GenerateParams:

@@ -47,6 +47,42 @@ class GenerationSpec:
 GENERATION_KEYS = frozenset(f.name for f in fields(GenerationSpec))
 
 
+@dataclass(frozen=True)
+class PrefixSpec:
+    """A generative model's prefix key/value cache (the config.yaml `prefix_cache:` section;
+    server/worker/prefix_cache.py): prompt blocks computed once, reused by every request that starts
+    with them, from device memory, host memory or disk."""
+
+    enabled: bool = True
+    block_tokens: int = 64          # tokens per block: a prefix is reused in whole blocks
+    device_fraction: float = 0.2    # GPU worker: the share of device memory free after loading, for blocks
+    device_mb: int = 0              # GPU worker: device memory for blocks, in MiB, instead of device_fraction
+    host_mb: int = 1024             # host memory for blocks (pinned on a GPU worker; the only memory tier on a CPU)
+    disk: bool = True               # blocks demoted to the host's LMDB block store (the server's kv section)
+    public_prompts: tuple[tuple[str, str], ...] = ()  # (name, system prompt): blocks every tenant shares
+
+    def check(self) -> None:
+        if self.block_tokens < 1 or not 0 <= self.device_fraction <= 0.9 or self.host_mb < 0 or self.device_mb < 0:
+            raise ValueError("prefix_cache: block_tokens >= 1, 0 <= device_fraction <= 0.9, device_mb and host_mb >= 0")
+
+
+PREFIX_KEYS = frozenset(f.name for f in fields(PrefixSpec))
+
+
+def prefix_from_config(section: dict | None) -> PrefixSpec:
+    section = dict(section or {})
+    public = section.pop("public_prompts", None) or {}
+    if not isinstance(public, dict) or not all(isinstance(v, str) and v for v in public.values()):
+        raise ValueError("prefix_cache.public_prompts must map names to system prompt texts")
+    try:
+        spec = PrefixSpec(**{k: type(getattr(PrefixSpec, k))(v) for k, v in section.items()},
+                          public_prompts=tuple((str(k), v) for k, v in public.items()))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"prefix_cache: {exc}") from None
+    spec.check()
+    return spec
+
+
 def generation_from_config(section: dict | None) -> GenerationSpec:
     section = section or {}
     try:

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from server.shared.errors import ModelNotFound
-from server.shared.generation_spec import (DECODER_FILE, DECODER_WEIGHTS_FILE, GENERATION_KEYS, GenerationSpec,
-                                           generation_from_config)
+from server.shared.generation_spec import (DECODER_FILE, DECODER_WEIGHTS_FILE, GENERATION_KEYS, PREFIX_KEYS,
+                                           GenerationSpec, PrefixSpec, generation_from_config, prefix_from_config)
 from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_from_config
 
 MODEL_FILE = "model.onnx"
@@ -60,6 +60,7 @@ class ModelSpec:
                                       # are keyed without the tenant (the text alone decides them)
     hot_key_text: bool = False        # hot_keys.keep_text: GetHotKeys shows the hottest keys' texts
     generation: GenerationSpec | None = None  # task generate: the `generate:` section (server/shared/generation_spec.py)
+    prefix: PrefixSpec | None = None          # task generate: its `prefix_cache:` section
 
     def version_dir(self, version: str) -> Path:
         return self.root / version
@@ -114,6 +115,7 @@ KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "l2": frozenset({"share_across_tenants"}),
     "hot_keys": frozenset({"keep_text"}),
     "generate": GENERATION_KEYS,
+    "prefix_cache": PREFIX_KEYS,
 }
 
 
@@ -159,15 +161,16 @@ def load_model(root: Path) -> ModelSpec:
         task = _get(data, "task", str)
         if task not in TASKS:
             raise ModelConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-        generation = None
+        generation = prefix = None
         if task == "generate":  # no batching, input or outputs: the generate section says it all
             generation = generation_from_config(data.get("generate"))
+            prefix = prefix_from_config(data.get("prefix_cache"))
             shape = {"outputs": ("text",), "max_tokens": generation.context_length,
                      "max_text_chars": _get(data, "input.max_text_chars", int, 8 * generation.context_length),
                      "buckets": (generation.context_length,), "max_batch_size": generation.max_streams,
                      "max_queue_delay_ms": 0.0}
-        elif "generate" in data:
-            raise ModelConfigError(f"a generate section needs task: generate (this model's task is {task})")
+        elif "generate" in data or "prefix_cache" in data:
+            raise ModelConfigError(f"generate and prefix_cache sections need task: generate (this model's task is {task})")
         else:
             shape = {"outputs": tuple(_get(data, "outputs", list)), "max_tokens": _get(data, "input.max_tokens", int),
                      "max_text_chars": _get(data, "input.max_text_chars", int),
@@ -188,6 +191,7 @@ def load_model(root: Path) -> ModelSpec:
             share_features=bool((data.get("l2") or {}).get("share_across_tenants", False)),
             hot_key_text=bool((data.get("hot_keys") or {}).get("keep_text", False)),
             generation=generation,
+            prefix=prefix,
             **shape,
         )
     except (ModelConfigError, ValueError) as exc:

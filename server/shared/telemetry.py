@@ -47,6 +47,19 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "histogram", "Time between a streamed answer's tokens as its caller got them (misses and streams "
         "joined in flight; deltas that arrive together count each token at their gap over their tokens).",
         ("model",), LATENCY_BOUNDS),
+    "infercache_generate_prefill_seconds": (
+        "histogram", "A generation's time from taking its place in the running batch to its first token, by "
+        "the slowest tier its reused prompt prefix came from (none: nothing reused).", ("model", "tier"),
+        LATENCY_BOUNDS),
+    "infercache_prefix_tokens_total": (
+        "counter", "Prompt tokens of generations looked up in the prefix cache (tier queried) and those reused, "
+        "by the tier their blocks came from (memory: the decoder's own; host; disk).", ("model", "tier"), ()),
+    "infercache_prefix_bytes": (
+        "gauge", "Bytes of prefix blocks a worker holds in memory (the decoder's: device memory on a GPU) and "
+        "in pinned host memory (the disk tier's are the kv store's).", ("model", "tier", "worker"), ()),
+    "infercache_prefix_moves_total": (
+        "counter", "Prefix blocks moved between tiers: kept (computed into memory), demoted to host or disk, "
+        "evicted from memory or host, read back from disk.", ("model", "move"), ()),
     "infercache_generated_tokens_total": (
         "counter", "Tokens of the answers Generate calls got, by where they came from (all but miss: tokens "
         "the model did not generate again).", ("model", "source"), ()),

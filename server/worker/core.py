@@ -65,13 +65,14 @@ def _selector(request: pb.InvalidateRequest) -> Selector:
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
                  writer: WriterProcess | None, semantic=None, fleet=None, features: FeatureTier | None = None,
-                 generative: dict | None = None) -> None:
+                 generative: dict | None = None, kv_writer: WriterProcess | None = None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
         self.semantic = semantic
         self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
         self.features = features  # L2 (server/worker/features.py); every head model has one
+        self.kv_writer = kv_writer  # the prefix cache's disk tier (server/worker/prefix_cache.py), or None
         self.cache = ResultCache(writer.store) if writer is not None else None
         if writer is not None:  # a read that meets a damaged page has the writer look (and replace the store)
             self.cache.on_corrupt = writer.check
@@ -81,7 +82,7 @@ class WorkerCore:
         self._inflight: dict[bytes, Flight] = {}
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
         # Generative models (server/worker/generation.py): their own flights and schedulers.
-        self.generations = Generations(generative, writer, self.counters) if generative else None
+        self.generations = Generations(generative, writer, self.counters, lambda: self.metrics) if generative else None
 
     def batchers(self):
         return (runtime.batcher for runtime in self.runtimes.values())
@@ -345,6 +346,15 @@ class WorkerCore:
             groups.append(("features", self.features.stats()))
             if self.features.writer is not None:
                 groups.append(("features.writer", self.features.writer.counters))
+        if self.generations is not None:
+            for (model, version), runtime in self.generations.runtimes.items():
+                if engine_counters := runtime.decoder.counters():
+                    groups.append((f"decoder.{model}.{version}", engine_counters))
+                if runtime.prefix is not None:
+                    held = {f"{tier}_bytes": held for tier, held in runtime.prefix.gauges().items()}
+                    groups.append((f"prefix.{model}.{version}", {**runtime.prefix.counters, **held}))
+        if self.kv_writer is not None:
+            groups.append(("kv.writer", self.kv_writer.counters))
         if self.fleet is not None:
             gauges = {"ready": int(self.fleet.ready), "breaker_open": int(self.fleet.link.open),
                       "pending_writes": len(self.fleet.pending)}

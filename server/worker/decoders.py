@@ -34,3 +34,23 @@ def open_decoder(spec: ModelSpec, version: str, threads: int, gpu: bool) -> Deco
     if not gpu:
         torch.set_num_threads(threads)
     return torch_decoder.load(directory, settings.max_streams, settings.context_length, "cuda" if gpu else "cpu")
+
+
+def prefix_cache(spec: ModelSpec, version: str, decoder: Decoder, gpu: bool, disk, ttl_s: int):
+    """The version's prefix cache (server/worker/prefix_cache.py), or None where its config turns it off or
+    its decoder keeps no blocks. Its memory: a share of the device memory free after loading on a GPU
+    worker, with pinned host memory beside it; host memory on a CPU worker."""
+    settings = spec.prefix
+    if not settings.enabled or decoder.block_bytes(settings.block_tokens) == 0:
+        return None
+    from server.worker.prefix_cache import PrefixCache
+
+    host = settings.host_mb << 20
+    if gpu and decoder.runtime == "torch":
+        import torch
+
+        memory = settings.device_mb << 20 or int(settings.device_fraction * torch.cuda.mem_get_info()[0])
+    else:
+        memory, host = host, 0
+    return PrefixCache(settings, decoder, spec.name, version, memory_bytes=memory, host_bytes=host, disk=disk,
+                       ttl_s=ttl_s)

@@ -46,7 +46,8 @@ class Generation:
 
     __slots__ = ("key", "item", "model", "listeners", "text", "sampler", "sent", "answer", "dropped", "deadline",
                  "created_us", "store", "prompt", "limit", "slot", "fed", "planned", "received", "next_token",
-                 "awaiting", "last_step")
+                 "awaiting", "last_step", "looked_up", "loading", "loaded", "block_keys", "kept", "reused_from",
+                 "seated_at")
 
     def __init__(self, item: worker_pb2.ComputeItem, model: "GenerativeRuntime", deadline: float | None) -> None:
         params = item.generate
@@ -77,6 +78,15 @@ class Generation:
         self.next_token: int | None = None
         self.awaiting = False
         self.last_step = 0
+        # The prefix cache's (server/worker/prefix_cache.py): whether its prompt was looked up, blocks being
+        # read from disk for it and those read, its block keys, blocks kept so far, the tier it reused from.
+        self.looked_up = False
+        self.loading = False
+        self.loaded: dict | None = None
+        self.block_keys: list[bytes] = []
+        self.kept = 0
+        self.reused_from = "none"
+        self.seated_at = 0.0
 
     @property
     def sampled(self) -> bool:
@@ -86,13 +96,14 @@ class Generation:
 class GenerativeRuntime:
     """A generative model version in a worker: its decoder, tokenizer, prompt format and scheduler."""
 
-    def __init__(self, spec: ModelSpec, version: str, decoder: Decoder) -> None:
+    def __init__(self, spec: ModelSpec, version: str, decoder: Decoder, prefix=None) -> None:
         directory: Path = spec.version_dir(version)
         self.spec = spec
         self.version = version
         self.format = PromptFormat.read(directory)
         self.tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
         self.decoder = decoder
+        self.prefix = prefix  # its PrefixCache (server/worker/prefix_cache.py), or None
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=decoder.runtime,
                                   precision=decoder.precision, device=decoder.device)
 
@@ -101,9 +112,11 @@ class Scheduler:
     """The running batch of one model version. Its task is the only writer of `running`, `waiting`, the
     free slots and the generations' step bookkeeping."""
 
-    def __init__(self, runtime: GenerativeRuntime, finished, counters: Counter) -> None:
+    def __init__(self, runtime: GenerativeRuntime, finished, counters: Counter, metrics=lambda: None) -> None:
         self.runtime = runtime
         self.decoder = runtime.decoder
+        self.prefix = runtime.prefix
+        self._metrics = metrics              # () -> the worker's telemetry.Recorder, or None
         self.limit = runtime.spec.generation
         self._finished = finished            # (generation) -> None, on the loop, once it has its answer
         self.counters = counters
@@ -111,12 +124,16 @@ class Scheduler:
         self.running: list[Generation] = []  # holding a slot: reading their prompt, or answering
         self._free = list(range(min(self.decoder.slots, self.limit.max_streams)))  # a heap: lowest first
         self._releasing: list[Generation] = []  # ended; their slots are free once their last step is read
+        self._finishing: list[Generation] = []  # ended; the next step keeps their blocks (prefix cache)
         self._launched = 0                   # steps launched, and read
         self._collected = 0
         self._pending: tuple[object, list] | None = None  # a launched step not read yet, and its generations
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"generate-{runtime.spec.name}")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"scheduler-{runtime.spec.name}")
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def admit(self, generation: Generation) -> None:
         if len(self.waiting) >= self.limit.max_waiting and not self._free:
@@ -135,9 +152,7 @@ class Scheduler:
             self._seat()
             step, entries = self._plan()
             if not step and self._pending is None:
-                if self.running:  # cannot be (see _plan); were it so, a new generation would wake them
-                    log.error("%d generations hold slots with nothing to compute", len(self.running))
-                self._wake.clear()
+                self._wake.clear()  # nothing to compute: a new generation, or blocks read from disk, wake it
                 await self._wake.wait()
                 continue
             pending = self._pending
@@ -153,7 +168,7 @@ class Scheduler:
                 self._pending = (handle, entries) if step else None
                 if pending is not None:
                     self._read(pending[1], outcome)
-            else:
+            elif step:
                 self._read(entries, outcome)
             await asyncio.sleep(0)  # new items and cancels are read between steps
 
@@ -163,7 +178,7 @@ class Scheduler:
         decoder = self.decoder
         handle = decoder.launch(step) if step else None
         if not decoder.pipelined:
-            return handle, decoder.collect(handle)
+            return handle, decoder.collect(handle) if step else None
         return handle, decoder.collect(pending[0]) if pending is not None else None
 
     def _seat(self) -> None:
@@ -173,6 +188,7 @@ class Scheduler:
             if generation.dropped:
                 continue
             generation.slot = heapq.heappop(self._free)
+            generation.seated_at = asyncio.get_running_loop().time()
             self.running.append(generation)
 
     def _plan(self) -> tuple[Step, list[Generation | None]]:
@@ -186,8 +202,23 @@ class Scheduler:
         answering: list[Generation] = []
         budget = self.limit.prefill_tokens
         number = self._launched + 1
+        prefix = self.prefix
+        if prefix is not None:
+            prefix.planning()
+        for generation in self._finishing:  # what they computed, prompt and answer, for later prompts
+            text = generation.text
+            prefix.keep(generation, generation.prompt + text.ids, len(generation.prompt) + generation.received - 1, step)
+            generation.last_step = number
+        self._finishing.clear()
         for generation in self.running:
             prompt = generation.prompt
+            if not generation.looked_up:
+                if prefix is not None:
+                    restores = prefix.lookup(generation, self.wake)
+                    if restores is None:
+                        continue  # its blocks are being read from disk
+                    step.restores += restores
+                generation.looked_up = True
             if generation.fed < len(prompt):
                 if budget <= 0:
                     continue
@@ -200,6 +231,8 @@ class Scheduler:
                 if last:
                     generation.planned = 1
                     generation.awaiting = generation.sampled
+                    if prefix is not None:
+                        prefix.keep(generation, prompt, len(prompt), step)
                 chunked.append(generation if last else None)
             elif generation.planned < generation.limit and not generation.awaiting:
                 step.rows.append(Row(generation.slot, len(prompt) + generation.planned - 1, generation.next_token,
@@ -217,6 +250,8 @@ class Scheduler:
         """A step's outcome: each generation's next token, sent; then the slots no step uses any more."""
         self._collected += 1
         emitted = 0
+        if outcome.exports:
+            self.prefix.exported(outcome.exports)
         for index, generation in enumerate(entries):
             if generation is None or generation.dropped or generation.text.finish is not None:
                 continue  # a prompt chunk, or the token computed after the end (pipelined): unused
@@ -227,6 +262,9 @@ class Scheduler:
             else:
                 token = outcome.tokens[index]
             generation.received += 1
+            if generation.received == 1 and (recorder := self._metrics()) is not None:
+                recorder.observe(("infercache_generate_prefill_seconds", self.runtime.spec.name, generation.reused_from),
+                                 asyncio.get_running_loop().time() - generation.seated_at)
             delta, ids = self._next(generation, token)
             self._emit(generation, delta, ids)
             emitted += 1
@@ -252,6 +290,9 @@ class Scheduler:
         if text.finish is not None:
             item = generation.item
             generation.answer = whole_answer(text.sent, text.ids, text.finish, len(item.ids) // 4, item.version, item.key)
+            if self.prefix is not None:
+                self._finishing.append(generation)
+                generation.last_step = self._launched + 1  # its slot is read by the next step
             self._leave(generation)
             self._finished(generation)
 
@@ -262,7 +303,7 @@ class Scheduler:
             self._releasing.append(generation)
 
     def _release(self) -> None:
-        done = [g for g in self._releasing if g.last_step <= self._collected or self._pending is None]
+        done = [g for g in self._releasing if g.last_step <= self._collected]
         if not done:
             return
         self._releasing = [g for g in self._releasing if g not in done]
@@ -295,13 +336,18 @@ class Scheduler:
                 self._fail(generation, exc)
             self._leave(generation)
         self._pending = None
+        self._finishing.clear()
         self._collected = self._launched  # what the failed steps launched is never read
+        for generation in self._releasing:
+            generation.last_step = min(generation.last_step, self._collected)
         self._release()
 
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._thread.shutdown(wait=True)
+        if self.prefix is not None:
+            self.prefix.close()
         self.decoder.close()
 
 
@@ -309,13 +355,15 @@ class Generations:
     """The worker's generations: flights by key, a scheduler per generative model version, and their
     answers into L1. Event loop only."""
 
-    def __init__(self, runtimes: dict[tuple[str, str], GenerativeRuntime], writer, counters: Counter) -> None:
+    def __init__(self, runtimes: dict[tuple[str, str], GenerativeRuntime], writer, counters: Counter,
+                 metrics=lambda: None) -> None:
+        """metrics(): the worker's telemetry.Recorder while /metrics is on, else None."""
         self.runtimes = runtimes
         self.writer = writer
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters = counters
         self._flights: dict[bytes, Generation] = {}
-        self._schedulers = {key: Scheduler(runtime, self._done, counters) for key, runtime in runtimes.items()}
+        self._schedulers = {key: Scheduler(runtime, self._done, counters, metrics) for key, runtime in runtimes.items()}
 
     def submit(self, replies, item: worker_pb2.ComputeItem, deadline: float | None) -> None:
         runtime = self.runtimes.get((item.model, item.version))

@@ -16,6 +16,11 @@ from server.shared.devices import WorkerPlacement
 from server.worker.heads import HeadRuntime
 from server.shared.telemetry import MEANS_SEP, Recorder
 
+# infercache_prefix_moves_total's move label -> the prefix cache's counter (server/worker/prefix_cache.py)
+PREFIX_MOVES = {"kept": "prefix_blocks_kept", "demoted_host": "prefix_demoted_host",
+                "demoted_disk": "prefix_demoted_disk", "evicted_memory": "prefix_evicted_memory",
+                "evicted_host": "prefix_evicted_host", "read_disk": "prefix_disk_reads"}
+
 
 class WorkerMetrics:
     def __init__(self, core: WorkerCore, placement: WorkerPlacement, base: Recorder) -> None:
@@ -40,6 +45,13 @@ class WorkerMetrics:
             out.inc(("infercache_semantic_verifications_total", model, "agreed"),
                     calibration.verified - calibration.verified_at_start - disagreed)
             out.inc(("infercache_semantic_verifications_total", model, "disagreed"), disagreed)
+        for model, prefix in self._prefix_caches():
+            c = prefix.counters
+            out.inc(("infercache_prefix_tokens_total", model, "queried"), c["prefix_tokens_queried"])
+            for tier in ("memory", "host", "disk"):
+                out.inc(("infercache_prefix_tokens_total", model, tier), c[f"prefix_tokens_{tier}"])
+            for move, counter in PREFIX_MOVES.items():
+                out.inc(("infercache_prefix_moves_total", model, move), c[counter])
         for name, writer in self._writers():
             counters = writer.counters  # (made anew at each read: the process's figures and this side's)
             out.inc(("infercache_store_evictions_total", name), counters["evicted"])
@@ -52,8 +64,13 @@ class WorkerMetrics:
     def _writers(self):
         """(store label, its write-behind) of each store this worker writes."""
         features = self.core.features.writer if self.core.features is not None else None
-        return [(name, writer) for name, writer in (("results", self.core.writer), ("features", features))
-                if writer is not None]
+        return [(name, writer) for name, writer in (("results", self.core.writer), ("features", features),
+                                                    ("kv", self.core.kv_writer)) if writer is not None]
+
+    def _prefix_caches(self):
+        generations = self.core.generations
+        return [] if generations is None else [(runtime.spec.name, runtime.prefix)
+                                               for runtime in generations.runtimes.values() if runtime.prefix]
 
     def _gauges(self) -> list[tuple[tuple, float]]:
         gauges: dict[tuple, float] = {}
@@ -66,6 +83,10 @@ class WorkerMetrics:
             gauges[("infercache_engine_warmup_seconds", *labels)] = runtime.warmup_s
         for name, writer in self._writers():
             gauges[("infercache_store_write_backlog", name)] = writer.counters["backlog"]
+        for model, prefix in self._prefix_caches():
+            for tier, held in prefix.gauges().items():
+                key = ("infercache_prefix_bytes", model, tier, str(self.placement.index))
+                gauges[key] = gauges.get(key, 0) + held
         if self.core.semantic is not None:
             gauges[("infercache_semantic_index_entries",)] = self.core.semantic.entries()
         for (model, version), calibration in self.core.matching.calibrations.items():

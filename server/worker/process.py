@@ -30,13 +30,13 @@ from server.shared.stats import process_stats
 from server import mps
 from server.worker.core import WorkerCore
 from server.shared.admission import discounted
-from server.config import Config, feature_store_settings, store_settings
+from server.config import Config, feature_store_settings, kv_store_settings, store_settings
 from server.shared.devices import WorkerPlacement
 from server.engines.artifacts import load_engines
 from server.shared.errors import grpc_errors, to_wire
 from server.shared.framing import FrameProtocol, items_socket
 from server.worker.features import FeatureTier
-from server.worker.decoders import open_decoder
+from server.worker.decoders import open_decoder, prefix_cache
 from server.worker.generation import GenerativeRuntime
 from server.worker.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
@@ -306,9 +306,10 @@ def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
                       state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
 
 
-def _generative(repository: ModelRepository, threads: int, gpu: bool) -> dict[tuple[str, str], GenerativeRuntime]:
+def _generative(repository: ModelRepository, threads: int, gpu: bool, kv_writer: WriterProcess | None,
+                kv_ttl_s: int) -> dict[tuple[str, str], GenerativeRuntime]:
     """A runtime for every version of the served generative models (server/worker/decoders.py picks
-    each one's decoder); one that cannot be loaded is logged and left out."""
+    each one's decoder), with its prefix cache; one that cannot be loaded is logged and left out."""
     found = {}
     for spec in repository.servable():
         if spec.task != "generate":
@@ -317,7 +318,8 @@ def _generative(repository: ModelRepository, threads: int, gpu: bool) -> dict[tu
             started = time.monotonic()
             try:
                 decoder = open_decoder(spec, version, threads, gpu)
-                found[(spec.name, version)] = GenerativeRuntime(spec, version, decoder)
+                prefix = prefix_cache(spec, version, decoder, gpu, kv_writer, kv_ttl_s)
+                found[(spec.name, version)] = GenerativeRuntime(spec, version, decoder, prefix)
             except Exception as exc:  # noqa: BLE001 (whatever a broken version's files raise)
                 log.error("%s version %s not served: %s", spec.name, version, exc)
                 continue
@@ -378,10 +380,15 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await _warm(runtime)
     runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
+    kv_writer = None
+    if any(spec.task == "generate" and spec.prefix.enabled and spec.prefix.disk for spec in repository.servable()):
+        kv_writer = await _open_writer(config, f"worker-{placement.index}-kv", lose_writer, kv_store_settings(config),
+                                       "prefix block store")
+    kv_ttl_s = min((t for t in (config.kv.ttl_s, config.cache.max_ttl_s) if t), default=0)
     generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers),
-                                        placement.gpu is not None)
+                                        placement.gpu is not None, kv_writer, kv_ttl_s)
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features,
-                      generative)
+                      generative, kv_writer)
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
         core.matching.calibrations.update(await asyncio.to_thread(
@@ -431,6 +438,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await writer.close()  # the last writes reach the index before its snapshot
     if features is not None and features.writer is not None:
         await features.writer.close()
+    if kv_writer is not None:
+        await kv_writer.close()
     if tier is not None:
         await tier.close()
     if publisher is not None:

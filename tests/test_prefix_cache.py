@@ -1,0 +1,165 @@
+"""The prefix key/value cache through a real server, with SmolLM2's real weights on the CPU: answers are
+token-identical with and without it, tenants stay walled off (but for a public system prompt), blocks
+move from memory to disk and come back, survive a restart, and a damaged block is recomputed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+import lmdb
+import pytest
+
+from cachestore.env import DB_RESULTS
+from cachestore.records import checked
+from tests.helpers import link_model, wait_for
+from tests.servers import REPO, ServerProcess
+
+GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
+CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()
+PUBLIC = "You answer questions for Example Bank's customers, briefly and politely. " * 6
+SYSTEM = ("You are the assistant of a bank. Answer in one sentence. Card payments can be disputed within 60 days; "
+          "refunds take 5 to 10 working days; a frozen card can be unfrozen in the app. ") * 3
+NEW = 10
+
+pytestmark = pytest.mark.skipif(not (GEN_VERSION_DIR / "decoder.onnx").is_file(),
+                                reason="the generative model is not prepared: run `make model` (make test does)")
+
+
+def _models(root):
+    link_model(root, "plain", CONFIG + "prefix_cache: {enabled: false}\n", {"1": GEN_VERSION_DIR})
+    link_model(root, "cached", CONFIG + f"prefix_cache: {{block_tokens: 16, public_prompts: {{bank: {PUBLIC!r}}}}}\n",
+               {"1": GEN_VERSION_DIR})
+    # 2 blocks of memory: the rest is demoted to disk and read back from there
+    link_model(root, "small", CONFIG + "prefix_cache: {block_tokens: 16, host_mb: 2}\n", {"1": GEN_VERSION_DIR})
+    link_model(root, "torch", CONFIG.replace("generate:\n", "generate:\n  runtime: torch\n")
+               + "prefix_cache: {block_tokens: 16}\n", {"1": GEN_VERSION_DIR})
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _models(tmp_path_factory.mktemp("prefix-models"))
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("prefix-server")
+    srv = ServerProcess(workdir, models, frontends=1)
+    yield srv
+    srv.stop()
+
+
+def _ask(server, model, question, system=SYSTEM, tenant="", history=()):
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history) + \
+        [{"role": "user", "content": question}]
+    with server.client(timeout_s=300) as client:
+        return client.generate(model, messages=messages, max_new_tokens=NEW, tenant=tenant, mode="NO_STORE")
+
+
+def _prefix(server, model) -> Counter:
+    """The worker's prefix cache figures of `model` (GetStats), 0 for those not counted yet."""
+    counters = server.stats().worker.counters
+    return Counter({k.split(".", 3)[3]: v for k, v in counters.items() if k.startswith(f"prefix.{model}.")})
+
+
+@pytest.mark.parametrize("model", ["cached", "small", "torch"])
+def test_answers_are_token_identical_with_and_without_the_prefix_cache(server, model):
+    questions = ["How do I get a refund?", "Why was my card declined?", "How do I get a refund?",
+                 "Can I unfreeze my card?", "How long does a refund take?"]
+    before = _prefix(server, model)
+    for question in questions:
+        assert _ask(server, model, question).token_ids == _ask(server, "plain", question).token_ids, question
+    after = _prefix(server, model)
+    reused = sum(after.get(f"prefix_tokens_{t}", 0) - before.get(f"prefix_tokens_{t}", 0)
+                 for t in ("memory", "host", "disk"))
+    if model == "small":  # two blocks of memory: the rest went to disk and came back from there
+        assert after["prefix_demoted_disk"] > before.get("prefix_demoted_disk", 0)
+        assert after["prefix_tokens_disk"] > before.get("prefix_tokens_disk", 0)
+        assert after["memory_bytes"] <= 2 << 20  # its cap
+    else:
+        assert reused >= 4 * 16 * 4, after  # each later question reused the system prompt's blocks, at least
+
+
+def test_a_conversation_reuses_its_earlier_turns_answers_included(server):
+    first = _ask(server, "cached", "What is a chargeback?")
+    before = _prefix(server, "cached")
+    history = [{"role": "user", "content": "What is a chargeback?"}, {"role": "assistant", "content": first.text}]
+    second = _ask(server, "cached", "And how long does it take?", history=history)
+    after = _prefix(server, "cached")
+    assert second.token_ids == _ask(server, "plain", "And how long does it take?", history=history).token_ids
+    # the second turn's prompt starts with the first's prompt and answer: all but their last partial block
+    reused = after["prefix_tokens_memory"] - before["prefix_tokens_memory"]
+    assert reused >= (first.prompt_tokens + len(first.token_ids)) // 16 * 16 - 16 * 2, (reused, first.prompt_tokens)
+
+
+def test_tenants_never_reuse_each_others_blocks_but_share_a_public_system_prompt(server):
+    system = SYSTEM.replace("bank", "credit union")  # a prompt no other test sends
+    _ask(server, "cached", "Hello?", system=system, tenant="tenant-a")
+    before = _prefix(server, "cached")
+    _ask(server, "cached", "Hello?", system=system, tenant="tenant-b")
+    assert _prefix(server, "cached")["prefix_tokens_memory"] == before["prefix_tokens_memory"]
+    _ask(server, "cached", "Hello?", system=system, tenant="tenant-a")  # its own blocks: reused
+    assert _prefix(server, "cached")["prefix_tokens_memory"] > before["prefix_tokens_memory"]
+
+    question = "Good morning! I would like to know more about the savings accounts you offer and their rates."
+    _ask(server, "cached", question, system=PUBLIC, tenant="tenant-c")
+    reused = []
+    for tenant in ("tenant-d", "tenant-c"):
+        before = _prefix(server, "cached")
+        answer = _ask(server, "cached", question, system=PUBLIC, tenant=tenant)
+        reused.append(_prefix(server, "cached")["prefix_tokens_memory"] - before["prefix_tokens_memory"])
+        assert answer.token_ids == _ask(server, "plain", question, system=PUBLIC).token_ids
+    shared, own = reused
+    assert shared >= 16 * 4  # tenant-d reused the public prompt's whole blocks, computed for tenant-c
+    assert own > shared  # and only those: tenant-c reuses its question's blocks too
+
+
+def test_blocks_on_disk_survive_a_restart_and_a_damaged_one_is_recomputed(models, tmp_path):
+    cache = tmp_path / "cache"
+    question = "Which documents do I need to open an account?"
+    (tmp_path / "one").mkdir()
+    with ServerProcess(tmp_path / "one", models, frontends=1, cache_dir=cache) as server:
+        expected = _ask(server, "plain", question).token_ids
+        _ask(server, "small", question)
+        _ask(server, "small", "Something else entirely, to push the first out of memory?")
+        wait_for(lambda: _prefix(server, "small").get("prefix_demoted_disk", 0) > 0 and
+                 server.stats().worker.counters.get("kv.writer.backlog", 1) == 0, 30, "blocks written to disk")
+    stored = _records(cache)
+    assert stored and all(checked(v) for v in stored.values())  # every record whole
+    (tmp_path / "two").mkdir()
+    with ServerProcess(tmp_path / "two", models, frontends=1, cache_dir=cache) as server:
+        assert _ask(server, "small", question).token_ids == expected
+        assert _prefix(server, "small")["prefix_tokens_disk"] >= 16  # a new worker read them back
+    env = lmdb.open(str(cache / "kv"), max_dbs=16, map_size=8 << 30)
+    with env.begin(write=True, db=env.open_db(DB_RESULTS)) as txn:  # damage every record: flipped payload bytes
+        for key, value in stored.items():
+            txn.put(key, value[:-8] + bytes(b ^ 0xFF for b in value[-8:]))
+    env.close()
+    (tmp_path / "three").mkdir()
+    with ServerProcess(tmp_path / "three", models, frontends=1, cache_dir=cache) as server:
+        assert _ask(server, "small", question).token_ids == expected
+        counters = _prefix(server, "small")
+        assert counters.get("prefix_tokens_disk", 0) == 0 and counters.get("prefix_disk_unreadable", 0) >= 1
+
+
+def test_a_worker_killed_while_it_writes_blocks_leaves_only_whole_records(models, tmp_path):
+    cache = tmp_path / "cache"
+    (tmp_path / "one").mkdir()
+    with ServerProcess(tmp_path / "one", models, frontends=1, cache_dir=cache) as server:
+        for n in range(3):
+            _ask(server, "small", f"Question number {n} about my savings account and its interest?")
+        os.kill(server.worker_pid(), signal.SIGKILL)
+    records = _records(cache)
+    assert records and all(checked(v) for v in records.values())
+
+
+def _records(cache) -> dict[bytes, bytes]:
+    """The block store's records, read with LMDB itself (no server running)."""
+    env = lmdb.open(str(cache / "kv"), max_dbs=16, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(DB_RESULTS, create=False)) as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+    finally:
+        env.close()
