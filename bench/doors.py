@@ -59,7 +59,7 @@ def _recorded_http(port: int, body: bytes) -> tuple[bytes, list[tuple[bytes, byt
     return answer, headers
 
 
-def _stacks_available() -> dict[str, str]:
+def _stacks_missing() -> dict[str, str]:
     """The other stacks' packages that are missing: {stack: why it is skipped}."""
     return {name: f"{name} is not installed (the bench extra)" for name in ("aiohttp", "granian")
             if importlib.util.find_spec(name) is None}
@@ -82,7 +82,7 @@ def bench_doors(workdir: Path, texts: list[str], rounds: int, quick: bool) -> di
     kserve = [_kserve_request(t) for t in chosen]
     hit_body, hit_headers = _recorded_http(http_port, http_requests[0].split(b"\r\n\r\n", 1)[1])
     started: list = []
-    skipped = _stacks_available()
+    skipped = _stacks_missing()
     try:
         bare_http, procs = echo.start(processes, echo.http_main, hit_body, hit_headers)
         started += procs

@@ -411,10 +411,10 @@ class OpenAIDoor:
         if hit is not None:
             answer = pb.GenerateResponse.FromString(hit)
             return shape.whole(answer.text, answer.end)
-        text = [pb.GenerateResponse.FromString(first)]
+        parts = [pb.GenerateResponse.FromString(first)]
         async for message in messages:
-            text.append(pb.GenerateResponse.FromString(message))
-        return shape.whole("".join(m.text for m in text), text[-1].end)
+            parts.append(pb.GenerateResponse.FromString(message))
+        return shape.whole("".join(part.text for part in parts), parts[-1].end)
 
 
 class _Shape:
