@@ -133,7 +133,7 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
         for prefix in on_disk + [fresh(), fresh()]:  # the last two push the others out to disk
             _ttft(stub, "disk", _words(prefix + suffix()))
         deadline = time.monotonic() + 120
-        while server.stats().worker.counters.get("kv.writer.backlog", 0) and time.monotonic() < deadline:
+        while server.stats().worker.counters.get("kv.backlog", 0) and time.monotonic() < deadline:
             time.sleep(0.2)
         counters = dict(server.stats().worker.counters)
         channel.close()
@@ -159,7 +159,12 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
                        "host": round(p50["host"] / p50["computed"], 3),
                        "disk": round(p50["disk"] / p50["computed_after_restart"], 3)},
             "reused_tokens": {t: counters.get(f"prefix.host.1.prefix_tokens_{t}", 0) for t in ("memory", "host")}
-            | {"disk": after.get("prefix.disk.1.prefix_tokens_disk", 0)}}
+            | {"disk": after.get("prefix.disk.1.prefix_tokens_disk", 0)},
+            "worker_counters": {"first": _worker_figures(counters), "after_restart": _worker_figures(after)}}
+
+
+def _worker_figures(counters: dict) -> dict:
+    return {k: v for k, v in sorted(counters.items()) if k.startswith(("prefix.", "kv.", "decoder."))}
 
 
 def _conversations(address: str, model: str, conversations: list[dict], start_at: float, out) -> None:
@@ -243,8 +248,15 @@ def bench_reuse(root: Path, workdir: Path, rounds: int, vocab: int, quick: bool,
         "conversations": {"conversations": 64, "turns": turns, "mean_ttft_ms": {m: round(1000 * v, 1) for m, v in mean.items()},
                           "p99_ttft_ms": {m: round(1000 * sorted(t)[int(0.99 * len(t))], 1) for m, t in chat.items()},
                           "off_over_on": round(mean["off"] / mean["on"], 2),
-                          "reused_tokens": counters.get("prefix.on.1.prefix_tokens_memory", 0)},
+                          "reused_tokens": counters.get("prefix.on.1.prefix_tokens_memory", 0),
+                          "ttft_ms_by_turn": {m: _by_turn(t, turns) for m, t in chat.items()},
+                          "worker_counters": _worker_figures(counters)},
     }
+
+
+def _by_turn(ttfts: list[float], turns: int) -> list[float]:
+    """Mean TTFT of each turn (a client's list holds each conversation's turns in order)."""
+    return [round(1000 * statistics.mean(ttfts[i::turns]), 1) for i in range(turns)]
 
 
 def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, checkpoint=lambda: None,

@@ -115,6 +115,10 @@ class Decoder(ABC):
         """A host block from its bytes (a disk record's payload); ValueError when they do not fit."""
         raise ValueError("this decoder keeps no prefix blocks")
 
+    def reserve_host(self, count: int) -> None:
+        """Host memory for `count` blocks made ready ahead (pinned memory on a GPU), so that exports and
+        disk reads do not pay for it while serving."""
+
     def host_bytes(self, block) -> memoryview:
         """The bytes of a host block (what the disk tier stores)."""
         raise ValueError("this decoder keeps no prefix blocks")

@@ -105,8 +105,8 @@ class TorchDecoder(Decoder):
         handle = _Launched()
         with torch.inference_mode(), _on(self.stream):
             exports, exported = self._exports(step.exports)
-            for restore in step.restores:
-                self._restore(restore)
+            if step.restores:
+                self._restore_all(step.restores)
             parts = []
             scores: list[tuple[int, torch.Tensor]] = []
             if step.rows:
@@ -204,11 +204,42 @@ class TorchDecoder(Decoder):
             done.record(self._copies)
         return out, done
 
-    def _restore(self, restore) -> None:
-        source = self.blocks[restore.source] if isinstance(restore.source, int) else restore.source
-        keys, values = self._span(restore.slot, restore.start)
-        keys.copy_(source[0], non_blocking=True)
-        values.copy_(source[1], non_blocking=True)
+    def _restore_all(self, restores) -> None:
+        """Each run of consecutive blocks of one slot from device memory in one gather and two copies;
+        host blocks one by one (each its own copy from pinned memory)."""
+        run: list = []
+        for restore in sorted(restores, key=lambda r: (r.slot, r.start)):
+            if isinstance(restore.source, int):
+                if run and (run[-1].slot != restore.slot or run[-1].start + self.block_tokens != restore.start):
+                    self._restore_run(run)
+                    run = []
+                run.append(restore)
+                continue
+            keys, values = self._span(restore.slot, restore.start)
+            keys.copy_(restore.source[0], non_blocking=True)
+            values.copy_(restore.source[1], non_blocking=True)
+        if run:
+            self._restore_run(run)
+
+    def _restore_run(self, run) -> None:
+        index = torch.tensor([r.source for r in run], dtype=torch.int64).to(self.torch_device, non_blocking=True)
+        blocks = self.blocks.index_select(0, index)  # [n, 2, layers, kv, tokens, d]
+        n, tokens = len(run), self.block_tokens
+        joined = blocks.permute(1, 2, 3, 0, 4, 5).reshape(2, self.arch.layers, self.arch.kv_heads, n * tokens, -1)
+        start = run[0].start
+        self.keys[:, run[0].slot, :, start:start + n * tokens].copy_(joined[0])
+        self.values[:, run[0].slot, :, start:start + n * tokens].copy_(joined[1])
+
+    def reserve_host(self, count: int) -> None:
+        """Makes `count` blocks of pinned host memory once (the allocator keeps them for reuse): exports
+        and disk reads then take pinned memory without pinning new pages while serving."""
+        if self.stream is None or count <= 0:
+            return
+        started = time.perf_counter()
+        held = [torch.empty(self._block_shape, dtype=self.dtype, pin_memory=True) for _ in range(count)]
+        del held
+        log.info("reserved %d pinned host blocks (%.0f MiB) in %.1f s", count,
+                 count * self.block_bytes(self.block_tokens) / 2**20, time.perf_counter() - started)
 
     def _keep(self, keep) -> None:
         keys, values = self._span(keep.slot, keep.start)

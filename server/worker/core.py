@@ -65,14 +65,14 @@ def _selector(request: pb.InvalidateRequest) -> Selector:
 class WorkerCore:
     def __init__(self, repository: ModelRepository, runtimes: dict[tuple[str, str], ModelRuntime],
                  writer: WriterProcess | None, semantic=None, fleet=None, features: FeatureTier | None = None,
-                 generative: dict | None = None, kv_writer: WriterProcess | None = None) -> None:
+                 generative: dict | None = None, kv_store=None) -> None:
         self.repository = repository
         self.runtimes = runtimes
         self.writer = writer
         self.semantic = semantic
         self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
         self.features = features  # L2 (server/worker/features.py); every head model has one
-        self.kv_writer = kv_writer  # the prefix cache's disk tier (server/worker/prefix_cache.py), or None
+        self.kv_store = kv_store  # the prefix caches' disk tier (server/worker/prefix_disk.py), or None
         self.cache = ResultCache(writer.store) if writer is not None else None
         if writer is not None:  # a read that meets a damaged page has the writer look (and replace the store)
             self.cache.on_corrupt = writer.check
@@ -353,8 +353,8 @@ class WorkerCore:
                 if runtime.prefix is not None:
                     held = {f"{tier}_bytes": held for tier, held in runtime.prefix.gauges().items()}
                     groups.append((f"prefix.{model}.{version}", {**runtime.prefix.counters, **held}))
-        if self.kv_writer is not None:
-            groups.append(("kv.writer", self.kv_writer.counters))
+        if self.kv_store is not None:
+            groups.append(("kv", self.kv_store.counters))
         if self.fleet is not None:
             gauges = {"ready": int(self.fleet.ready), "breaker_open": int(self.fleet.link.open),
                       "pending_writes": len(self.fleet.pending)}

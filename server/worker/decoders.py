@@ -36,7 +36,7 @@ def open_decoder(spec: ModelSpec, version: str, threads: int, gpu: bool) -> Deco
     return torch_decoder.load(directory, settings.max_streams, settings.context_length, "cuda" if gpu else "cpu")
 
 
-def prefix_cache(spec: ModelSpec, version: str, decoder: Decoder, gpu: bool, disk, ttl_s: int):
+def prefix_cache(spec: ModelSpec, version: str, decoder: Decoder, gpu: bool, disk):
     """The version's prefix cache (server/worker/prefix_cache.py), or None where its config turns it off or
     its decoder keeps no blocks. Its memory: a share of the device memory free after loading on a GPU
     worker, with pinned host memory beside it; host memory on a CPU worker."""
@@ -52,5 +52,4 @@ def prefix_cache(spec: ModelSpec, version: str, decoder: Decoder, gpu: bool, dis
         memory = settings.device_mb << 20 or int(settings.device_fraction * torch.cuda.mem_get_info()[0])
     else:
         memory, host = host, 0
-    return PrefixCache(settings, decoder, spec.name, version, memory_bytes=memory, host_bytes=host, disk=disk,
-                       ttl_s=ttl_s)
+    return PrefixCache(settings, decoder, spec.name, version, memory_bytes=memory, host_bytes=host, disk=disk)

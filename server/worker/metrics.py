@@ -65,7 +65,7 @@ class WorkerMetrics:
         """(store label, its write-behind) of each store this worker writes."""
         features = self.core.features.writer if self.core.features is not None else None
         return [(name, writer) for name, writer in (("results", self.core.writer), ("features", features),
-                                                    ("kv", self.core.kv_writer)) if writer is not None]
+                                                    ("kv", self.core.kv_store)) if writer is not None]
 
     def _prefix_caches(self):
         generations = self.core.generations

@@ -15,8 +15,8 @@ Tiers, each bounded, each a miss on failure:
 - memory: the decoder's own blocks (device memory on a GPU worker, `device_fraction` of what is free
   after loading; host memory on a CPU worker, `host_mb`), an LRU. A block evicted from it is demoted;
 - host (GPU workers): pinned host memory up to `host_mb`, an LRU; evicted blocks are demoted to disk;
-- disk: the host's LMDB block store (the server's `kv` section), written behind by its writer process,
-  read back by a thread pool, checked (the store's checksums, sealing when encryption is on): shared by
+- disk: the host's LMDB block store (server/worker/prefix_disk.py), written behind by a thread, read
+  back by a pool of threads, checked (the store's checksums, sealing when encryption is on): shared by
   the host's workers, kept across restarts, bounded by `kv.budget_mb`. A request whose prefix continues
   on disk waits while those blocks are read into host memory, then restores them.
 The scheduler (server/worker/generation.py) is the only caller, on the event loop; the decoder's copies
@@ -30,27 +30,24 @@ import hashlib
 import logging
 import struct
 from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
-from cachestore.env import DB_RESULTS
 from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, namespace_id
-from cachestore.records import Record, checked, opened
-from cachestore.results import now_us
 from server.engines.decoding import Decoder, Keep, Restore, Step
 from server.shared.generation_spec import PrefixSpec
 
 log = logging.getLogger("infercache.prefix")
 
 TIERS = ("memory", "host", "disk")
-DISK_READERS = 16  # threads reading blocks back from disk (LMDB reads, checksums and copies release the GIL)
 MAX_DISK_READS = 64  # blocks one request reads from disk at once
 
 
 class PrefixCache:
     def __init__(self, spec: PrefixSpec, decoder: Decoder, model: str, version: str, *, memory_bytes: int,
-                 host_bytes: int, disk=None, ttl_s: int = 0, counters: Counter | None = None) -> None:
+                 host_bytes: int, disk=None, counters: Counter | None = None) -> None:
         """memory_bytes: the decoder's block memory; host_bytes: pinned host blocks beside it (0 on a CPU
-        worker, whose memory tier is host memory); disk: the block store's WriterProcess, or None."""
+        worker, whose memory tier is host memory); disk: the host's BlockStore (server/worker/prefix_disk.py),
+        or None."""
         self.spec = spec
         self.decoder = decoder
         self.block = spec.block_tokens
@@ -64,12 +61,12 @@ class PrefixCache:
         self.host: OrderedDict[bytes, object] = OrderedDict()  # key -> host block
         self.writing: dict[bytes, object] = {}                 # handed to the disk tier, not committed yet
         self.disk = disk if spec.disk else None
-        self.ttl_us = ttl_s * 1_000_000
         self.counters = counters if counters is not None else Counter()
-        self._readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefix-disk") if self.disk else None
+        self._disk_ns = Namespace("", model, version)
         self._namespaces: dict[str, bytes] = {}
         self._store_ns = namespace_id("", model, version)
         self._kept_now: set[bytes] = set()  # keys the step being planned keeps (see planning)
+        decoder.reserve_host(self.host_capacity + 2 * MAX_DISK_READS)  # and what exports and disk reads hold
         log.info("%s version %s: prefix blocks of %d tokens (%.1f MiB each): %d in %s memory, %d in host memory%s",
                  model, version, self.block, per / 2**20, self.capacity, decoder.device, self.host_capacity,
                  ", then disk" if self.disk else "")
@@ -112,7 +109,7 @@ class PrefixCache:
         for i, key in enumerate(keys):
             source, tier = self._find(key, loaded)
             if source is None:
-                if self.disk is not None and generation.loaded is None and self._on_disk(key):
+                if self.disk is not None and generation.loaded is None and self.disk.contains(key):
                     generation.loading = True
                     asyncio.get_running_loop().create_task(
                         self._read_disk(generation, keys[i:i + MAX_DISK_READS], wake))
@@ -144,41 +141,13 @@ class PrefixCache:
             return block, "disk"
         return None, ""
 
-    def _on_disk(self, key: bytes) -> bool:
-        """Whether the block store has a record for `key` (read and checked later, off the loop)."""
-        try:
-            store = self.disk.store
-            with store.begin(buffers=True) as txn:
-                return txn.get(key, None, store.dbs[DB_RESULTS]) is not None
-        except Exception:  # noqa: BLE001 (a store that fails is a miss)
-            return False
-
-    def _read_block(self, key: bytes):
-        """The host block of `key` read from the block store, checked (checksum, sealing) and fresh; None
-        when absent, expired or damaged (counted). Any thread: one copy, from the map into the block."""
-        try:
-            store = self.disk.store
-            with store.begin(buffers=True) as txn:
-                raw = txn.get(key, None, store.dbs[DB_RESULTS])
-                if raw is None:
-                    return None
-                flags, kid, created, expires, stored = checked(raw)
-                if expires and now_us() >= expires:
-                    return None
-                payload = opened(flags, kid, created, expires, stored, key, store.ring) if flags or store.ring \
-                    else stored
-                return self.decoder.host_block(payload)
-        except Exception as exc:  # noqa: BLE001 (a block that does not read is recomputed)
-            self.counters["prefix_disk_unreadable"] += 1
-            log.warning("prefix block %s not reused: %s", key.hex(), exc)
-            return None
-
     async def _read_disk(self, generation, keys: list[bytes], wake) -> None:
         """Reads the blocks of `keys`, in parallel, keeping those in order up to the first that is not
         there or does not read back as a block (a miss from there on); then wakes the scheduler."""
         loop = asyncio.get_running_loop()
+        read = partial(self.disk.read, make=self.decoder.host_block)
         try:
-            blocks = await asyncio.gather(*(loop.run_in_executor(self._readers, self._read_block, k) for k in keys))
+            blocks = await asyncio.gather(*(loop.run_in_executor(self.disk.readers, read, k) for k in keys))
         except RuntimeError:  # the pool shut down: the worker is stopping
             blocks = []
         loaded = {}
@@ -246,12 +215,16 @@ class PrefixCache:
     def _to_disk(self, key: bytes, block) -> None:
         if self.disk is None:
             return
-        created = now_us()
-        self.writing[key] = block
+        loop = asyncio.get_running_loop()
+        self.writing[key] = block  # (readable from here until it is committed)
         self.counters["prefix_demoted_disk"] += 1
-        self.disk.put(key, Namespace("", self.model, self.version),
-                      Record(created, created + self.ttl_us if self.ttl_us else 0, bytes(self.decoder.host_bytes(block))),
-                      on_done=lambda: self.writing.pop(key, None))
+
+        def written() -> None:  # on the disk tier's writer thread
+            try:
+                loop.call_soon_threadsafe(self.writing.pop, key, None)
+            except RuntimeError:  # the loop has closed: the worker is gone
+                pass
+        self.disk.write(key, self._disk_ns, self.decoder.host_bytes(block), written)
 
     # -- figures -------------------------------------------------------------------------------------------
 
@@ -261,5 +234,4 @@ class PrefixCache:
         return {"memory": len(self.memory) * per, "host": (len(self.host) + len(self.writing)) * per}
 
     def close(self) -> None:
-        if self._readers is not None:
-            self._readers.shutdown(wait=False, cancel_futures=True)
+        pass

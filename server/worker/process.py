@@ -306,8 +306,20 @@ def _fleet_tier(config: Config, writer: WriterProcess | None, index: int):
                       state_path=Path(config.cache.dir) / "fleet-generations.json" if keeper else None)
 
 
-def _generative(repository: ModelRepository, threads: int, gpu: bool, kv_writer: WriterProcess | None,
-                kv_ttl_s: int) -> dict[tuple[str, str], GenerativeRuntime]:
+def _open_block_store(config: Config):
+    """The prefix cache's disk tier (server/worker/prefix_disk.py); None (logged) when it cannot be opened:
+    prefix caches then keep to memory."""
+    from server.worker.prefix_disk import BlockStore
+
+    try:
+        return BlockStore(kv_store_settings(config), min((t for t in (config.kv.ttl_s, config.cache.max_ttl_s) if t),
+                                                         default=0))
+    except StoreError as exc:
+        log.error("prefix block store unavailable, prefix caches keep to memory: %s", exc)
+        return None
+
+
+def _generative(repository: ModelRepository, threads: int, gpu: bool, kv_store) -> dict[tuple[str, str], GenerativeRuntime]:
     """A runtime for every version of the served generative models (server/worker/decoders.py picks
     each one's decoder), with its prefix cache; one that cannot be loaded is logged and left out."""
     found = {}
@@ -318,7 +330,7 @@ def _generative(repository: ModelRepository, threads: int, gpu: bool, kv_writer:
             started = time.monotonic()
             try:
                 decoder = open_decoder(spec, version, threads, gpu)
-                prefix = prefix_cache(spec, version, decoder, gpu, kv_writer, kv_ttl_s)
+                prefix = prefix_cache(spec, version, decoder, gpu, kv_store)
                 found[(spec.name, version)] = GenerativeRuntime(spec, version, decoder, prefix)
             except Exception as exc:  # noqa: BLE001 (whatever a broken version's files raise)
                 log.error("%s version %s not served: %s", spec.name, version, exc)
@@ -380,15 +392,13 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await _warm(runtime)
     runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
-    kv_writer = None
+    kv_store = None
     if any(spec.task == "generate" and spec.prefix.enabled and spec.prefix.disk for spec in repository.servable()):
-        kv_writer = await _open_writer(config, f"worker-{placement.index}-kv", lose_writer, kv_store_settings(config),
-                                       "prefix block store")
-    kv_ttl_s = min((t for t in (config.kv.ttl_s, config.cache.max_ttl_s) if t), default=0)
+        kv_store = await asyncio.to_thread(_open_block_store, config)
     generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers),
-                                        placement.gpu is not None, kv_writer, kv_ttl_s)
+                                        placement.gpu is not None, kv_store)
     core = WorkerCore(repository, runtimes, writer, tier, _fleet_tier(config, writer, placement.index), features,
-                      generative, kv_writer)
+                      generative, kv_store)
     core.counters.update(engine_counters)
     if tier is not None:  # what the calibrated rule learnt before a restart
         core.matching.calibrations.update(await asyncio.to_thread(
@@ -438,8 +448,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await writer.close()  # the last writes reach the index before its snapshot
     if features is not None and features.writer is not None:
         await features.writer.close()
-    if kv_writer is not None:
-        await kv_writer.close()
+    if kv_store is not None:
+        await asyncio.to_thread(kv_store.close)  # the blocks queued for it are written
     if tier is not None:
         await tier.close()
     if publisher is not None:
