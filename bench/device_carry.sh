@@ -4,8 +4,8 @@
 #   .whl/              wheels for the device's Python (3.12, x86_64) of what its image lacks, and the hnswlib
 #                      source distribution (built there)
 #   .devcarry/minilm-fp16  all-MiniLM-L6-v2 with its weights in fp16 (the fp32 file is over the carry limit)
-#   infercache/v1      the generated stubs (make stubs)
-# Then call the device tool with carry [".whl", ".devcarry", "infercache/v1"] and the command
+#   infercache/v1, infercache/kserve   the generated stubs (make stubs)
+# Then call the device tool with carry [".whl", ".devcarry", "infercache/v1", "infercache/kserve"] and the command
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/device.sh --sections gpu ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +39,4 @@ for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_to
         shutil.copy(source / name, target / name)
 PY
 make -s stubs
-du -sh .whl .devcarry infercache/v1
+du -sh .whl .devcarry infercache/v1 infercache/kserve

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import queue
@@ -67,31 +68,41 @@ async def run_load(address: str, requests: list[pb.InferRequest], *, concurrency
     SO_REUSEPORT's hashing spreads them evenly over the server's processes: with 4 connections on 2
     processes one process often gets 3, and the run measures that imbalance instead of the server."""
     opened = await _connected(address, min(channels, concurrency))
-    stubs = [infercache_pb2_grpc.InferenceCacheStub(c) for c in opened]
-    source = iter(itertools.islice(itertools.cycle(requests), total))
+    calls = [functools.partial(infercache_pb2_grpc.InferenceCacheStub(c).Infer, timeout=timeout, metadata=metadata)
+             for c in opened]
+    try:
+        return await _closed_loop(calls, requests, concurrency, total,
+                                  lambda response: pb.CacheInfo.Source.Name(response.cache.source))
+    finally:
+        for channel in opened:
+            await channel.close()
+
+
+async def _closed_loop(calls: list, requests: list, concurrency: int, total: int, source_of=None) -> LoadResult:
+    """`concurrency` callers over `calls` (one each, round robin), `total` requests cycling through
+    `requests`; `source_of(answer)`: the name an answer is counted under (None: not counted)."""
+    pending = iter(itertools.islice(itertools.cycle(requests), total))
     latencies: list[float] = []
     sources: dict[str, int] = {}
     errors = 0
 
-    async def caller(stub) -> None:
+    async def caller(call) -> None:
         nonlocal errors
-        for request in source:
+        for request in pending:
             started = time.perf_counter()
             try:
-                response = await stub.Infer(request, timeout=timeout, metadata=metadata)
+                answer = await call(request)
             except grpc.aio.AioRpcError:
                 errors += 1
                 continue
             latencies.append((time.perf_counter() - started) * 1000)
-            name = pb.CacheInfo.Source.Name(response.cache.source)
-            sources[name] = sources.get(name, 0) + 1
+            if source_of is not None:
+                name = source_of(answer)
+                sources[name] = sources.get(name, 0) + 1
 
     started = time.perf_counter()
-    await asyncio.gather(*(caller(stubs[i % len(stubs)]) for i in range(concurrency)))
-    seconds = time.perf_counter() - started
-    for channel in opened:
-        await channel.close()
-    return LoadResult(len(latencies), errors, seconds, np.array(latencies), sources)
+    await asyncio.gather(*(caller(calls[i % len(calls)]) for i in range(concurrency)))
+    return LoadResult(len(latencies), errors, time.perf_counter() - started, np.array(latencies), sources)
 
 
 def warm(address: str, requests: list[pb.InferRequest], metadata: tuple | None = None) -> None:
@@ -226,6 +237,20 @@ async def _raw_calls(address: str, method: str, concurrency: int) -> tuple[list,
     per caller up to CHANNELS_PER_PROCESS."""
     channels = await _connected(address, min(CHANNELS_PER_PROCESS, concurrency))
     return channels, [c.unary_unary(method, request_serializer=None, response_deserializer=None) for c in channels]
+
+
+async def run_raw_load(address: str, method: str, payloads: list[bytes], *, concurrency: int, total: int
+                       ) -> LoadResult:
+    """run_load with pre-serialized requests and raw response bytes (no protobuf work in the generator),
+    `total` calls of `method` cycling through `payloads`. Sources are not read: warm() beforehand makes
+    every call a hit."""
+    channels, calls = await _raw_calls(address, method, concurrency)
+    try:
+        return await _closed_loop([functools.partial(call, timeout=30) for call in calls], payloads, concurrency,
+                                  total)
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 def _load_process(args, out) -> None:

@@ -59,6 +59,9 @@ class ServerSection:
     metrics_port: int = 0              # GET /metrics (Prometheus) on this port; 0 = off (calls record no figures)
     metrics_host: str = "127.0.0.1"    # its bind address (0.0.0.0 for a scraper outside the pod)
     hot_keys: int = 256                # hottest keys tracked per model and frontend (GetHotKeys); 0 = off
+    http_port: int = 0                 # the OpenAI-compatible HTTP door on this port (server.host, its TLS and
+                                       # tokens; server/frontend/openai_api.py); 0 = off
+    kserve: bool = True                # the KServe v2 gRPC service (inference.GRPCInferenceService) on server.port
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"server.metrics_port must be within 0..65535 (0 = off), got {config.server.metrics_port}")
     if config.server.metrics_port and config.server.metrics_port == config.server.port:
         raise ConfigError("server.metrics_port must differ from server.port")
+    if not 0 <= config.server.http_port <= 65535:
+        raise ConfigError(f"server.http_port must be within 0..65535 (0 = off), got {config.server.http_port}")
+    if config.server.http_port and config.server.http_port in (config.server.port, config.server.metrics_port):
+        raise ConfigError("server.http_port must differ from server.port and server.metrics_port")
     if config.server.hot_keys < 0:
         raise ConfigError("server.hot_keys must be >= 0 (0 = off)")
     if config.server.frontends < 0:

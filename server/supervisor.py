@@ -190,6 +190,9 @@ class Supervisor:
             f"{server.models_dir}, cache in {self.config.cache.dir})",
             flush=True,
         )
+        if server.http_port:
+            scheme = "https" if self.config.secrets.tls is not None else "http"
+            print(f"infercache: OpenAI-compatible HTTP on {scheme}://{server.host}:{server.http_port}/v1", flush=True)
         if self._metrics_server is not None:
             print(f"infercache: metrics on http://{server.metrics_host}:{server.metrics_port}/metrics", flush=True)
         print(f"infercache: ready in {time.monotonic() - started:.1f} s", flush=True)

@@ -268,6 +268,8 @@ def test_build_stage_generates_stubs_and_exports_the_default_model(image):
     stubs = sorted(p.name for p in (image.src / "infercache" / "v1").glob("*_pb2*.py"))
     assert stubs == ["infercache_pb2.py", "infercache_pb2_grpc.py", "worker_pb2.py", "worker_pb2_grpc.py",
                      "writer_pb2.py", "writer_pb2_grpc.py"]
+    assert sorted(p.name for p in (image.src / "infercache" / "kserve").glob("*_pb2*.py")) == [
+        "grpc_service_pb2.py", "grpc_service_pb2_grpc.py"]
     version = image.models / MODEL / "1"
     assert (image.models / MODEL / "config.yaml").read_text() == (REPO / "models" / MODEL / "config.yaml").read_text()
     for name in ("model.onnx", "tokenizer.json", "torch.json", "torch.safetensors"):

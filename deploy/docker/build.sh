@@ -2,7 +2,7 @@
 # The build steps of the infercache container images, in one place: the Dockerfiles in this folder run
 # them, and tests/test_image_build.py runs the same script on the host (docker builds are not run there).
 #
-#   build.sh stubs                                 generate the gRPC stubs (infercache/v1/*_pb2*.py) into
+#   build.sh stubs                                 generate the gRPC stubs (infercache/{v1,kserve}/*_pb2*.py) into
 #                                                  the source tree (needs grpcio-tools: the `build` extra)
 #   build.sh export OUT_DIR                        export the default model (models/minilm) into OUT_DIR,
 #                                                  as `infercache prepare-model` does (needs torch: the
@@ -37,7 +37,7 @@ STARTED=$SECONDS
 
 usage() {
     cat >&2 <<'EOF'
-  build.sh stubs                                   generate infercache/v1/*_pb2*.py (needs grpcio-tools)
+  build.sh stubs                                   generate infercache/{v1,kserve}/*_pb2*.py (needs grpcio-tools)
   build.sh export OUT_DIR                          export models/minilm into OUT_DIR (needs torch)
   build.sh wheels OUT_DIR                          wheels of the project and its serving dependencies
   build.sh runtime PREFIX MODELS_DIR ENGINES_DIR   virtualenv without torch + prebuilt L3 engines
@@ -93,17 +93,23 @@ print(readme if isinstance(readme, str) else readme.get("file", ""))
 EOF
 }
 
-# protos/infercache/v1/NAME.proto -> infercache/v1/NAME_pb2.py and NAME_pb2_grpc.py
-expected_stubs() {
-    local proto name
+# protos/infercache/DIR/NAME.proto -> infercache/DIR/NAME_pb2.py and NAME_pb2_grpc.py (DIR: v1, the API;
+# kserve, the KServe v2 protocol)
+proto_files() {
     shopt -s nullglob
-    local protos=("$SOURCE_DIR"/protos/infercache/v1/*.proto)
+    local protos=("$SOURCE_DIR"/protos/infercache/v1/*.proto "$SOURCE_DIR"/protos/infercache/kserve/*.proto)
     shopt -u nullglob
-    [ "${#protos[@]}" -gt 0 ] || die "no .proto files in $SOURCE_DIR/protos/infercache/v1"
-    for proto in "${protos[@]}"; do
-        name=$(basename "$proto" .proto)
-        printf 'infercache/v1/%s_pb2.py\ninfercache/v1/%s_pb2_grpc.py\n' "$name" "$name"
-    done
+    [ "${#protos[@]}" -gt 0 ] || die "no .proto files in $SOURCE_DIR/protos/infercache/{v1,kserve}"
+    printf '%s\n' "${protos[@]}"
+}
+
+expected_stubs() {
+    local proto stem
+    while read -r proto; do
+        stem=${proto#"$SOURCE_DIR"/protos/}
+        stem=${stem%.proto}
+        printf '%s_pb2.py\n%s_pb2_grpc.py\n' "$stem" "$stem"
+    done < <(proto_files)
 }
 
 check_stubs() {
@@ -115,13 +121,14 @@ check_stubs() {
         die "gRPC stubs missing in $SOURCE_DIR: ${missing[*]}. They are generated files (not in git): run" \
             "'build.sh stubs' first (needs grpcio-tools, pip install '.[build]'), or 'make stubs'"
     fi
-    local proto
-    for proto in "$SOURCE_DIR"/protos/infercache/v1/*.proto; do
-        stub="$SOURCE_DIR/infercache/v1/$(basename "$proto" .proto)_pb2.py"
+    local proto stem
+    while read -r proto; do
+        stem=${proto#"$SOURCE_DIR"/protos/}
+        stub="$SOURCE_DIR/${stem%.proto}_pb2.py"
         if [ "$proto" -nt "$stub" ]; then
             say "WARNING: $proto is newer than $stub; run 'build.sh stubs' if the proto changed"
         fi
-    done
+    done < <(proto_files)
 }
 
 # A copy of what `pip install .` packages, in a temporary folder: the install builds there (setuptools
@@ -158,9 +165,9 @@ stage_stubs() {
     check_source
     python_has "$PYTHON" grpc_tools \
         || die "$PYTHON has no grpc_tools: install the build extra first (pip install '${SOURCE_DIR}[build]')"
-    local protos=("$SOURCE_DIR"/protos/infercache/v1/*.proto)
-    [ -f "${protos[0]}" ] || die "no .proto files in $SOURCE_DIR/protos/infercache/v1"
-    say "generating gRPC stubs from ${#protos[@]} proto file(s) into $SOURCE_DIR/infercache/v1"
+    local protos
+    mapfile -t protos < <(proto_files)
+    say "generating gRPC stubs from ${#protos[@]} proto file(s) into $SOURCE_DIR/infercache"
     (cd "$SOURCE_DIR" && "$PYTHON" -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. \
         --grpc_python_out=. "${protos[@]#"$SOURCE_DIR"/}") || die "protoc failed"
     check_stubs
@@ -248,6 +255,7 @@ import sys
 prefix = sys.argv[1]
 import infercache, server.__main__, server.supervisor, server.frontend.process, server.worker.process  # noqa: E401
 from infercache.v1 import infercache_pb2, infercache_pb2_grpc, worker_pb2, worker_pb2_grpc, writer_pb2  # noqa: F401
+from infercache.kserve import grpc_service_pb2  # noqa: F401
 for module in (infercache, server.worker.process, infercache_pb2):
     if not module.__file__.startswith(prefix + "/"):
         sys.exit(f"{module.__name__} imported from {module.__file__}, not from the virtualenv {prefix}")

@@ -4,8 +4,9 @@ Several frontends listen on one port (SO_REUSEPORT) and do the per-request CPU w
 validate, normalize, derive the key, read L1, and tokenize what missed. A fresh hit is answered here;
 misses go to the inference workers in micro-batches of token ids (server/frontend/workers.py), so the
 workers only batch, launch and write behind. Frontends never write the store. This module starts and
-stops the process: the core (core.py, admin.py) behind the servicer (servicer.py), health, reflection,
-token reloads, publishing (publishing.py) and the drain.
+stops the process: the core (core.py, admin.py) behind its doors (servicer.py, the native gRPC API;
+kserve.py, the KServe v2 gRPC protocol on the same port; openai_api.py over http1.py, the OpenAI-compatible
+HTTP door on server.http_port), health, reflection, token reloads, publishing (publishing.py) and the drain.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from server.config import Config
 from server.frontend.core import FrontendCore
+from server.frontend.kserve import KServeServicer, add_kserve
+from server.frontend.kserve import SERVICE_NAME as KSERVE_SERVICE
 from server.frontend.hot_keys import HotKeys
 from server.frontend.metrics import FrontendMetrics
 from server.frontend.publishing import Published
@@ -79,14 +82,15 @@ def listen(server: grpc.aio.Server, address: str, tls: tuple[bytes, bytes, bytes
 QUIET_S = 0.25  # a drain's quiet spell: no call begun for this long
 
 
-async def _quiesce(servicer: FrontendServicer, limit_s: float) -> None:
-    """A drain's first step: serve on until no call has begun for QUIET_S (or limit_s passed). gRPC's
-    stop cancels the calls its transport already holds but the server has not taken up yet (CANCELLED,
-    grpc/grpc#41785), and a loaded frontend can hold a burst of them; each one taken up here is answered."""
+async def _quiesce(doors: list, limit_s: float) -> None:
+    """A drain's first step: serve on until no call has begun at any door for QUIET_S (or limit_s passed).
+    gRPC's stop cancels the calls its transport already holds but the server has not taken up yet
+    (CANCELLED, grpc/grpc#41785), and a loaded frontend can hold a burst of them; each one taken up here is
+    answered."""
     loop = asyncio.get_running_loop()
     until, seen = loop.time() + limit_s, -1
-    while servicer.calls != seen and loop.time() < until:
-        seen = servicer.calls
+    while (begun := sum(door.calls for door in doors)) != seen and loop.time() < until:
+        seen = begun
         await asyncio.sleep(min(QUIET_S, max(0.0, until - loop.time())))
 
 
@@ -116,6 +120,20 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     gate = Gate(config.secrets.tokens)
     servicer = FrontendServicer(core, gate)
     add_servicer(servicer, server)
+    doors: list = [servicer]
+    services = [SERVICE_NAME]
+    if config.server.kserve:
+        kserve = KServeServicer(core, gate)
+        add_kserve(kserve, server, config.server.max_request_bytes)
+        doors.append(kserve)
+        services.append(KSERVE_SERVICE)
+    http = None
+    if config.server.http_port:  # httptools and orjson are imported only then
+        from server.frontend import http1
+        from server.frontend.openai_api import OpenAIDoor
+
+        http = http1.HttpServer(OpenAIDoor(core, gate).handle, config.server.max_request_bytes)
+        doors.append(http)
     if tokens_path is not None:
         loop, reloads = asyncio.get_running_loop(), set()  # tasks referenced until done
 
@@ -128,11 +146,18 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
         await reload_tokens(gate, tokens_path)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.server.host}:{config.server.port}"
     if listen(server, address, config.secrets.tls) == 0:
         raise SystemExit(f"frontend {index}: cannot listen on {address}")
     await server.start()
+    if http is not None:
+        tls = http1.tls_context(*config.secrets.tls) if config.secrets.tls is not None else None
+        try:
+            await http.start(config.server.host, config.server.http_port, tls)
+        except OSError as exc:
+            raise SystemExit(f"frontend {index}: cannot listen on {config.server.host}:{config.server.http_port} "
+                             f"(server.http_port): {exc}") from None
 
     async def serving_once_worker_is_up() -> None:
         # Hits are answered from the start; health says SERVING, and the supervisor hears this frontend
@@ -148,14 +173,16 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_task = asyncio.get_running_loop().create_task(serving_once_worker_is_up())
-    log.info("frontend %d listening on %s (pid %d)", index, address, os.getpid())
+    log.info("frontend %d listening on %s%s (pid %d)", index, address,
+             f", HTTP on port {config.server.http_port}" if http is not None else "", os.getpid())
     await stop.wait()
     log.info("draining")
     health_task.cancel()
     await health_servicer.enter_graceful_shutdown()
     started = time.monotonic()
-    await _quiesce(servicer, config.server.drain_s / 2)
-    await server.stop(max(0.0, config.server.drain_s - (time.monotonic() - started)))
+    await _quiesce(doors, config.server.drain_s / 2)
+    left = max(0.0, config.server.drain_s - (time.monotonic() - started))
+    await asyncio.gather(server.stop(left), *([http.stop(left)] if http is not None else []))
     await workers.close()
     if fleet is not None:
         await fleet.close()

@@ -5,9 +5,6 @@ as bytes and Infer's and InferBatch's answers leave as bytes (add_servicer)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import grpc
 
 from infercache.v1 import infercache_pb2 as pb
@@ -16,10 +13,9 @@ from server.frontend.admin import AdminCalls
 from server.frontend.core import FrontendCore
 from server.frontend.plan import INFER_REQUEST
 from server.frontend.prompts import GENERATE_REQUEST
-from server.frontend.tally import CallTally
+from server.frontend.tally import measured
 from server.shared.auth import ADMIN, CLIENT, Gate, Grant, bind_tenant
-from server.shared.errors import (InvalidArgument, grpc_errors, grpc_stream_errors, lenient, parsed, status_of,
-                                  too_large)
+from server.shared.errors import InvalidArgument, grpc_errors, grpc_stream_errors, lenient, parsed, too_large
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceCache"].full_name
 
@@ -68,31 +64,14 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         request = self._admit_raw(request, context, INFER_REQUEST)
         if self.core.metrics is None:
             return await self.core.infer(request, context.time_remaining())
-        return await self._measured(self.core.infer, request, context, 1)
+        return await measured(self.core, self.core.infer, request, 1, context.time_remaining)
 
     @grpc_errors
     async def InferBatch(self, request, context):
         self._admit(request, context, CLIENT)
         if self.core.metrics is None:
             return await self.core.infer_batch(request, context.time_remaining())
-        return await self._measured(self.core.infer_batch, request, context, len(request.texts))
-
-    async def _measured(self, call, request, context, texts: int) -> bytes:
-        """A call with /metrics on: its texts by source and status code, and its latency."""
-        metrics, started, tally = self.core.metrics, time.perf_counter(), CallTally(self.core.metrics)
-        try:
-            answer = await call(request, context.time_remaining(), tally)
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):  # gRPC cancels the handler at the client's deadline
-                remaining = context.time_remaining()
-                code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-            else:
-                code = status_of(exc)[0].name
-            metrics.failed(metrics.model_label(self.core.planner.model_named(request)), texts, code,
-                           time.perf_counter() - started)
-            raise
-        metrics.answered(self.core.planner.model_named(request), tally.sources, time.perf_counter() - started)
-        return answer
+        return await measured(self.core, self.core.infer_batch, request, len(request.texts), context.time_remaining)
 
     @grpc_stream_errors
     async def Generate(self, request: bytes, context):

@@ -5,9 +5,14 @@ path gets NO_TALLY, which records nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Callable
+
 from server.frontend.metrics import FEATURE, MISS, RESULT_EXACT, RESULT_SEMANTIC, SAVING, FrontendMetrics
 from server.frontend.plan import Keyed, Plan
 from server.shared.admission import bucket_of
+from server.shared.errors import status_of
 
 
 class CallTally:
@@ -71,3 +76,22 @@ class _NoTally:
 
 
 NO_TALLY = _NoTally()
+
+
+async def measured(core, call, request, texts: int, time_remaining: Callable[[], float | None]) -> bytes:
+    """call(request, time_remaining(), tally) (FrontendCore.infer or infer_batch) with /metrics on, for
+    any door: its texts by source and status code, and its latency."""
+    metrics, started, tally = core.metrics, time.perf_counter(), CallTally(core.metrics)
+    try:
+        answer = await call(request, time_remaining(), tally)
+    except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError):  # gRPC cancels the handler at the client's deadline
+            remaining = time_remaining()
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        else:
+            code = status_of(exc)[0].name
+        metrics.failed(metrics.model_label(core.planner.model_named(request)), texts, code,
+                       time.perf_counter() - started)
+        raise
+    metrics.answered(core.planner.model_named(request), tally.sources, time.perf_counter() - started)
+    return answer

@@ -11,9 +11,10 @@ the set in force, never the one the server started with):
     - token: "..."
       role: admin           # everything: also Invalidate and the whole of GetStats
 
-A call carries `authorization: Bearer <token>`. A missing or unknown token is UNAUTHENTICATED, a role
-too low PERMISSION_DENIED. A token bound to a tenant fills an empty `tenant` of its requests and refuses
-any other (PERMISSION_DENIED), in Infer, InferBatch and Invalidate alike. Without a token file every
+A call carries `authorization: Bearer <token>` (gRPC metadata; an HTTP header on the OpenAI door). A
+missing or unknown token is UNAUTHENTICATED, a role too low PERMISSION_DENIED. A token bound to a tenant
+fills an empty `tenant` of its requests and refuses any other (PERMISSION_DENIED), in Infer, InferBatch
+and Invalidate alike. Without a token file every
 caller is an unbound admin (the default on loopback; server/config.py refuses other addresses unless
 `security.allow_anonymous` says so). Health checks and reflection stay open: probes carry no token.
 
@@ -98,21 +99,26 @@ class Gate:
         ANONYMOUS, without reading the metadata (the hit path pays nothing)."""
         if self.tokens is None:
             return ANONYMOUS
-        grant = self._grant(context.invocation_metadata())
+        for name, value in context.invocation_metadata() or ():
+            if name == "authorization":
+                return self.admit_bearer(value, role)
+        return self.admit_bearer(None, role)
+
+    def admit_bearer(self, value: str | None, role: str) -> Grant:
+        """The grant of a call whose `authorization` value (gRPC metadata, HTTP header; None: absent) is
+        `value`, for a call that needs `role`."""
+        if self.tokens is None:
+            return ANONYMOUS
+        if value is None:
+            raise Unauthenticated("this server needs a token: send 'authorization: Bearer <token>'")
+        if not value[:len(_PREFIX)].lower() == _PREFIX:
+            raise Unauthenticated("authorization must be 'Bearer <token>'")
+        grant = self.tokens.get(digest(value[len(_PREFIX):].strip()))
+        if grant is None:
+            raise Unauthenticated("unknown token")
         if _RANK[grant.role] < _RANK[role]:
             raise PermissionDenied(f"this call needs the {role} role; the token has {grant.role}")
         return grant
-
-    def _grant(self, metadata) -> Grant:
-        for name, value in metadata or ():
-            if name == "authorization":
-                if not value[:len(_PREFIX)].lower() == _PREFIX:
-                    raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
-                found = self.tokens.get(digest(value[len(_PREFIX):].strip()))
-                if found is None:
-                    raise Unauthenticated("unknown token")
-                return found
-        raise Unauthenticated("this server needs a token: send metadata 'authorization: Bearer <token>'")
 
 
 def bind_tenant(grant: Grant, request) -> None:

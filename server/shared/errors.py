@@ -1,6 +1,8 @@
-"""Domain errors and the one table that maps them to gRPC status codes.
+"""Domain errors and the tables that map them to status codes: gRPC's (STATUS_CODES) and, for the
+OpenAI-compatible HTTP door, HTTP's with OpenAI's error types (HTTP_STATUS).
 
-Core code raises these; only the servicers (frontend.py, worker.py) translate, through `status_of`.
+Core code raises these; only the servicers and the doors translate, through `status_of` and
+`http_status_of`.
 """
 
 from __future__ import annotations
@@ -69,6 +71,22 @@ STATUS_CODES: dict[type[InferCacheError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
+
+# The HTTP door (server/frontend/openai_api.py): (HTTP status, OpenAI error type) of each error. NotCached
+# is 412, not the 504 of HTTP caching's only-if-cached: clients retry 5xx answers, and this one would
+# answer the same again.
+HTTP_STATUS: dict[type[InferCacheError], tuple[int, str]] = {
+    InvalidArgument: (400, "invalid_request_error"),
+    ModelNotFound: (404, "not_found_error"),
+    NotCached: (412, "not_cached"),
+    Disabled: (412, "disabled"),
+    Overloaded: (429, "rate_limit_error"),
+    WorkerUnavailable: (503, "service_unavailable"),
+    DeadlineExceeded: (504, "timeout"),
+    Unauthenticated: (401, "authentication_error"),
+    PermissionDenied: (403, "permission_error"),
+}
+RETRY_AFTER_S = {Overloaded: 1, WorkerUnavailable: 1}  # HTTP answers that say when to try again
 
 # Codes the worker may return that the frontend passes to its client unchanged.
 _FROM_CODE = {code: cls for cls, code in STATUS_CODES.items()}
@@ -177,6 +195,17 @@ def _failed(exc: Exception, handler: str) -> tuple[grpc.StatusCode, str]:
         return status_of(exc)
     log.exception("unhandled error in %s", handler)
     return status_of(RuntimeError())
+
+
+def http_status_of(exc: Exception, handler: str) -> tuple[int, str, str, int | None]:
+    """(HTTP status, OpenAI error type, message, Retry-After seconds or None) of a door's error: a domain
+    error's own, anything else 500 (logged, with its traceback: call it in the except clause)."""
+    for cls in type(exc).__mro__:
+        if cls in HTTP_STATUS:
+            status, kind = HTTP_STATUS[cls]
+            return status, kind, str(exc), RETRY_AFTER_S.get(cls)
+    _failed(exc, handler)
+    return 500, "server_error", status_of(RuntimeError())[1], None
 
 
 def grpc_errors(handler):

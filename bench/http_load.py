@@ -1,0 +1,97 @@
+"""Closed-loop HTTP/1.1 load: `concurrency` callers, each on a keep-alive connection of its own, sending
+pre-built requests and reading whole responses (Content-Length framed) with no HTTP library on the
+measured path, so the generator costs every server alike. Sources are read from x-infercache-source."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import numpy as np
+
+from bench.load import LoadResult
+
+_SOURCE = b"\r\nx-infercache-source: "
+_LENGTH = b"\r\ncontent-length: "
+
+
+def post(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    """A request as sent on the wire (HTTP/1.1, keep-alive)."""
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    return (f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+class _Caller(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.waiting: asyncio.Future | None = None
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        header = self.buffer[:end].lower()
+        length, at = 0, header.find(_LENGTH)
+        if at >= 0:
+            stop = header.find(b"\r\n", at + 2)
+            length = int(header[at + len(_LENGTH):stop if stop >= 0 else None])
+        if len(self.buffer) < end + 4 + length:
+            return
+        response, self.buffer = self.buffer[:end + 4 + length], self.buffer[end + 4 + length:]
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.set_result(response)
+
+    def connection_lost(self, exc) -> None:
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.set_exception(ConnectionError("server closed the connection"))
+
+    async def call(self, request: bytes) -> bytes:
+        self.waiting = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return await self.waiting
+
+
+def status_and_source(response: bytes) -> tuple[int, str]:
+    status = int(response[9:12])
+    at = response.lower().find(_SOURCE)
+    source = response[at + len(_SOURCE):response.index(b"\r\n", at + 2)].decode() if at >= 0 else ""
+    return status, source
+
+
+async def run_http_load(host: str, port: int, requests: list[bytes], *, concurrency: int, total: int
+                        ) -> LoadResult:
+    """Sends `total` requests cycling through `requests`; an answer other than 200 is an error."""
+    loop = asyncio.get_running_loop()
+    callers = []
+    for _ in range(concurrency):
+        _, caller = await loop.create_connection(_Caller, host, port)
+        callers.append(caller)
+    source = iter(itertools.islice(itertools.cycle(requests), total))
+    latencies: list[float] = []
+    sources: dict[str, int] = {}
+    errors = 0
+
+    async def run(caller: _Caller) -> None:
+        nonlocal errors
+        for request in source:
+            started = time.perf_counter()
+            response = await caller.call(request)
+            latencies.append((time.perf_counter() - started) * 1000)
+            status, name = status_and_source(response)
+            if status != 200:
+                errors += 1
+            sources[name] = sources.get(name, 0) + 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(run(caller) for caller in callers))
+    seconds = time.perf_counter() - started
+    for caller in callers:
+        caller.transport.close()
+    return LoadResult(len(latencies) - errors, errors, seconds, np.array(latencies), sources)
