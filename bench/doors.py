@@ -28,7 +28,7 @@ import uvloop
 
 from bench import echo
 from bench.gpu import load_one
-from bench.http_load import post, run_http_load, status_and_source
+from bench.http_load import post, run_http_load
 from bench.load import INFER, run_raw_load, warm
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb

@@ -186,21 +186,27 @@ def _client(address: str, model: str, prompts: list[str], start_at: float, out) 
     out.send(asyncio.run(run()))
 
 
-def _wave(address: str, model: str, prompts: list[str]) -> list[dict]:
+def fan_out(target, address: str, model: str, items: list, processes: int = CLIENT_PROCESSES) -> list:
+    """target(address, model, its share of items, start_at, pipe) in client processes that start their
+    calls together; what they send back, joined."""
     ctx = multiprocessing.get_context("spawn")
-    processes = min(CLIENT_PROCESSES, len(prompts))
+    processes = min(processes, len(items))
     start_at = time.perf_counter() + 3.0  # the clients have started and connected by then
     pipes, children = [], []
     for k in range(processes):
         receive, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_client, args=(address, model, prompts[k::processes], start_at, send))
+        child = ctx.Process(target=target, args=(address, model, items[k::processes], start_at, send))
         child.start()
         pipes.append(receive)
         children.append(child)
-    calls = [call for pipe in pipes for call in pipe.recv()]
+    out = [result for pipe in pipes for result in pipe.recv()]
     for child in children:
         child.join()
-    return calls
+    return out
+
+
+def _wave(address: str, model: str, prompts: list[str]) -> list[dict]:
+    return fan_out(_client, address, model, prompts)
 
 
 def wave_figures(calls: list[dict]) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import multiprocessing
 import random
 import statistics
 import time
@@ -30,7 +29,7 @@ import grpc
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from bench.generate_gpu import model_config
+from bench.generate_gpu import fan_out, model_config
 from tests.helpers import link_model
 from tests.servers import REPO, ServerProcess
 
@@ -202,19 +201,7 @@ def _chat_replay(address: str, model: str, count: int, turns: int, vocab: int, s
     conversations = [{"system": _words(rng.randrange(1, vocab) for _ in range(512)),
                       "questions": [_words(rng.randrange(1, vocab) for _ in range(32)) for _ in range(turns)]}
                      for _ in range(count)]
-    ctx = multiprocessing.get_context("spawn")
-    start_at = time.perf_counter() + 3.0
-    pipes, children = [], []
-    for k in range(4):
-        receive, send = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_conversations, args=(address, model, conversations[k::4], start_at, send))
-        child.start()
-        pipes.append(receive)
-        children.append(child)
-    ttfts = [t for pipe in pipes for t in pipe.recv()]
-    for child in children:
-        child.join()
-    return ttfts
+    return fan_out(_conversations, address, model, conversations)
 
 
 def bench_reuse(root: Path, workdir: Path, rounds: int, vocab: int, quick: bool, frontends: int = 8) -> dict:

@@ -25,7 +25,8 @@ from server.frontend.metrics import FrontendMetrics
 from server.frontend.hot_keys import HotKeys, merge_tops
 from server.shared.telemetry import Recorder
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model, unique, wait_cached
+from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
+from tests.helpers import link_model, unique, wait_cached, wait_for
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))
 from queries import panel_queries  # noqa: E402
@@ -43,6 +44,8 @@ def observed(tmp_path_factory, faq_models, engines_dir):
     root = tmp_path_factory.mktemp("metrics-models")
     link_model(root, "minilm", MINILM_CONFIG + "hot_keys:\n  keep_text: true\n", {"1": MODEL_VERSION_DIR})
     link_model(root, "faq", (faq_models / "faq" / "config.yaml").read_text(), {"1": faq_models / "faq" / "1"})
+    if (GEN_VERSION_DIR / "decoder.onnx").is_file():  # the generation and prefix cache panels' series
+        link_model(root, "smollm2", GEN_CONFIG + "prefix_cache: {block_tokens: 16}\n", {"1": GEN_VERSION_DIR})
     port = free_port()
     server = ServerProcess(tmp_path_factory.mktemp("metrics-server"), root, engines_dir=engines_dir,
                            settings=(f"server.metrics_port={port}",))
@@ -176,9 +179,17 @@ def test_alert_rules_evaluate_on_real_series(observed):
 @needs_prometheus
 def test_every_dashboard_panel_returns_data(observed):
     server, prometheus, _ = observed
-    with server.client() as client:  # traffic in the last minute for the rate() panels
+    with server.client(timeout_s=120) as client:  # traffic in the last minute for the rate() panels
         for _ in range(3):
             client.infer("minilm", unique("dashboard"))
+        if (GEN_VERSION_DIR / "decoder.onnx").is_file():
+            system = {"role": "system", "content": "You answer a bank's customers in one sentence. " * 8}
+            question = [system, {"role": "user", "content": unique("Can I freeze my card?")}]
+            client.generate("smollm2", messages=question, max_new_tokens=4)  # a miss, streamed
+            client.generate("smollm2", messages=[system, {"role": "user", "content": "And unfreeze it?"}],
+                            max_new_tokens=4)  # the system prompt's blocks reused
+            wait_for(lambda: client.generate("smollm2", messages=question, max_new_tokens=4).source == "RESULT_EXACT",
+                     10, "the answer stored")
     time.sleep(3)
     empty = []
     for title, expr in panel_queries(json.loads(DASHBOARD.read_text())):

@@ -44,11 +44,10 @@ MAX_DISK_READS = 64  # blocks one request reads from disk at once
 
 class PrefixCache:
     def __init__(self, spec: PrefixSpec, decoder: Decoder, model: str, version: str, *, memory_bytes: int,
-                 host_bytes: int, disk=None, counters: Counter | None = None) -> None:
+                 host_bytes: int, disk=None) -> None:
         """memory_bytes: the decoder's block memory; host_bytes: pinned host blocks beside it (0 on a CPU
         worker, whose memory tier is host memory); disk: the host's BlockStore (server/worker/prefix_disk.py),
         or None."""
-        self.spec = spec
         self.decoder = decoder
         self.block = spec.block_tokens
         self.model, self.version = model, version
@@ -61,7 +60,7 @@ class PrefixCache:
         self.host: OrderedDict[bytes, object] = OrderedDict()  # key -> host block
         self.writing: dict[bytes, object] = {}                 # handed to the disk tier, not committed yet
         self.disk = disk if spec.disk else None
-        self.counters = counters if counters is not None else Counter()
+        self.counters: Counter[str] = Counter()  # (the scheduler's task is the only writer)
         self._disk_ns = Namespace("", model, version)
         self._namespaces: dict[str, bytes] = {}
         self._store_ns = namespace_id("", model, version)
