@@ -195,8 +195,8 @@ class Scheduler:
         """The next step: prompt chunks within the budget, in arrival order, and a row for every answering
         generation whose next input is known (a sampled one waits for the token the launched step gives
         it). Its generations, in the step's order (None for a chunk that does not end its prompt).
-        Every running generation is in it or in the launched step, so an empty plan with nothing launched
-        means every running one ended."""
+        Every running generation is in it, in the launched step, or waits for prefix blocks read from disk
+        (which wake the scheduler), so an empty plan with nothing launched leaves nothing to do until then."""
         step = Step()
         chunked: list[Generation | None] = []
         answering: list[Generation] = []
