@@ -4,8 +4,8 @@ expiry jitter spreads entries written together. The model is minilm with the des
 
 1. Exact hits (one server, minilm on its CPU runtime, a frontend per core) at 1 and 32 callers: requests
    that pick a class (`CachePolicy.ttl_class: dynamic`) against requests that name none (the model's
-   default class), rounds alternating; each round hits texts its kind stored just before (a dynamic
-   entry answers for 30 s at most). A class is resolved once per plan (plans are kept by
+   default class), alternating at each number of callers, the order turning each round; each round
+   hits texts stored at its start (a dynamic entry answers for 30 s at most). A class is resolved once per plan (plans are kept by
    model, tenant, mode and class), so this is the request path's whole share.
 2. The store writer: puts that carry a class (the store counts entries by class in the same
    transaction: one more read and write per put) against puts that carry none, in a real writer
@@ -81,7 +81,7 @@ def _request(text: str, ttl_class: str) -> pb.InferRequest:
 
 
 def bench_class_hits(workdir: Path, models: Path, texts: list[str], rounds: int, scale: float) -> dict:
-    plan = {1: int(2000 * scale), 32: int(10000 * scale)}
+    plan = {1: int(1000 * scale), 32: int(5000 * scale)}
     kinds = {"default_class": "", "picked_class": "dynamic"}
     normalize, seen = Normalizer(DEFAULT_STEPS), set()
     pool = (t for t in texts if (key := normalize(t)) and not (key in seen or seen.add(key)))  # one entry each
@@ -90,11 +90,14 @@ def bench_class_hits(workdir: Path, models: Path, texts: list[str], rounds: int,
     with ServerProcess(workdir / "hits", models, frontends=multiprocessing.cpu_count(),
                        engines_dir=workdir / "engines") as server:
         for r in range(rounds):
-            for kind in (list(kinds) if r % 2 == 0 else list(reversed(kinds))):
-                requests = [_request(next(pool), kinds[kind]) for _ in range(HIT_TEXTS)]
+            fresh = {kind: [_request(next(pool), ttl_class) for _ in range(HIT_TEXTS)]
+                     for kind, ttl_class in kinds.items()}
+            for requests in fresh.values():
                 asyncio.run(run_load(server.address, requests, concurrency=32, total=len(requests)))  # computed
                 warm(server.address, requests)  # (each checked stored)
-                for callers, total in plan.items():
+            for callers, total in plan.items():
+                for kind in (list(kinds) if r % 2 == 0 else list(reversed(kinds))):
+                    requests = fresh[kind]
                     asyncio.run(run_load(server.address, requests, concurrency=callers, total=total // 10))
                     result = asyncio.run(run_load(server.address, requests, concurrency=callers, total=total))
                     assert result.errors == 0, f"{kind}: {result.errors} errors"
@@ -103,6 +106,7 @@ def bench_class_hits(workdir: Path, models: Path, texts: list[str], rounds: int,
         counted = dict(server.stats().store.entries_by_class)
         assert server.stop() == 0
     out: dict = {"classes": CLASSES, "picked_class": kinds["picked_class"], "texts_per_round": HIT_TEXTS,
+                 "requests_per_run": {f"concurrency_{c}": n for c, n in plan.items()},
                  "frontends": multiprocessing.cpu_count(), "entries_by_class": counted}
     for callers in plan:
         row: dict = {}
