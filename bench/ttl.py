@@ -6,8 +6,8 @@ expiry jitter spreads entries written together. The model is minilm with the des
    that pick a class (`CachePolicy.ttl_class: dynamic`) against requests that name none (the model's
    default class), alternating at each number of callers, the order turning each round; each round
    hits texts stored at its start (a dynamic entry answers for 30 s at most; a run that meets a miss
-   is measured again after its texts were computed afresh, and noted). A class is resolved once per plan (plans are kept by
-   model, tenant, mode and class), so this is the request path's whole share.
+   is measured again after its texts were computed afresh, and noted). A class is resolved once per
+   plan (plans are kept by model, tenant, mode and class), so this is the request path's whole share.
 2. The store writer: puts that carry a class (the store counts entries by class in the same
    transaction: one more read and write per put) against puts that carry none, in a real writer
    process (server/worker/writer.py, fsync on, the server's batch and group-commit defaults) on a store
