@@ -27,6 +27,9 @@
    synonym dictionary mined from it, and the normalizer's cost per text.
 12. Doors (`--sections doors`, bench/doors.py): exact hits through the OpenAI-compatible HTTP door against a
    bare server of its stack, through the KServe v2 door against the native door, and the bare HTTP stacks.
+13. TTL classes and expiry jitter (`--sections ttl`, bench/ttl.py): exact hits for requests that pick a TTL
+   class against the model's default, the store writer's cost per put with the per-class counts against
+   without, and how far expiry jitter spreads entries written together (L1 and the fleet) against none.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
 instead), each recording its command, machine, commit and date, and prints a table. Sections that read
@@ -71,7 +74,7 @@ FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving"
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors"}
+         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl"}
 
 
 def make_models(root: Path) -> Path:
@@ -273,7 +276,8 @@ def main() -> None:
                              "commit (the writer's CPU per put by group-commit window), synonyms (exact hits with a "
                              "synonym dictionary), generate (SmolLM2 misses "
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
-                             "against computing the prompt), doors (hits through the OpenAI and KServe doors), gpu and "
+                             "against computing the prompt), doors (hits through the OpenAI and KServe doors), ttl (TTL "
+                             "classes' cost, expiry jitter's spread), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -428,6 +432,14 @@ def main() -> None:
             (workdir / "doors").mkdir()
             report["doors"] = bench_doors(workdir / "doors", texts, rounds, args.quick)
             print_doors(report["doors"])
+            save()
+        if "ttl" in sections:
+            from bench.ttl import bench_ttl, print_ttl
+
+            print("benchmarking TTL classes and expiry jitter ...", flush=True)
+            report["ttl"] = {}
+            bench_ttl(workdir / "ttl", texts, rounds, scale, report["ttl"], checkpoint=save)
+            print_ttl(report["ttl"])
             save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
