@@ -413,7 +413,7 @@ def bench_ttl(workdir: Path, texts: list[str], rounds: int, scale: float, report
 def print_ttl(report: dict) -> None:
     hits = report.get("class_hits")
     if hits:
-        print(f"\nTTL classes on exact hits (medians of alternating rounds; ratio = picked / default, per round)")
+        print("\nTTL classes on exact hits (medians of alternating rounds; ratio = picked / default, per round)")
         for callers in (1, 32):
             row = hits[f"concurrency_{callers}"]
             d, p = row["default_class"], row["picked_class"]
