@@ -25,7 +25,7 @@ from server.worker.calibration import EDGES, Calibration, load, save, wilson_upp
 from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from server.shared.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model, unique, wait_for
+from tests.helpers import link_model, settled, unique, wait_for
 
 
 def test_interpolation_is_exact_for_a_linear_head_inside_the_neighbours_hull():
@@ -480,6 +480,8 @@ def test_what_the_rule_learnt_survives_a_clean_restart(tmp_path, calibrated_mode
         with first.client() as client:
             for text in _faq_texts():  # each computed text indexed before the next: what the rule learns
                 _infer_indexed(first, client, text)
+        # Shadow checks settle outcomes after their answers: what was learnt is read once they are done.
+        settled(first, "semantic.faq.1.outcomes", idle=("writer.backlog", "semantic.shadow_pending"))
         learnt = {k: v for k, v in _counters(first).items() if k.startswith("semantic.faq.1.")}
         assert learnt["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in learnt
     finally:
