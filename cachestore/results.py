@@ -13,7 +13,7 @@ import logging
 import struct
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Container
 
 import lmdb
 from google.protobuf.message import DecodeError
@@ -69,8 +69,8 @@ class ResultCache:
         """With `txn`, reads in that read transaction (one for many lookups) instead of its own."""
         return self._read(self._record, key, now, max_age_us, txn)
 
-    def _read(self, make, key: bytes, now: int, max_age_us: int | None, txn: lmdb.Transaction | None):
-        """make(raw record, key, now, max_age_us) inside a read transaction (`txn`, or one of its own);
+    def _read(self, make, key: bytes, now: int, max_age_us: int | None, txn: lmdb.Transaction | None, *more):
+        """make(raw record, key, now, max_age_us, *more) inside a read transaction (`txn`, or one of its own);
         an absent record is a miss (None), and so is one that does not read (counted and logged)."""
         own = None
         try:
@@ -80,7 +80,7 @@ class ResultCache:
             if raw is None:
                 self.missed_because = "not_cached"
                 return None
-            return make(raw, key, now, max_age_us)
+            return make(raw, key, now, max_age_us, *more)
         except CorruptRecord as exc:
             self._unreadable(key, exc)
         except lmdb.Error as exc:
@@ -127,6 +127,29 @@ class ResultCache:
         vouched for the stored bytes. This is the exact-hit path: for a record in clear, one copy of the
         payload straight from the memory map and no Record built."""
         return self._read(self._answer_bytes, key, now_us(), max_age_us, txn)
+
+    def entry(self, key: bytes, max_age_us: int | None = None, kept: Container[tuple[bytes, int]] = ()
+              ) -> tuple[bytes | None, bytes, int, float] | None:
+        """A fresh entry as (stored answer, key, creation time in microseconds since the epoch, age in
+        seconds), or None: lookup's read for a door that reshapes answers and keeps what it made of one by
+        (key, creation time), which name the stored bytes without hashing them. The checksum has vouched
+        for the bytes. An entry in clear whose (key, creation time) is in `kept` comes back with None for
+        its answer, neither read nor checked again: the caller made what it needs of them when they were."""
+        return self._read(self._entry, key, now_us(), max_age_us, None, kept)
+
+    def _entry(self, raw, key: bytes, now: int, max_age_us: int | None, kept: Container[tuple[bytes, int]]
+               ) -> tuple[bytes | None, bytes, int, float] | None:
+        if kept and self._ring is None:
+            created, expires = records.decode_times(raw)
+            if (key, created) in kept:
+                return (None, key, created, records.age_s(created, now)) if self._fresh(
+                    created, expires, now, max_age_us) else None
+        flags, kid, created, expires, payload = records.checked(raw)
+        if flags or self._ring is not None:
+            payload = records.opened(flags, kid, created, expires, payload, key, self._ring)
+        if not self._fresh(created, expires, now, max_age_us):
+            return None
+        return bytes(payload), key, created, records.age_s(created, now)
 
     def _answer_bytes(self, raw, key: bytes, now: int, max_age_us: int | None) -> bytes | None:
         flags, kid, created, expires, payload = records.checked(raw)

@@ -114,6 +114,30 @@ def test_lookup_answers_with_the_stored_bytes_exactly_where_get_finds_a_fresh_re
     assert cache.counters["records_unreadable"] == 1
 
 
+def test_entry_reads_what_lookup_reads_and_skips_the_stored_bytes_a_door_kept(store, writer):
+    """entry (the doors that reshape answers) finds what lookup finds: the stored bytes, the key, the
+    creation time and the age; where the caller kept what it made of (key, creation time), the bytes are
+    neither read nor checked, freshness still is; a record stored afresh under the key is read in full."""
+    ns = Namespace("t", "m", "1")
+    (key,) = put_all(writer, ns, ["q"], ttl_us=60_000_000, payload=b"answer")
+    cache = results.ResultCache(store)
+    stored, found_key, created, age_s = cache.entry(key)
+    assert (stored, found_key) == (b"answer", key) and 0 < age_s < 2 and abs(created - results.now_us()) < 2_000_000
+    assert cache.entry(key, kept={(key, created)})[0] is None
+    assert cache.entry(key, kept={(key, created - 1)})[0] == b"answer"
+    time.sleep(0.01)
+    assert cache.entry(key, 5_000, kept={(key, created)}) is None and cache.missed_because == "too_old"
+    assert cache.entry(entry_key(ns.ns_id, "other")) is None and cache.missed_because == "not_cached"
+    with store.begin(write=True) as txn:  # the payload damaged: a kept entry is still answered from what was made
+        raw = bytearray(txn.get(key, db=store.dbs[DB_RESULTS]))
+        raw[-1] ^= 0xFF
+        txn.put(key, bytes(raw), db=store.dbs[DB_RESULTS])
+    assert cache.entry(key, kept={(key, created)})[0] is None
+    assert cache.entry(key) is None and cache.missed_because == "store_error"
+    (key,) = put_all(writer, ns, ["q"], ttl_us=60_000_000, payload=b"afresh")
+    assert cache.entry(key, kept={(key, created)})[0] == b"afresh"
+
+
 def test_a_store_handle_refuses_to_cross_a_fork(store):
     """LMDB handles must not be used in a forked child; the check costs no system call per read."""
     store.begin().abort()
