@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 from collections import Counter
+from typing import Container
 
 import numpy as np
 
@@ -189,6 +190,34 @@ class FrontendCore:
         if (hit := self._hit(plan, keyed)) is not None:
             tally.answered(plan, keyed, RESULT_EXACT)
             return hit
+        return await self.after_l1(plan, keyed, time_remaining, tally)
+
+    def exact(self, plan: Plan, keyed: Keyed, tally=NO_TALLY, kept: Container[tuple[bytes, int]] = ()
+              ) -> tuple[bytes | None, bytes, int, float] | None:
+        """infer's first step for a door that reshapes answers (the OpenAI and KServe doors): the text
+        counted as infer counts it, and a fresh L1 entry as ResultCache.entry gives it (stored answer or
+        None where `kept` names it, key, creation time, age), not composed into InferResponse bytes; None
+        when L1 has none."""
+        if self.hot is not None:
+            self._seen(plan, [keyed])
+        if plan.cached_ok and not keyed.private and (cache := self.l1()) is not None:
+            entry = cache.entry(keyed.key, plan.max_age_us, kept)
+            if entry is not None:
+                self.counters["hit_exact"] += 1
+                tally.answered(plan, keyed, RESULT_EXACT)
+                return entry
+        return None
+
+    async def infer_entry(self, raw: bytes, time_remaining: float | None, tally=NO_TALLY,
+                          kept: Container[tuple[bytes, int]] = ()) -> tuple[bytes | None, bytes, int, float] | bytes:
+        """infer of a serialized InferRequest for a door that reshapes answers: an exact hit as exact()
+        gives it (a tuple), any other answer as infer's bytes."""
+        plan, keyed = self.planner.prepared(raw)
+        return self.exact(plan, keyed, tally, kept) or await self.after_l1(plan, keyed, time_remaining, tally)
+
+    async def after_l1(self, plan: Plan, keyed: Keyed, time_remaining: float | None, tally=NO_TALLY) -> bytes:
+        """The serialized InferResponse of a text L1 did not answer: from the fleet tier, a stored
+        feature, or its worker."""
         tally.missed(0, self._why_missed(plan, keyed.private))
         looked = self.fleet is not None and self.fleet.usable
         if looked and (hit := await self._fleet_hit(plan, keyed)) is not None:
