@@ -52,17 +52,3 @@ def cache_info(source: int, age_s: float = 0.0) -> bytes:
 def batch_response(answers: list[bytes]) -> bytes:
     """A serialized InferBatchResponse of serialized InferResponses, in order."""
     return b"".join(_RESULTS_FIELD + varint(len(answer)) + answer for answer in answers)
-
-
-_EXACT = 1  # CacheInfo.RESULT_EXACT (cachestore/results.py composes exact hits with it)
-
-
-def split_exact_hit(answer: bytes) -> tuple[bytes, float] | None:
-    """(the stored bytes, the entry's age) of an exact hit as the result cache composes it (stored bytes
-    plus cache_info(RESULT_EXACT, age)); None for any other answer. A door that reshapes answers keys
-    what it made of one by the stored bytes, which do not change while the entry lives."""
-    suffix = _PREFIXES[_EXACT, True]
-    size = len(suffix) + _DOUBLE.size
-    if len(answer) <= size or answer[-size:-_DOUBLE.size] != suffix:
-        return None
-    return answer[:-size], _DOUBLE.unpack_from(answer, len(answer) - _DOUBLE.size)[0]

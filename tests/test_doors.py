@@ -137,6 +137,13 @@ def test_embeddings_equal_infer_and_a_repeat_is_a_hit(door):
     parsed = again.parse()
     assert np.array_equal(embedding(parsed.data[0]), reference.outputs["embedding"])
     assert parsed.model == "minilm" and parsed.usage.prompt_tokens > 2
+    for _ in range(2):  # a hit after the first of its format answers from what the first made
+        for encoding in ({}, {"encoding_format": "float"}):
+            hit = client.embeddings.with_raw_response.create(model="minilm", input=text, **encoding)
+            assert hit.headers["x-infercache-source"] == "RESULT_EXACT"
+            assert hit.headers["x-infercache-key"] == reference.key
+            assert np.array_equal(embedding(hit.parse().data[0]), reference.outputs["embedding"])
+            assert hit.parse().usage.prompt_tokens == parsed.usage.prompt_tokens
 
 
 def test_a_list_of_inputs_answers_in_order_each_cached_on_its_own(door):

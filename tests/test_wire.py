@@ -59,17 +59,3 @@ def test_varint_is_protobufs(value):
     assert decoded == value and all(b >= 0x80 for b in wire.varint(value)[:-1]) and wire.varint(value)[-1] < 0x80
     if 0 < value <= 2**21:  # what protobuf writes before a bytes field of that length
         assert pb.Tensor(data=b"x" * value).SerializeToString().startswith(b"\x22" + wire.varint(value))
-
-
-@pytest.mark.parametrize("name, source, age_s", list(itertools.product(
-    ["embedding", "classification", "explained"], Source.values(), [0.0, 2.5])))
-def test_an_exact_hit_splits_into_its_stored_bytes_and_age(name, source, age_s):
-    """The OpenAI door keys what it makes of a hit by the stored bytes: only an exact hit with an age
-    splits, into exactly what was stored and that age."""
-    stored = _stored_answers()[name].SerializeToString()
-    answer = stored + wire.cache_info(source, age_s)
-    split = wire.split_exact_hit(answer)
-    if source == Source.RESULT_EXACT and age_s:
-        assert split == (stored, age_s)
-    else:
-        assert split is None

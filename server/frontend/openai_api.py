@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -26,12 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from cachestore.wire import split_exact_hit
 from infercache.v1 import infercache_pb2 as pb
 from server.frontend.core import TOKENIZE_INLINE_MAX, FrontendCore
 from server.frontend.http1 import Request, Response, Stream
 from server.frontend.plan import keep
-from server.frontend.tally import measured
+from server.frontend.tally import NO_TALLY, measured
 from server.shared.auth import CLIENT, Gate, Grant, bind_tenant
 from server.shared.errors import InvalidArgument, http_status_of, quoted, status_of
 
@@ -177,7 +177,8 @@ class OpenAIDoor:
         self.max_batch_texts = core.config.server.max_batch_texts
         self._embeds: dict[tuple, _Embed] = {}
         self._generates: dict[tuple, _Generate] = {}
-        self._rendered: dict[tuple[bytes, bool], tuple[bytes, int, list]] = {}
+        # exact hits' embedding objects by format (base64 or not), by (key, creation time): _exact_hit
+        self._rendered: dict[bool, dict[tuple[bytes, int], tuple[bytes, int, list]]] = {False: {}, True: {}}
         self.routes = {(b"POST", b"/v1/embeddings"): self.embeddings,
                        (b"POST", b"/v1/chat/completions"): self.chat_completions,
                        (b"POST", b"/v1/completions"): self.completions,
@@ -269,19 +270,27 @@ class OpenAIDoor:
             keep(self._embeds, key, found, KEPT)
         return found
 
-    async def _prompt_tokens(self, call: _Embed) -> int:
-        """What the texts of `call` are to the model, in tokens (usage), counted once: a hit never
-        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are."""
+    def _texts(self, call: _Embed) -> tuple:
+        """The texts of `call` as the model reads them, and its encoder."""
         planner = self.core.planner
         first = pb.InferRequest.FromString(call.requests[0])
         served = planner.plan(first).served
-        texts = [planner.keyed(first.tenant, served, pb.InferRequest.FromString(raw).text).text
-                 for raw in call.requests]
-        if len(texts) > TOKENIZE_INLINE_MAX:
-            ids = await asyncio.to_thread(served.encoder.encode_batch, texts)
-        else:
-            ids = [served.encoder.encode(text) for text in texts]
-        call.prompt_tokens = sum(map(len, ids))
+        return [planner.keyed(first.tenant, served, pb.InferRequest.FromString(raw).text).text
+                for raw in call.requests], served.encoder
+
+    async def _prompt_tokens(self, call: _Embed) -> int:
+        """What the texts of `call` are to the model, in tokens (usage), counted once: a hit never
+        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are."""
+        if len(call.requests) <= TOKENIZE_INLINE_MAX:
+            return self._tokens_inline(call)
+        texts, encoder = self._texts(call)
+        call.prompt_tokens = sum(map(len, await asyncio.to_thread(encoder.encode_batch, texts)))
+        return call.prompt_tokens
+
+    def _tokens_inline(self, call: _Embed) -> int:
+        """_prompt_tokens of a call of a few texts (one input's), on the event loop: nothing awaited."""
+        texts, encoder = self._texts(call)
+        call.prompt_tokens = sum(len(encoder.encode(text)) for text in texts)
         return call.prompt_tokens
 
     async def embeddings(self, request: Request, grant: Grant) -> Response:
@@ -294,11 +303,15 @@ class OpenAIDoor:
                                     0.0)
             raise
         if call.batch is None:
-            raw = (await core.infer(call.requests[0], None) if core.metrics is None else
-                   await measured(core, core.infer, call.requests[0], 1, _no_deadline))
-            if (hit := split_exact_hit(raw)) is not None:  # the traffic a cache is for: made once per entry
-                return await self._exact_hit(call, *hit)
-            answers = [pb.InferResponse.FromString(raw)]
+            raw = call.requests[0]
+            kept = self._rendered[call.base64]
+            answer = (await core.infer_entry(raw, None, NO_TALLY, kept) if core.metrics is None else
+                      await measured(core, functools.partial(core.infer_entry, kept=kept), raw, 1, _no_deadline))
+            if type(answer) is tuple:  # an exact hit, the traffic a cache is for: its JSON made once per entry
+                if call.prompt_tokens is None:  # (nothing awaited between the read and _exact_hit)
+                    self._tokens_inline(call)
+                return self._exact_hit(call, answer)
+            answers = [pb.InferResponse.FromString(answer)]
         else:
             raw = (await core.infer_batch(call.batch, None) if core.metrics is None else
                    await measured(core, core.infer_batch, call.batch, len(call.requests), _no_deadline))
@@ -311,7 +324,14 @@ class OpenAIDoor:
         return await self._embeddings_response(call, items, cache_headers([answer.cache for answer in answers]))
 
     async def _embeddings_response(self, call: _Embed, items: list[bytes], headers: list) -> Response:
-        tokens = call.prompt_tokens if call.prompt_tokens is not None else await self._prompt_tokens(call)
+        if call.prompt_tokens is None:
+            await self._prompt_tokens(call)
+        return self._embeddings_body(call, items, headers)
+
+    @staticmethod
+    def _embeddings_body(call: _Embed, items: list[bytes], headers: list) -> Response:
+        """The answer of a call whose texts were answered and counted (call.prompt_tokens)."""
+        tokens = call.prompt_tokens
         body = b'{"object":"list","data":[%s],"model":%s,"usage":{"prompt_tokens":%d,"total_tokens":%d}}' % (
             b",".join(items), call.model_json, tokens, tokens)
         return Response(200, body, headers)
@@ -326,19 +346,23 @@ class OpenAIDoor:
             vector = orjson.dumps(np.frombuffer(data, "<f4"), option=orjson.OPT_SERIALIZE_NUMPY)
         return b'{"object":"embedding","index":%d,"embedding":%s}' % (index, vector), len(data) // 4
 
-    async def _exact_hit(self, call: _Embed, stored: bytes, age_s: float) -> Response:
-        """An exact hit of one input: its embedding object and fixed headers are made once per stored
-        answer and format (kept while it is among the last RENDERED_KEPT), its age set per call."""
-        found = self._rendered.get((stored, call.base64))
+    def _exact_hit(self, call: _Embed, entry: tuple[bytes | None, bytes, int, float]) -> Response:
+        """An exact hit of one input (FrontendCore.exact's entry) whose tokens were counted: its embedding
+        object and fixed headers are made once per entry and format, kept by (key, creation time) while
+        among the last RENDERED_KEPT (the entry's stored bytes are then not read again); its age is set
+        per call."""
+        stored, key, created_us, age_s = entry
+        kept = self._rendered[call.base64]
+        found = kept.get((key, created_us)) if stored is None else None
         if found is None:
             answer = pb.InferResponse.FromString(stored)
             item, size = self._item(answer, 0, call.base64)
             found = (item, size, [(b"x-infercache-model-version", answer.cache.model_version.encode()),
                                   (b"x-infercache-key", answer.cache.key.encode())])
-            keep(self._rendered, (stored, call.base64), found, RENDERED_KEPT)
+            keep(kept, (key, created_us), found, RENDERED_KEPT)
         item, size, fixed = found
         _check_dimensions(call, size)
-        return await self._embeddings_response(call, [item], [
+        return self._embeddings_body(call, [item], [
             (b"x-infercache-source", b"RESULT_EXACT"), (b"x-infercache-age", b"%.3f" % age_s), *fixed])
 
     # --- generation -------------------------------------------------------------------------------------
