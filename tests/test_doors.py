@@ -372,6 +372,14 @@ def test_kserve_infer_equals_infer_with_the_batch_dimension(door):
     parameters = single.get_response().parameters
     assert parameters["cache_source"].string_param == "RESULT_EXACT"
     assert parameters["cache_key"].string_param == references[0].key
+    again = client.infer("minilm", [_texts(texts[:1], [1])], request_id="req-8")  # from what the first hit made
+    for hit, request_id in ((single, ""), (again, "req-8")):
+        response = hit.get_response()
+        assert response.id == request_id and response.model_name == "minilm" and response.model_version == "1"
+        assert response.parameters["cache_source"].string_param == "RESULT_EXACT"
+        assert response.parameters["cache_key"].string_param == references[0].key
+        assert float(response.parameters["cache_age_s"].string_param) >= 0
+        assert np.array_equal(hit.as_numpy("embedding"), references[0].outputs["embedding"][None])
 
 
 def test_kserve_classification_answers_label_and_probability(door):

@@ -13,6 +13,7 @@ status codes (server/shared/errors.py)."""
 
 from __future__ import annotations
 
+import functools
 import struct
 from importlib import metadata
 
@@ -22,6 +23,7 @@ import numpy as np
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
 from server.frontend.core import FrontendCore
+from server.frontend.plan import keep
 from server.frontend.tally import measured
 from server.shared.auth import CLIENT, Gate, bind_tenant
 from server.shared.errors import InvalidArgument, ModelNotFound, grpc_errors, lenient, parsed
@@ -33,6 +35,7 @@ DATATYPES = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "
 SOURCE_NAMES = {value: name for name, value in pb.CacheInfo.Source.items()}
 Mode = pb.CachePolicy.Mode
 _LENGTH = struct.Struct("<I")
+RENDERED_KEPT = 1024  # exact hits' answers kept (see KServeServicer._exact_hit); past it, start over
 try:
     VERSION = metadata.version("infercache")
 except metadata.PackageNotFoundError:  # (a checkout that is not installed)
@@ -95,6 +98,7 @@ class KServeServicer:
         self.core = core
         self.gate = gate
         self.calls = 0  # calls begun (a drain waits until it stops moving)
+        self._rendered: dict[tuple[bytes, int], bytes] = {}  # exact hits' answers: _exact_hit
 
     def _ready(self) -> bool:
         return any(link.up for link in self.core.workers.links)
@@ -153,8 +157,14 @@ class KServeServicer:
                                   text=texts[0], cache=policy)
             bind_tenant(grant, one)
             raw = one.SerializeToString()
-            answer = (await core.infer(raw, context.time_remaining()) if core.metrics is None else
-                      await measured(core, core.infer, raw, 1, context.time_remaining))
+            if request.outputs:  # an answer of some outputs: made each time
+                call = core.infer
+            else:  # an exact hit comes back as FrontendCore.exact's entry, for _exact_hit
+                call = functools.partial(core.infer_entry, kept=self._rendered)
+            answer = (await call(raw, context.time_remaining()) if core.metrics is None else
+                      await measured(core, call, raw, 1, context.time_remaining))
+            if type(answer) is tuple:
+                return self._exact_hit(request, spec, answer)
             answers = [pb.InferResponse.FromString(answer)]
         else:
             batch = pb.InferBatchRequest(model=request.model_name, version=request.model_version, tenant=tenant,
@@ -163,13 +173,32 @@ class KServeServicer:
             answer = (await core.infer_batch(batch, context.time_remaining()) if core.metrics is None else
                       await measured(core, core.infer_batch, batch, len(texts), context.time_remaining))
             answers = list(pb.InferBatchResponse.FromString(answer).results)
-        return self._response(request, spec, answers)
+        response = self._response(request, spec, answers)
+        response.id = request.id
+        response.parameters["cache_age_s"].string_param = ",".join(f"{one.cache.age_s:.3f}" for one in answers)
+        return response.SerializeToString()
+
+    def _exact_hit(self, request: kpb.ModelInferRequest, spec, entry: tuple[bytes | None, bytes, int, float]) -> bytes:
+        """The serialized answer of one text's exact hit (FrontendCore.exact's entry) for all the model's
+        outputs: made once per entry, kept by (key, creation time) while among the last RENDERED_KEPT (the
+        entry's stored bytes are then not read again), and followed by the call's id and the entry's age
+        (protobuf merges a later id and map entry into the message they follow: cachestore/wire.py)."""
+        stored, key, created_us, age_s = entry
+        made = self._rendered.get((key, created_us)) if stored is None else None
+        if made is None:
+            answer = pb.InferResponse.FromString(stored)
+            answer.cache.source = pb.CacheInfo.RESULT_EXACT  # (a stored answer carries no source)
+            made = self._response(request, spec, [answer]).SerializeToString()
+            keep(self._rendered, (key, created_us), made, RENDERED_KEPT)
+        call = kpb.ModelInferResponse(id=request.id)
+        call.parameters["cache_age_s"].string_param = f"{age_s:.3f}"
+        return made + call.SerializeToString()
 
     @staticmethod
     def _response(request: kpb.ModelInferRequest, spec, answers: list[pb.InferResponse]) -> kpb.ModelInferResponse:
+        """The answer to `request` from `answers`, less what is the call's own: its id and the age."""
         rows = len(answers)
-        response = kpb.ModelInferResponse(model_name=spec.name, model_version=answers[0].cache.model_version,
-                                          id=request.id)
+        response = kpb.ModelInferResponse(model_name=spec.name, model_version=answers[0].cache.model_version)
         tensors: list[tuple[str, str, list[int], bytes]] = []
         for n, tensor in enumerate(answers[0].outputs):
             datatype = DATATYPES.get(tensor.dtype)
@@ -193,21 +222,25 @@ class KServeServicer:
         infos = [answer.cache for answer in answers]
         parameters = response.parameters
         parameters["cache_source"].string_param = ",".join(SOURCE_NAMES.get(i.source, "") for i in infos)
-        parameters["cache_age_s"].string_param = ",".join(f"{i.age_s:.3f}" for i in infos)
         parameters["cache_key"].string_param = ",".join(i.key for i in infos)
         if any(i.source == pb.CacheInfo.RESULT_SEMANTIC for i in infos):
             parameters["cache_similarity"].string_param = ",".join(f"{i.similarity:.4f}" for i in infos)
         return response
 
 
+PASS_THROUGH = ("ModelInfer",)  # handlers that return their answers serialized
+
+
 def add_kserve(servicer: KServeServicer, server: grpc.aio.Server, max_request_bytes: int) -> None:
     """The service's handlers; requests that do not parse, or are over server.max_request_bytes, reach
-    them as Malformed (INVALID_ARGUMENT), as the native service's do."""
+    them as Malformed (INVALID_ARGUMENT), as the native service's do. ModelInfer's answers go out as the
+    bytes it composes (PASS_THROUGH)."""
     handlers = {}
     for method in SERVICE.methods:
         request = lenient(getattr(kpb, method.input_type.name), max_request_bytes)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name), request_deserializer=request,
-            response_serializer=getattr(kpb, method.output_type.name).SerializeToString)
+            response_serializer=None if method.name in PASS_THROUGH else
+            getattr(kpb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
