@@ -178,7 +178,7 @@ class OpenAIDoor:
         self._embeds: dict[tuple, _Embed] = {}
         self._generates: dict[tuple, _Generate] = {}
         # exact hits' embedding objects by format (base64 or not), by (key, creation time): _exact_hit
-        self._rendered: dict[bool, dict[tuple[bytes, int], tuple[bytes, int, list]]] = {False: {}, True: {}}
+        self._rendered: dict[bool, dict[tuple[bytes, int], list]] = {False: {}, True: {}}
         self.routes = {(b"POST", b"/v1/embeddings"): self.embeddings,
                        (b"POST", b"/v1/chat/completions"): self.chat_completions,
                        (b"POST", b"/v1/completions"): self.completions,
@@ -305,8 +305,11 @@ class OpenAIDoor:
         if call.batch is None:
             raw = call.requests[0]
             kept = self._rendered[call.base64]
-            answer = (await core.infer_entry(raw, None, NO_TALLY, kept) if core.metrics is None else
-                      await measured(core, functools.partial(core.infer_entry, kept=kept), raw, 1, _no_deadline))
+            if core.metrics is None:  # (core.infer_entry's steps, without a coroutine of their own)
+                plan, keyed = core.planner.prepared(raw)
+                answer = core.exact(plan, keyed, NO_TALLY, kept) or await core.after_l1(plan, keyed, None)
+            else:
+                answer = await measured(core, functools.partial(core.infer_entry, kept=kept), raw, 1, _no_deadline)
             if type(answer) is tuple:  # an exact hit, the traffic a cache is for: its JSON made once per entry
                 if call.prompt_tokens is None:  # (nothing awaited between the read and _exact_hit)
                     self._tokens_inline(call)
@@ -349,21 +352,25 @@ class OpenAIDoor:
     def _exact_hit(self, call: _Embed, entry: tuple[bytes | None, bytes, int, float]) -> Response:
         """An exact hit of one input (FrontendCore.exact's entry) whose tokens were counted: its embedding
         object and fixed headers are made once per entry and format, kept by (key, creation time) while
-        among the last RENDERED_KEPT (the entry's stored bytes are then not read again); its age is set
-        per call."""
+        among the last RENDERED_KEPT (the entry's stored bytes are then not read again), with the last
+        body made of them (reused while calls name the model alike); its age is set per call."""
         stored, key, created_us, age_s = entry
         kept = self._rendered[call.base64]
         found = kept.get((key, created_us)) if stored is None else None
         if found is None:
             answer = pb.InferResponse.FromString(stored)
             item, size = self._item(answer, 0, call.base64)
-            found = (item, size, [(b"x-infercache-model-version", answer.cache.model_version.encode()),
-                                  (b"x-infercache-key", answer.cache.key.encode())])
+            found = [item, size, [(b"x-infercache-model-version", answer.cache.model_version.encode()),
+                                  (b"x-infercache-key", answer.cache.key.encode())], None]
             keep(kept, (key, created_us), found, RENDERED_KEPT)
-        item, size, fixed = found
+        item, size, fixed, made = found
         _check_dimensions(call, size)
-        return self._embeddings_body(call, [item], [
-            (b"x-infercache-source", b"RESULT_EXACT"), (b"x-infercache-age", b"%.3f" % age_s), *fixed])
+        headers = [(b"x-infercache-source", b"RESULT_EXACT"), (b"x-infercache-age", b"%.3f" % age_s), *fixed]
+        if made is not None and made[0] == call.model_json and made[1] == call.prompt_tokens:
+            return Response(200, made[2], headers)
+        response = self._embeddings_body(call, [item], headers)
+        found[3] = (call.model_json, call.prompt_tokens, response.body)
+        return response
 
     # --- generation -------------------------------------------------------------------------------------
     def _generate_call(self, request: Request, grant: Grant, chat: bool) -> _Generate:
