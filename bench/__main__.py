@@ -30,6 +30,8 @@
 13. TTL classes and expiry jitter (`--sections ttl`, bench/ttl.py): exact hits for requests that pick a TTL
    class against the model's default, the store writer's cost per put with the per-class counts against
    without, and how far expiry jitter spreads entries written together (L1 and the fleet) against none.
+14. Write path (`--sections write`, bench/write_path.py): the writer process's sustained commit rate with a
+   flush per commit against the flush interval, beside py-lmdb's own ceiling and L1 hits while it writes.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
 instead), each recording its command, machine, commit and date, and prints a table. Sections that read
@@ -74,7 +76,7 @@ FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving"
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl"}
+         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write"}
 
 
 def make_models(root: Path) -> Path:
@@ -273,7 +275,8 @@ def main() -> None:
                         help="comma-separated: serving (hits, misses, /metrics cost, start-up; metrics: that part "
                              "alone), l3, semantic, security, fleet, overload, l2, groups (batches by length group vs "
                              "by bucket), worker (one worker's capacity), "
-                             "commit (the writer's CPU per put by group-commit window), synonyms (exact hits with a "
+                             "commit (the writer's CPU per put by group-commit window), write (the writer's "
+                             "sustained rate against LMDB's ceiling, by flush setting), synonyms (exact hits with a "
                              "synonym dictionary), generate (SmolLM2 misses "
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
                              "against computing the prompt), doors (hits through the OpenAI and KServe doors), ttl (TTL "
@@ -446,6 +449,14 @@ def main() -> None:
             (workdir / "commit").mkdir()
             report["group_commit"] = bench_group_commit(workdir / "commit", rounds, 2.0 if args.quick else 5.0)
             print_group_commit(report["group_commit"])
+            save()
+        if "write" in sections:
+            from bench.write_path import bench_write_path, print_write_path
+
+            print("benchmarking the write path (the writer process flat out, against py-lmdb's ceiling) ...", flush=True)
+            (workdir / "write").mkdir()
+            report["write_path"] = bench_write_path(workdir / "write", rounds, args.quick)
+            print_write_path(report["write_path"])
             save()
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)

@@ -48,6 +48,11 @@ class StoreSettings:
     budget: int  # eviction starts above this many bytes of live pages
     sync: bool = True
     keys: tuple[bytes, ...] = field(default=(), repr=False)  # encryption at rest: sealing key first; () = off
+    # With sync: 0 = every commit is flushed to disk before it counts as done; > 0 = commits are not
+    # flushed, the writer flushes the file this many seconds after the first commit that is not (see
+    # cachestore/writer.py). Either way a commit is in the kernel's page cache once it returns, so the
+    # death of any process loses nothing committed; power loss may lose the unflushed window.
+    sync_interval_s: float = 0.0
 
 
 def restrict(path: Path) -> None:
@@ -91,7 +96,7 @@ class Store:
                 restrict(path)
             return lmdb.open(
                 str(path), map_size=self.settings.map_size, max_dbs=len(ALL_DBS), readonly=self.readonly,
-                sync=self.settings.sync, readahead=False, max_readers=512, subdir=True, create=not self.readonly,
+                sync=self.settings.sync and not self.settings.sync_interval_s, readahead=False, max_readers=512, subdir=True, create=not self.readonly,
                 mode=FILE_MODE,
             )
         except (lmdb.Error, OSError) as exc:
@@ -195,6 +200,10 @@ class Store:
             return {}
         with txn.cursor(db=db) as cursor:
             return {bytes(k).decode(): int.from_bytes(v, "big") for k, v in cursor if int.from_bytes(v, "big")}
+
+    def flush_to_disk(self) -> None:
+        """What the commits so far wrote, flushed from the page cache to the disk (fsync)."""
+        self.env.sync(True)
 
     def close(self) -> None:
         self.env.close()

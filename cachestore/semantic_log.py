@@ -52,11 +52,15 @@ class Row:
     embedding: np.ndarray
 
 
-def add(store: Store, txn: lmdb.Transaction, key: bytes, entry: SemanticEntry) -> Row:
+def add(store: Store, txn: lmdb.Transaction, key: bytes, entry: SemanticEntry, labels: dict[bytes, int]) -> Row:
+    """The entry's row, under its namespace's next label. `labels`: the next label of each namespace this
+    transaction has added to so far (read once, here; the caller writes them back with save_labels)."""
     dbs = store.dbs
-    raw = txn.get(entry.ns_id, db=dbs[DB_SEMNEXT])
-    label = _U64.unpack(raw)[0] if raw else 0
-    txn.put(entry.ns_id, _U64.pack(label + 1), db=dbs[DB_SEMNEXT])
+    label = labels.get(entry.ns_id)
+    if label is None:
+        raw = txn.get(entry.ns_id, db=dbs[DB_SEMNEXT])
+        label = _U64.unpack(raw)[0] if raw else 0
+    labels[entry.ns_id] = label + 1
     answer = entry.answer.encode()[:_SEALED - 1]
     vector = np.ascontiguousarray(entry.embedding, dtype=np.float32)
     row_key = entry.ns_id + _U64.pack(label)
@@ -67,6 +71,12 @@ def add(store: Store, txn: lmdb.Transaction, key: bytes, entry: SemanticEntry) -
     txn.put(row_key, key + body, db=dbs[DB_SEMLOG])
     txn.put(key, row_key, db=dbs[DB_SEMKEYS])
     return Row(entry.ns_id, label, key, entry.answer, vector)
+
+
+def save_labels(store: Store, txn: lmdb.Transaction, labels: dict[bytes, int]) -> None:
+    """The next labels `add` moved on, written back (once per namespace and transaction)."""
+    for ns_id, label in labels.items():
+        txn.put(ns_id, _U64.pack(label), db=store.dbs[DB_SEMNEXT])
 
 
 def remove(store: Store, txn: lmdb.Transaction, key: bytes) -> tuple[bytes, int] | None:

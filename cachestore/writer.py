@@ -124,6 +124,11 @@ class WriteBehind:
         self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._next_sweep = time.monotonic()  # one sweep at start: a retention cap lowered while down applies at once
+        # Flushing to disk every sync_interval_s instead of at each commit (StoreSettings): since when
+        # commits are waiting for it (None: none are).
+        settings = store.settings
+        self._flush_every = settings.sync_interval_s if settings.sync else 0.0
+        self._unflushed_since: float | None = None
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
@@ -163,6 +168,13 @@ class WriteBehind:
             self._thread.join(timeout)
         else:
             self.drain()
+            self.sync_to_disk(force=True)
+
+    def flush_due_in(self) -> float | None:
+        """Seconds until the commits not flushed to disk yet are due to be; None when none are waiting."""
+        if self._unflushed_since is None:
+            return None
+        return max(0.0, self._unflushed_since + self._flush_every - time.monotonic())
 
     def queued(self) -> int:
         """Operations waiting to be handled (approximate while a thread of its own takes them)."""
@@ -179,6 +191,7 @@ class WriteBehind:
     def _run(self) -> None:
         while not self._step(None):
             pass
+        self.sync_to_disk(force=True)
 
     def _step(self, wait: float | None) -> bool:
         """Takes up to `_commit_ops` queued operations (batch_max, or SMALL_COMMIT_OPS where the disk is
@@ -186,6 +199,8 @@ class WriteBehind:
         one transaction (then evicts in commits of their own while the store is still over its budget),
         sweeps when due; True once stopped."""
         timeout = max(0.0, self._next_sweep - time.monotonic())
+        if (flush_in := self.flush_due_in()) is not None:
+            timeout = min(timeout, flush_in)
         batch = []
         try:
             batch.append(self._queue.get(timeout=timeout if wait is None else min(wait, timeout)))
@@ -204,11 +219,23 @@ class WriteBehind:
             for op in ops:
                 if isinstance(op, _Put) and op.on_done is not None:
                     self._guarded(op.on_done)
-        if time.monotonic() >= self._next_sweep:  # also under constant load, not only when idle
+        swept = time.monotonic() >= self._next_sweep
+        if swept:  # also under constant load, not only when idle
             self._guarded(self._check_disk)  # space may have come back while nothing was written
             self._guarded(self._sweep)
             self._next_sweep = time.monotonic() + self.sweep_interval_s
+        if self._flush_every and (ops or swept) and self._unflushed_since is None:
+            self._unflushed_since = time.monotonic()
+        self.sync_to_disk()
         return _STOP in batch
+
+    def sync_to_disk(self, force: bool = False) -> None:
+        """Flushes the commits waiting for it to disk once they are due (or now, with force)."""
+        if self._unflushed_since is None or (not force and self.flush_due_in()):
+            return
+        self._unflushed_since = None
+        self._guarded(self.store.flush_to_disk)
+        self.counters["disk_flushes"] += 1
 
     def _guarded(self, fn, *args) -> None:
         try:
@@ -280,6 +307,7 @@ class WriteBehind:
         added: list[Row] = []
         removed: list[tuple[bytes, int]] = []
         namespaces: set[bytes] = set()
+        labels: dict[bytes, int] = {}  # semantic namespaces' next labels, written back once
         with self.store.begin(write=True) as txn:
             for op in batch:
                 if isinstance(op, _Put):
@@ -288,11 +316,14 @@ class WriteBehind:
                         continue
                     results.put(self.store, txn, op.key, op.ns, op.record, removed, namespaces, op.ttl_class)
                     if op.semantic is not None:
-                        added.append(semantic_log.add(self.store, txn, op.key, op.semantic))
+                        added.append(semantic_log.add(self.store, txn, op.key, op.semantic, labels))
                 elif isinstance(op, _Invalidate):
+                    semantic_log.save_labels(self.store, txn, labels)  # (before it may drop a namespace's)
+                    labels.clear()
                     invalidated.append((op, self._invalidate(txn, op.selector, removed)))
                     self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
+            semantic_log.save_labels(self.store, txn, labels)
             evicted, over = self._enforce_budget(txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1

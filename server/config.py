@@ -69,7 +69,9 @@ class CacheSection:
     dir: str = "var/cache"
     map_size_mb: int = 2048            # LMDB map (sparse file; the hard ceiling)
     budget_mb: int = 1536              # eviction keeps live data under this; must be below map_size_mb
-    sync: bool = True                  # fsync each write-behind transaction
+    sync: bool = True                  # flush commits to disk (false: when the kernel pleases)
+    sync_interval_ms: int = 200        # with sync: commits are flushed together this long after the first of
+                                       # them (power loss may lose this window); 0 = each commit flushed
     write_batch: int = 512             # most operations per write transaction (fewer on a small disk)
     group_commit_ms: int = 50          # a put waits up to this long for others to share its transaction
     sweep_interval_s: float = 30.0     # how often expired entries are deleted
@@ -315,6 +317,8 @@ def validate(config: Config) -> None:
                           f"(got {config.cache.sweep_interval_s} and {config.cache.write_batch})")
     if not 0 <= config.cache.group_commit_ms <= 1000:
         raise ConfigError(f"cache.group_commit_ms must be within 0..1000, got {config.cache.group_commit_ms}")
+    if not 0 <= config.cache.sync_interval_ms <= 60_000:
+        raise ConfigError(f"cache.sync_interval_ms must be within 0..60000, got {config.cache.sync_interval_ms}")
     fleet = config.fleet
     if fleet.redis and not fleet.redis.startswith(("redis://", "rediss://", "redis-cluster://")):
         raise ConfigError(f"fleet.redis must start with redis://, rediss:// or redis-cluster://, got {fleet.redis!r}")
@@ -345,6 +349,7 @@ def store_settings(config: Config) -> StoreSettings:
     return StoreSettings(
         path=Path(config.cache.dir), map_size=config.cache.map_size_mb * mb,
         budget=config.cache.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
+        sync_interval_s=config.cache.sync_interval_ms / 1000,
     )
 
 
@@ -363,4 +368,5 @@ def feature_store_settings(config: Config) -> StoreSettings:
     return StoreSettings(
         path=Path(config.l2.dir or Path(config.cache.dir) / "features"), map_size=config.l2.map_size_mb * mb,
         budget=config.l2.budget_mb * mb, sync=config.cache.sync, keys=config.secrets.keys,
+        sync_interval_s=config.cache.sync_interval_ms / 1000,
     )

@@ -286,7 +286,7 @@ def _bench_flags(module: str) -> set[str]:
 
 
 BENCH_SECTIONS = {"serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
-                  "commit", "workers", "gpu", "generate", "synonyms", "prefix", "doors", "ttl"}
+                  "commit", "workers", "gpu", "generate", "synonyms", "prefix", "doors", "ttl", "write"}
 
 
 def test_bench_sections_listed_here_are_the_bench_s():

@@ -391,3 +391,40 @@ def test_readonly_open_of_missing_store_is_a_store_error(tmp_path):
     with pytest.raises(StoreError):
         Store(StoreSettings(tmp_path / "absent", 64 * MB, 48 * MB), readonly=True)
     assert lmdb  # the real library is what is under test
+
+
+def test_commits_are_flushed_to_disk_together_once_the_sync_interval_has_passed(tmp_path):
+    """cache.sync_interval_ms: commits return without an fsync of their own; the writer flushes the file
+    once, sync_interval_s after the first commit that waits for it, and at close."""
+    settings = StoreSettings(tmp_path / "s", 64 << 20, 48 << 20, sync=True, sync_interval_s=0.3)
+    store = Store(settings, readonly=False)
+    writer = WriteBehind(store, threaded=False)
+    ns = Namespace("t", "m", "1")
+    assert writer.flush_due_in() is None
+    for n in range(3):  # three transactions
+        writer.put(entry_key(ns.ns_id, f"text {n}"), ns, records.Record(results.now_us(), 0, b"answer"))
+        writer.drain()
+    assert writer.counters["write_txns"] >= 3 and writer.counters["disk_flushes"] == 0
+    assert 0 < writer.flush_due_in() <= 0.3
+    time.sleep(0.35)
+    writer.drain()  # nothing queued: the flush that is due
+    assert writer.counters["disk_flushes"] == 1 and writer.flush_due_in() is None
+    writer.put(entry_key(ns.ns_id, "last"), ns, records.Record(results.now_us(), 0, b"answer"))
+    writer.close()  # flushes what waits, without waiting for the interval
+    assert writer.counters["disk_flushes"] == 2
+    store.close()
+    reopened = Store(settings, readonly=True)
+    assert results.ResultCache(reopened).get(entry_key(ns.ns_id, "last"), results.now_us()).payload == b"answer"
+    reopened.close()
+
+
+def test_with_an_fsync_per_commit_the_writer_flushes_nothing_itself(tmp_path):
+    store = Store(StoreSettings(tmp_path / "s", 64 << 20, 48 << 20, sync=True), readonly=False)
+    writer = WriteBehind(store, threaded=False)
+    ns = Namespace("t", "m", "1")
+    writer.put(entry_key(ns.ns_id, "text"), ns, records.Record(results.now_us(), 0, b"answer"))
+    writer.drain()
+    assert writer.flush_due_in() is None
+    writer.close()
+    assert writer.counters["disk_flushes"] == 0
+    store.close()

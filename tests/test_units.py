@@ -76,6 +76,7 @@ def test_config_layers_file_env_and_flags(tmp_path):
     ({"INFERCACHE_CACHE_WRITE_BATCH": "0"}, "cache.write_batch >= 1"),
     ({"INFERCACHE_CACHE_GROUP_COMMIT_MS": "-1"}, "cache.group_commit_ms must be within 0..1000"),
     ({"INFERCACHE_CACHE_GROUP_COMMIT_MS": "1001"}, "cache.group_commit_ms must be within 0..1000"),
+    ({"INFERCACHE_CACHE_SYNC_INTERVAL_MS": "-1"}, "cache.sync_interval_ms must be within 0..60000"),
     ({"INFERCACHE_SERVER_CPU_WORKER_NICE": "-1"}, "server.cpu_worker_nice must be within 0..19"),  # needs privileges
 ])
 def test_config_errors_name_the_setting(environ, message):

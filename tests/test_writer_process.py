@@ -300,6 +300,50 @@ def test_a_writer_that_falls_behind_drops_puts_past_the_backlog_bound_and_commit
     asyncio.run(scenario())
 
 
+def test_behind_the_writer_one_off_answers_are_dropped_before_answers_several_callers_shared(tmp_path):
+    async def scenario():
+        writer = await _start(tmp_path / "cache", max_backlog=100)
+        os.kill(writer.process.pid, signal.SIGSTOP)
+        try:
+            one_off = [_put(writer, f"one-off {i}") for i in range(110)]
+            shared = [entry_key(NS.ns_id, f"shared {i}") for i in range(40)]
+            for key in shared:
+                writer.put(key, NS, records.Record(now_us(), 0, b"answer"), shared=True)
+            await asyncio.sleep(0.1)
+            # one-off answers stop at 100 waiting, shared ones at 125
+            assert writer.counters["backlog"] == 125
+            assert writer.counters["dropped_backlog"] == 10 + 15 and writer.counters["dropped_backlog_shared"] == 15
+        finally:
+            os.kill(writer.process.pid, signal.SIGCONT)
+        await asyncio.wrap_future(writer.flush())
+        cache = ResultCache(writer.store)
+        assert [cache.get(key, now_us()) is not None for key in one_off] == [True] * 100 + [False] * 10
+        assert [cache.get(key, now_us()) is not None for key in shared] == [True] * 25 + [False] * 15
+        await writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_commits_reach_the_disk_within_the_sync_interval_also_when_no_more_puts_come(tmp_path):
+    """The process flushes its commits sync_interval_s after the first that waits, though nothing more
+    arrives to wake it."""
+    async def scenario():
+        settings = StoreSettings(tmp_path / "cache", 64 * MB, 48 * MB, sync=True, sync_interval_s=0.2)
+        writer = await WriterProcess.start(settings, batch_max=512, sweep_interval_s=30.0, max_ttl_s=0,
+                                           group_commit_s=0.0, what="result store", log_level="WARNING",
+                                           role="test")
+        for i in range(50):
+            _put(writer, f"text {i}")
+        await asyncio.wrap_future(writer.flush())
+        deadline = time.monotonic() + 10
+        while writer.counters["disk_flushes"] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert writer.counters["disk_flushes"] >= 1 and writer.counters["writes"] == 50
+        await writer.close()
+
+    asyncio.run(scenario())
+
+
 def test_puts_sent_one_after_another_share_a_transaction_and_are_told_without_a_flush(tmp_path):
     """Group commit: puts wait up to group_commit_s (cache.group_commit_ms in the server) for others to
     share their transaction. Without the wait each of these frames was a transaction of its own (an fsync

@@ -255,7 +255,7 @@ class WorkerCore:
         self.counters[_COUNTED[outcome.source]] += 1
         self.counters["coalesced"] += joined
         if flight.store and self.writer is not None:
-            self._store(flight, outcome)
+            self._store(flight, outcome, shared=joined > 0)
             flight.item = None  # (nor the request: the collector sees fewer objects per flight in flight)
         else:
             self._forget(flight)
@@ -271,14 +271,14 @@ class WorkerCore:
         source = _COALESCED if joined and outcome.source == _MISS else outcome.source
         replies.ok(item_id, source, outcome.payload, outcome.rejected)
 
-    def _store(self, flight: Flight, outcome: Outcome) -> None:
+    def _store(self, flight: Flight, outcome: Outcome, shared: bool) -> None:
         item = flight.item
         ns = namespace(item.tenant, item.model, item.version)
         done = partial(self._forget, flight)  # told on the loop once the entry is committed (or dropped)
         if outcome.matched is not None:
             # A copy of the record it came from (a near-duplicate's, the fleet's): the same text next
             # time is a frontend RESULT_EXACT.
-            self.writer.put(flight.key, ns, outcome.matched, on_done=done, ttl_class=item.ttl_class)
+            self.writer.put(flight.key, ns, outcome.matched, on_done=done, ttl_class=item.ttl_class, shared=shared)
             self._release(flight)
             return
         record = answer_record(flight.runtime.spec, flight.created_us, outcome.stored or outcome.payload,
@@ -286,7 +286,8 @@ class WorkerCore:
         entry = None
         if outcome.embedding is not None:
             entry = SemanticEntry(flight.key[:NS_ID_BYTES], outcome.label, outcome.embedding)
-        self.writer.put(flight.key, ns, record, on_done=done, semantic=entry, ttl_class=item.ttl_class)
+        self.writer.put(flight.key, ns, record, on_done=done, semantic=entry, ttl_class=item.ttl_class,
+                        shared=shared)
         if self.fleet is not None:
             self.fleet.put(flight.key, ns, record, release=flight.leased)
             flight.leased = False

@@ -413,6 +413,7 @@ class Generations:
         if flight.answer is None:  # failed or dropped
             self._forget(flight)
             return
+        shared = len(flight.listeners) > 1
         for (replies, item_id), joined in flight.listeners.items():
             replies.waiting.pop(item_id, None)
             source = Source.COALESCED if joined else Source.MISS
@@ -423,7 +424,7 @@ class Generations:
             item = flight.item
             record = answer_record(flight.model.spec, flight.created_us, flight.answer, item.ttl_class)
             self.writer.put(flight.key, namespace(item.tenant, item.model, item.version), record,
-                            on_done=partial(self._forget, flight), ttl_class=item.ttl_class)
+                            on_done=partial(self._forget, flight), ttl_class=item.ttl_class, shared=shared)
         else:
             self._forget(flight)
 

@@ -62,6 +62,9 @@ START_TIMEOUT_S = 120.0  # opening a large store can take a while (its integrity
 # again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
 # Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
 MAX_BACKLOG = 50_000
+# Answers that went to several callers are the likeliest to be asked for again: they are dropped only
+# past this many times max_backlog (one-off answers, at max_backlog).
+SHARED_HEADROOM = 1.25
 # Group commit (`cache.group_commit_ms`, passed as group_commit_s): puts wait up to that long for others
 # to share their transaction. A commit under random keys writes about a page per put and fsyncs: with one
 # put per commit, as at a few thousand misses/s, the writer spent 169-185 us of CPU per miss (2-core
@@ -235,19 +238,23 @@ class WriterProcess:
 
     def put(self, key: bytes, ns: Namespace, record: records.Record,
             on_done: Callable[[], None] | None = None, semantic: SemanticEntry | None = None,
-            ttl_class: str = "") -> None:
+            ttl_class: str = "", shared: bool = False) -> None:
         """on_done runs on the worker's loop once the put was committed or dropped. `ttl_class`: the
-        TTL class the entry was stored for (the store counts entries by class)."""
+        TTL class the entry was stored for (the store counts entries by class). `shared`: its answer
+        went to more than one caller; behind the writer, one-off answers are dropped first (at
+        max_backlog puts waiting), shared ones past SHARED_HEADROOM times that."""
         if threading.get_ident() != self._loop_thread:
             try:
-                self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic, ttl_class)
+                self._loop.call_soon_threadsafe(self.put, key, ns, record, on_done, semantic, ttl_class, shared)
             except RuntimeError:  # the loop has closed: the worker is gone, so is the write
                 pass
             return
-        behind = self._sent - self._handled >= self.max_backlog
+        waiting = self._sent - self._handled
+        behind = waiting >= (self.max_backlog * SHARED_HEADROOM if shared else self.max_backlog)
         if self.dead or self._closing or behind:
             if behind:
                 self._own["dropped_backlog"] += 1
+                self._own["dropped_backlog_shared"] += shared
             if on_done is not None:
                 on_done()
             return

@@ -116,6 +116,9 @@ def main(settings: StoreSettings, batch_max: int, sweep_interval_s: float, max_t
     while True:
         wait = min(COUNTERS_EVERY_S, sweep_interval_s) if held_since is None \
             else max(0.0, held_since + group_commit_s - time.monotonic())
+        writer.sync_to_disk()  # the commits due to be flushed
+        if (flush_in := writer.flush_due_in()) is not None:
+            wait = min(wait, flush_in)
         if (frames := channel.receive(wait)) is None:
             break
         for frame in frames:
