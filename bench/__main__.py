@@ -269,6 +269,8 @@ def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rou
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
+    parser.add_argument("--write-baseline", default="", metavar="REF",
+                        help="the write section also runs the store writer of this commit, in the same rounds")
     parser.add_argument("--out", default="",
                         help="one file for the whole run (default: bench/results/<section>-<machine>.json per section)")
     parser.add_argument("--sections", default="serving,l3,semantic",
@@ -455,7 +457,7 @@ def main() -> None:
 
             print("benchmarking the write path (the writer process flat out, against py-lmdb's ceiling) ...", flush=True)
             (workdir / "write").mkdir()
-            report["write_path"] = bench_write_path(workdir / "write", rounds, args.quick)
+            report["write_path"] = bench_write_path(workdir / "write", rounds, args.quick, baseline=args.write_baseline)
             print_write_path(report["write_path"])
             save()
         if "workers" in sections:

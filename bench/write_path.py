@@ -7,8 +7,10 @@ the ceiling of LMDB itself on the same file system, in the same run.
    does (every `cache.sync_interval_ms`), and flushed per commit (the setting 0).
 2. The writer process (server/worker/writer.py, a real child process on a real LMDB store), fed from an
    event loop as a worker feeds it, faster than it commits: each put a MiniLM answer with its semantic
-   row; the rate is puts committed over the time until the last one was. Flushed per commit
-   (`cache.sync_interval_ms: 0`) against the default interval, rounds alternating the order.
+   row; the rate is puts committed over the time until the last one was, and the process's CPU per put.
+   Flushed per commit (`cache.sync_interval_ms: 0`) against the default interval, rounds alternating
+   the order; with `--write-baseline REF`, also the writer of that commit (checked out beside this tree,
+   its own defaults), in the same rounds.
 3. Hits beside it: L1 reads (a reader process, as a frontend reads) of entries stored before, p50 and
    p99 while the writer runs flat out against the same reads with the writer idle.
 
@@ -20,10 +22,13 @@ tests check.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -92,7 +97,9 @@ async def _writer_run(path: Path, interval_s: float, puts: int, read_s: float) -
     from server.worker.writer import WriterProcess
 
     ns = Namespace("bench", "minilm", "1")
-    writer = await WriterProcess.start(StoreSettings(path, 8 << 30, 6 << 30, sync=True, sync_interval_s=interval_s),
+    # (a baseline's StoreSettings may predate the flush interval: it is named only where it is set)
+    interval = {"sync_interval_s": interval_s} if interval_s else {}
+    writer = await WriterProcess.start(StoreSettings(path, 8 << 30, 6 << 30, sync=True, **interval),
                                        batch_max=512, sweep_interval_s=30.0, max_ttl_s=0, what="result store",
                                        log_level="WARNING", role="bench", group_commit_s=0.05,
                                        max_backlog=10 * puts)
@@ -101,7 +108,7 @@ async def _writer_run(path: Path, interval_s: float, puts: int, read_s: float) -
 
     def put() -> bytes:
         key = entry_key(ns.ns_id, f"{next(count)} {time.perf_counter_ns()}")
-        writer.put(key, ns, records.Record(now_us(), 0, payload), semantic=SemanticEntry(key[:NS_ID_BYTES], b"", embedding))
+        writer.put(key, ns, records.Record(now_us(), 0, payload), semantic=SemanticEntry(key[:NS_ID_BYTES], "", embedding))
         return key
 
     try:
@@ -115,24 +122,50 @@ async def _writer_run(path: Path, interval_s: float, puts: int, read_s: float) -
         reader = ctx.Process(target=_reader, args=(str(path), read_keys, read_s, start, out))
         reader.start()
         await asyncio.to_thread(start.wait, 120)
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), _cpu_s(writer.process.pid)
         for n in range(puts):
             put()
             if n % 256 == 255:
                 await asyncio.sleep(0)  # frames go out as a worker's do, between its batches
         await asyncio.wrap_future(writer.flush())
-        wall = time.perf_counter() - began
+        wall, cpu = time.perf_counter() - began, _cpu_s(writer.process.pid) - cpu
         busy = await asyncio.to_thread(out.get, True, 600)
         reader.join(30)
         await asyncio.sleep(1.2)  # the counters come with the process's next frame
         done = writer.counters["writes"] - before
         return {"sync_interval_ms": round(interval_s * 1000), "puts": done,
-                "puts_per_s": round(done / wall), "write_txns": writer.counters["write_txns"],
+                "puts_per_s": round(done / wall), "writer_cpu_us_per_put": round(cpu / done * 1e6, 1),
+                "write_txns": writer.counters["write_txns"],
                 "disk_flushes": writer.counters["disk_flushes"], "dropped": writer.counters["dropped_backlog"],
                 "hit_us_idle": {"p50": round(idle[0], 1), "p99": round(idle[1], 1)},
                 "hit_us_writing": {"p50": round(busy[0], 1), "p99": round(busy[1], 1)}, "reads_writing": busy[2]}
     finally:
         await writer.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process (from /proc: no import a baseline might lack)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _baseline_tree(workdir: Path, ref: str) -> Path:
+    """The repository at `ref`, checked out beside this one (detached), with its generated stubs."""
+    repo = Path(__file__).resolve().parent.parent
+    tree = workdir / f"baseline-{ref}"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "--force", str(tree), ref], check=True,
+                   capture_output=True)
+    protos = sorted(str(p.relative_to(tree / "protos")) for p in (tree / "protos").rglob("*.proto"))
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iprotos", "--python_out=.", "--grpc_python_out=.",
+                    *protos], cwd=tree, check=True)
+    return tree
+
+
+def _baseline_run(tree: Path, path: Path, puts: int, read_s: float) -> dict:
+    """_writer_run of the baseline's code: this file run in a process whose imports come from `tree`."""
+    done = subprocess.run([sys.executable, __file__, str(path), str(puts), str(read_s)], cwd=tree, check=True,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _reads(path: Path, keys: list[bytes], seconds: float, _) -> tuple[float, float, int]:
@@ -147,56 +180,78 @@ def _reads(path: Path, keys: list[bytes], seconds: float, _) -> tuple[float, flo
 
 
 def bench_write_path(workdir: Path, rounds: int, quick: bool, interval_ms: int | None = None,
-                     puts: int | None = None, read_s: float | None = None) -> dict:
+                     puts: int | None = None, read_s: float | None = None, baseline: str = "") -> dict:
     """interval_ms: the setting measured against a flush per commit (default: the server's default);
-    puts, read_s: a run's puts and reads' seconds (defaults by `quick`; the tests' dry run sets them)."""
+    puts, read_s: a run's puts and reads' seconds (defaults by `quick`; the tests' dry run sets them);
+    baseline: a commit whose writer runs beside these (its own defaults), or ""."""
     from server.config import CacheSection
 
     interval = (CacheSection.sync_interval_ms if interval_ms is None else interval_ms) / 1000
     puts = puts or (20_000 if quick else 60_000)
     read_s = read_s or (3.0 if quick else 6.0)
-    out: dict = {"record_bytes": RECORD_BYTES, "puts_per_run": puts, "ceiling": {"per_commit": [], "interval": []},
-                 "writer": {"per_commit": [], "interval": []}}
-    for r in range(max(1, rounds)):
-        order = ("per_commit", "interval") if r % 2 == 0 else ("interval", "per_commit")
-        for name in order:
-            seconds = 0.0 if name == "per_commit" else interval
-            path = Path(tempfile.mkdtemp(prefix=f"write-{name}-", dir=workdir))
-            try:
-                out["ceiling"][name].append(round(_ceiling(path / "lmdb", puts, seconds)))
-                row = asyncio.run(_writer_run(path / "store", seconds, puts, read_s))
-                out["writer"][name].append(row)
-            finally:
-                shutil.rmtree(path, ignore_errors=True)
-            print(f"  {name}: ceiling {out['ceiling'][name][-1]} puts/s; writer {row['puts_per_s']} puts/s, "
-                  f"hits p50 {row['hit_us_idle']['p50']} us idle, {row['hit_us_writing']['p50']} us writing", flush=True)
+    names = ("per_commit", "interval") + (("baseline",) if baseline else ())
+    tree = _baseline_tree(workdir, baseline) if baseline else None
+    out: dict = {"record_bytes": RECORD_BYTES, "puts_per_run": puts, "sync_interval_ms": round(interval * 1000),
+                 "baseline": baseline, "ceiling": {"per_commit": [], "interval": []}, "writer": {n: [] for n in names}}
+    try:
+        for r in range(max(1, rounds)):
+            for name in names if r % 2 == 0 else tuple(reversed(names)):
+                path = Path(tempfile.mkdtemp(prefix=f"write-{name}-", dir=workdir))
+                try:
+                    if name == "baseline":
+                        row = _baseline_run(tree, path / "store", puts, read_s)
+                    else:
+                        seconds = 0.0 if name == "per_commit" else interval
+                        out["ceiling"][name].append(round(_ceiling(path / "lmdb", puts, seconds)))
+                        row = asyncio.run(_writer_run(path / "store", seconds, puts, read_s))
+                    out["writer"][name].append(row)
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
+                print(f"  {name}: writer {row['puts_per_s']} puts/s ({row['writer_cpu_us_per_put']} us CPU a put), "
+                      f"hits p50 {row['hit_us_idle']['p50']} us idle, {row['hit_us_writing']['p50']} us writing",
+                      flush=True)
+    finally:
+        if tree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=Path(__file__).resolve().parent,
+                           capture_output=True)
     median = {}
-    for name in ("per_commit", "interval"):
+    for name in names:
         rows = out["writer"][name]
-        median[name] = {"ceiling_puts_per_s": statistics.median(out["ceiling"][name]),
-                        "writer_puts_per_s": statistics.median(r["puts_per_s"] for r in rows),
+        median[name] = {"writer_puts_per_s": statistics.median(r["puts_per_s"] for r in rows),
+                        "writer_cpu_us_per_put": statistics.median(r["writer_cpu_us_per_put"] for r in rows),
                         "hit_p50_us_idle": statistics.median(r["hit_us_idle"]["p50"] for r in rows),
                         "hit_p50_us_writing": statistics.median(r["hit_us_writing"]["p50"] for r in rows),
                         "hit_p99_us_idle": statistics.median(r["hit_us_idle"]["p99"] for r in rows),
                         "hit_p99_us_writing": statistics.median(r["hit_us_writing"]["p99"] for r in rows)}
+        if name in out["ceiling"]:
+            median[name]["ceiling_puts_per_s"] = statistics.median(out["ceiling"][name])
     out["median"] = median
-    out["sync_interval_ms"] = round(interval * 1000)
     new, old = median["interval"], median["per_commit"]
     out["ratios"] = {
         "writer_interval_over_per_commit": round(new["writer_puts_per_s"] / old["writer_puts_per_s"], 2),
         "writer_over_ceiling": round(new["writer_puts_per_s"] / new["ceiling_puts_per_s"], 3),
         "hit_p50_writing_over_idle": round(new["hit_p50_us_writing"] / new["hit_p50_us_idle"], 3),
     }
+    if baseline:
+        out["ratios"]["writer_over_baseline"] = round(new["writer_puts_per_s"] / median["baseline"]["writer_puts_per_s"], 2)
+        out["ratios"]["cpu_per_put_over_baseline"] = round(
+            new["writer_cpu_us_per_put"] / median["baseline"]["writer_cpu_us_per_put"], 2)
     return out
 
 
 def print_write_path(result: dict) -> None:
     m, r = result["median"], result["ratios"]
     print(f"\n## Write path ({result['puts_per_run']} puts of {result['record_bytes']} B a run)\n")
-    print("| flush | py-lmdb ceiling | writer process | hit p50 idle / writing |")
-    print("| --- | --- | --- | --- |")
-    for name, label in (("per_commit", "each commit"), ("interval", f"every {result['sync_interval_ms']} ms")):
-        print(f"| {label} | {m[name]['ceiling_puts_per_s']:,.0f}/s | {m[name]['writer_puts_per_s']:,.0f}/s | "
-              f"{m[name]['hit_p50_us_idle']} / {m[name]['hit_p50_us_writing']} us |")
-    print(f"\nwriter, interval over per commit: {r['writer_interval_over_per_commit']}x; writer over the ceiling: "
-          f"{r['writer_over_ceiling']}; hit p50 writing over idle: {r['hit_p50_writing_over_idle']}x")
+    print("| writer | py-lmdb ceiling | writer process | CPU per put | hit p50 idle / writing |")
+    print("| --- | --- | --- | --- | --- |")
+    labels = {"per_commit": "flush per commit", "interval": f"flush every {result['sync_interval_ms']} ms",
+              "baseline": f"baseline {result['baseline']}"}
+    for name, row in m.items():
+        ceiling = f"{row['ceiling_puts_per_s']:,.0f}/s" if "ceiling_puts_per_s" in row else ""
+        print(f"| {labels[name]} | {ceiling} | {row['writer_puts_per_s']:,.0f}/s | {row['writer_cpu_us_per_put']} us | "
+              f"{row['hit_p50_us_idle']} / {row['hit_p50_us_writing']} us |")
+    print("\n" + "; ".join(f"{k}: {v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":  # a baseline's run: python bench/write_path.py STORE PUTS READ_S (imports from its tree)
+    print(json.dumps(asyncio.run(_writer_run(Path(sys.argv[1]), 0.0, int(sys.argv[2]), float(sys.argv[3])))))

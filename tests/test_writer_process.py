@@ -70,7 +70,8 @@ def test_puts_are_committed_and_told_in_order_and_an_invalidation_counts_them(tm
     asyncio.run(scenario())
 
 
-def test_a_semantic_entry_comes_back_to_the_worker_as_an_index_row(tmp_path):
+def test_a_semantic_entry_comes_back_to_the_worker_as_an_index_row_with_the_vector_it_sent(tmp_path):
+    """The process names the row; the vector is the one the worker kept from its put."""
     async def scenario():
         writer = await _start(tmp_path / "cache")
         rows = []
@@ -79,6 +80,7 @@ def test_a_semantic_entry_comes_back_to_the_worker_as_an_index_row(tmp_path):
         key = _put(writer, "hello", semantic=SemanticEntry(entry_key(NS.ns_id, "hello")[:NS_ID_BYTES], "greeting",
                                                           embedding))
         await asyncio.wrap_future(writer.flush())
+        assert not writer._vectors  # the vector the row named is let go once its put is handled
         removed = await asyncio.wrap_future(writer.invalidate(Selector(key=key)))
         await asyncio.wrap_future(writer.flush())
         await writer.close()

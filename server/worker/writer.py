@@ -124,6 +124,10 @@ class WriterProcess:
         self._framed = 0                   # the last put number written in a frame
         self._handled = 0                  # the last put number the process said it handled
         self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()  # (put number, on_done)
+        # The vectors of semantic puts not handled yet, by key (the process's rows name them, without
+        # sending 1.5 KB back for each), and the order to forget them in: (put number, key).
+        self._vectors: dict[bytes, tuple[int, np.ndarray]] = {}
+        self._vector_order: deque[tuple[int, bytes]] = deque()
         self._requests: dict[int, tuple[Future, Selector | None]] = {}    # id -> (future, invalidation's selector)
         self._next_request = 0
         self._unconfirmed: deque[tuple[int, writer_pb2.StoreOps]] = deque()  # (last put number, frame) written
@@ -262,10 +266,12 @@ class WriterProcess:
         put.key, put.payload = key, record.payload
         put.tenant, put.model, put.version = ns.tenant, ns.model, ns.version
         put.created_us, put.expires_us, put.ttl_class = record.created_us, record.expires_us, ttl_class
-        if semantic is not None:
-            put.semantic, put.answer = True, semantic.answer
-            put.embedding = np.asarray(semantic.embedding, dtype="<f4").tobytes()
         self._sent += 1
+        if semantic is not None:
+            vector = np.asarray(semantic.embedding, dtype="<f4")
+            put.semantic, put.answer, put.embedding = True, semantic.answer, vector.tobytes()
+            self._vectors[key] = (self._sent, vector)
+            self._vector_order.append((self._sent, key))
         if on_done is not None:
             self._callbacks.append((self._sent, on_done))
         self._soon()
@@ -379,13 +385,23 @@ class WriterProcess:
                 r.id in self._requests for r in unconfirmed[0][1].requests):
             unconfirmed.popleft()
         if (events.added or events.removed) and self.on_semantic is not None:
-            added = [Row(r.ns_id, r.label, r.key, r.answer, np.frombuffer(r.embedding, dtype="<f4"))
-                     for r in events.added]
+            added = []
+            for r in events.added:
+                vector = np.frombuffer(r.embedding, dtype="<f4") if r.embedding else self._vectors.get(r.key, (0, None))[1]
+                if vector is None:  # (not expected: the index misses it until it is rebuilt from the log)
+                    self._own["semantic_rows_without_vector"] += 1
+                    continue
+                added.append(Row(r.ns_id, r.label, r.key, r.answer, vector))
             removed = [(r.ns_id, r.label) for r in events.removed]
             if self._deferred is not None:
                 self._deferred.append((added, removed))
             else:
                 self._notify(added, removed)
+        order = self._vector_order  # the handled puts' vectors: their rows came before their handled count
+        while order and order[0][0] <= self._handled:
+            number, key = order.popleft()
+            if self._vectors.get(key, (0,))[0] == number:
+                del self._vectors[key]
 
     def _notify(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
         try:
@@ -478,6 +494,8 @@ class WriterProcess:
         self.dead = True
         self._unconfirmed.clear()
         self._held = []
+        self._vectors.clear()
+        self._vector_order.clear()
         while self._callbacks:  # nothing waits forever for a write that will never be told of
             self._called(self._callbacks.popleft()[1])
         requests, self._requests = self._requests, {}

@@ -54,9 +54,8 @@ class _Channel:
         many: one frame must stay under MAX_FRAME)."""
         for start in range(0, max(len(added), len(removed)), ROWS_PER_FRAME):
             events = writer_pb2.StoreEvents()
-            for row in added[start:start + ROWS_PER_FRAME]:
-                events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer,
-                                 embedding=np.asarray(row.embedding, dtype="<f4").tobytes())
+            for row in added[start:start + ROWS_PER_FRAME]:  # (the worker kept each put's vector)
+                events.added.add(ns_id=row.ns_id, label=row.label, key=row.key, answer=row.answer)
             for ns_id, label in removed[start:start + ROWS_PER_FRAME]:
                 events.removed.add(ns_id=ns_id, label=label)
             self.send(events, with_counters=False)
