@@ -4,7 +4,10 @@ Infer; with `no_store`, a prompt holding PII is answered but never looked up or 
 cache key, which covers the namespace, the prompt as the model sees it and every setting that changes
 the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
 are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split keys, and the
-model answers the normalized question, so an answer is a function of its key alone).
+model answers the normalized question, so an answer is a function of its key alone). For a model with
+semantic answers (server/shared/answer_match.py), the plan also holds the request's question: its last user
+turn, keyed in the namespace of everything else that shapes the answer, its ids for the embedder and its
+guard marks.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from cachestore.keys import Namespace, entry_key, namespace_id
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.frontend.plan import check_identifiers, keep, key_route
+from server.shared import pii
 from server.shared import question_guards as guards
 from server.shared.answer_match import namespace_material
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared import pii
 from server.shared.normalize import REDACTING_ONLY, Normalizer, holds_pii, nfkc
 from server.shared.tokenization import TextEncoder
 

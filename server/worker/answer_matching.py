@@ -12,7 +12,8 @@ It reuses the classifier tier whole: the index and the judge's interpolated scor
 Calibration per generative model version, saved with the others), and shadow verification
 (server/worker/shadow.py): a share of hits, and every hit of an unproven entry, has the judge run on the
 question while the worker is idle; a disagreement contests the entry, which answers no more.
-Any failure is a miss. Event loop only."""
+Any failure is a miss. A caller that goes away during the lookup (a millisecond or two) is not heard
+of until its generation starts: that generation runs for nobody and is stored. Event loop only."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class AnswerMatching:
             if chosen is not None:
                 hit = self._answer(item, neighbors, assessment.answer, marks)
                 if hit is not None:
-                    answer, entry, similarity = hit
+                    answer, entry = hit
                     self._verify(runtime, calibration, judge, item, embedding, assessment, entry)
                     core.counters["answer_semantic_hits"] += 1
                     return Lookup(answer=answer)
@@ -145,9 +146,9 @@ class AnswerMatching:
         return embedding if stored is None else stored
 
     def _answer(self, item: worker_pb2.ComputeItem, neighbors, label: str, marks: tuple[str, ...]
-                ) -> tuple[bytes, bytes, float] | None:
+                ) -> tuple[bytes, bytes] | None:
         """The nearest neighbour holding `label` whose question's guard marks are the query's, and whose
-        answer is fresh: (the answer marked RESULT_SEMANTIC, the neighbour's key, its similarity)."""
+        answer is fresh: (the answer marked RESULT_SEMANTIC, the neighbour's key)."""
         cache = self.core.cache
         now = now_us()
         max_age = item.max_age_us if item.HasField("max_age_us") else None
@@ -169,8 +170,7 @@ class AnswerMatching:
             if answer is None:
                 continue
             verdict = Verdict.VERIFIED if self.core.matching.shadow.proven(neighbor.key) else Verdict.ESTIMATED
-            return (marked(answer.payload, Source.RESULT_SEMANTIC, answer.age_s(now), neighbor.similarity, verdict),
-                    neighbor.key, neighbor.similarity)
+            return marked(answer.payload, Source.RESULT_SEMANTIC, answer.age_s(now), neighbor.similarity, verdict), neighbor.key
         return None
 
     def _verify(self, runtime, calibration: Calibration, judge: HeadRuntime, item: worker_pb2.ComputeItem,
