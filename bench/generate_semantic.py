@@ -38,7 +38,7 @@ from tests.servers import REPO, ServerProcess
 
 SEED = 7
 MAX_ERROR = 0.01
-THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.96, 0.97, 0.98, 0.99)
 ANSWERS_CONFIG = """
 task: generate
 serving_version: "1"
