@@ -179,3 +179,8 @@ def test_shadow_checks_judge_hits_and_count_in_the_bound(server):
     assert verified >= 1 and after["worker.answer_semantic_hits"] > before.get("worker.answer_semantic_hits", 0)
     # each check is an outcome too: what moves the threshold
     assert after["semantic.answers.1.outcomes"] - before["semantic.answers.1.outcomes"] >= verified
+    # a checked entry that agreed is proven: its next hit says so
+    with server.client(timeout_s=120) as client:
+        again = [client.generate("answers", messages=_user(text + " please"), tenant="a", max_new_tokens=TOKENS,
+                                 mode="NO_STORE") for text in PARAPHRASES]
+    assert any(g.source == "RESULT_SEMANTIC" and g.verdict == "VERIFIED" for g in again), [(g.source, g.verdict) for g in again]
