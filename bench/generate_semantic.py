@@ -32,7 +32,7 @@ import numpy as np
 from bench import BANKING77
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
-from server.worker.calibration import wilson_lower, wilson_upper
+from server.worker.calibration import wilson_lower
 from tests.helpers import settled
 from tests.servers import REPO, ServerProcess
 

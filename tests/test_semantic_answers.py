@@ -6,14 +6,13 @@ threshold) so a few dozen generations on two cores reach hits; the benchmark run
 from __future__ import annotations
 
 import csv
-import time
 
 import pytest
 
 from server.shared import question_guards as guards
 from server.shared.answer_match import answer_match_from_config, namespace_material
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, settled, wait_for
+from tests.helpers import link_model, settled
 from tests.servers import REPO, ServerProcess
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
@@ -60,7 +59,7 @@ def test_guards_tell_a_changed_negation_number_date_or_entity(cached, asked):
     assert not guards.same(guards.marks(cached), guards.marks(asked))
 
 
-@pytest.mark.parametrize("cached, asked", [("Can I return an item after 30 days?", "could i return an item after 30 days"),
+@pytest.mark.parametrize("cached, asked", [("Can I return an item after 30 days?", "could i return it after 30 days"),
                                            ("Do you ship to Canada?", "Do you deliver to Canada"),
                                            ("How do I cancel my order?", "How can I cancel an order?")])
 def test_guards_let_paraphrases_through(cached, asked):
@@ -72,7 +71,8 @@ def test_config_needs_a_judge_and_knows_its_keys():
     assert (policy.judge, policy.context, policy.rule.max_error) == ("faq", "system", 0.05)
     assert answer_match_from_config({"enabled": False, "judge": "faq"}) is None
     for bad in ({"enabled": True}, {"enabled": True, "judge": "faq", "context": "some"},
-                {"enabled": True, "judge": "faq", "min_similarity": 0.9}, {"enabled": True, "judge": "faq", "max_error": 2}):
+                {"enabled": True, "judge": "faq", "min_similarity": 0.9},
+                {"enabled": True, "judge": "faq", "max_error": 2}):
         with pytest.raises(ValueError):
             answer_match_from_config(bad)
 
@@ -85,7 +85,8 @@ def test_the_namespace_holds_the_system_prompt_and_earlier_turns_where_the_confi
     b = [*a[:2], {"role": "assistant", "content": "hey"}, a[3]]
     assert namespace_material(every, a, [6]) != namespace_material(every, b, [6])
     assert namespace_material(system, a, [6]) == namespace_material(system, b, [6])
-    assert namespace_material(system, a, [6]) != namespace_material(system, [{"role": "system", "content": "x"}, a[3]], [6])
+    other_system = [{"role": "system", "content": "x"}, a[3]]
+    assert namespace_material(system, a, [6]) != namespace_material(system, other_system, [6])
     assert namespace_material(system, a, [6]) != namespace_material(system, a, [7])
 
 
@@ -183,4 +184,5 @@ def test_shadow_checks_judge_hits_and_count_in_the_bound(server):
     with server.client(timeout_s=120) as client:
         again = [client.generate("answers", messages=_user(text + " please"), tenant="a", max_new_tokens=TOKENS,
                                  mode="NO_STORE") for text in PARAPHRASES]
-    assert any(g.source == "RESULT_SEMANTIC" and g.verdict == "VERIFIED" for g in again), [(g.source, g.verdict) for g in again]
+    assert any(g.source == "RESULT_SEMANTIC" and g.verdict == "VERIFIED" for g in again), \
+        [(g.source, g.verdict) for g in again]

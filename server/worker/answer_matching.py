@@ -170,7 +170,8 @@ class AnswerMatching:
             if answer is None:
                 continue
             verdict = Verdict.VERIFIED if self.core.matching.shadow.proven(neighbor.key) else Verdict.ESTIMATED
-            return marked(answer.payload, Source.RESULT_SEMANTIC, answer.age_s(now), neighbor.similarity, verdict), neighbor.key
+            age = answer.age_s(now)
+            return marked(answer.payload, Source.RESULT_SEMANTIC, age, neighbor.similarity, verdict), neighbor.key
         return None
 
     def _verify(self, runtime, calibration: Calibration, judge: HeadRuntime, item: worker_pb2.ComputeItem,
