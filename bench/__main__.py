@@ -70,13 +70,14 @@ from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 
-NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms"}  # sections that train a head on it or replay its texts
+NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms", "generate-semantic"}  # sections that train a head on it or replay its texts
 # Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write"}
+         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write",
+         "generate_semantic": "generate-semantic"}
 
 
 def make_models(root: Path) -> Path:
@@ -282,7 +283,8 @@ def main() -> None:
                              "synonym dictionary), generate (SmolLM2 misses "
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
                              "against computing the prompt), doors (hits through the OpenAI and KServe doors), ttl (TTL "
-                             "classes' cost, expiry jitter's spread), gpu and "
+                             "classes' cost, expiry jitter's spread), generate-semantic (semantic answers of "
+                             "SmolLM2 on Banking77 against GPTCache), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -445,6 +447,15 @@ def main() -> None:
             report["ttl"] = {}
             bench_ttl(workdir / "ttl", texts, rounds, scale, report["ttl"], checkpoint=save)
             print_ttl(report["ttl"])
+            save()
+        if "generate-semantic" in sections:
+            from bench.generate_semantic import bench_generate_semantic, print_generate_semantic
+
+            print("benchmarking semantic answers for generated text against GPTCache (Banking77, SmolLM2) ...",
+                  flush=True)
+            (workdir / "generate-semantic").mkdir()
+            report["generate_semantic"] = bench_generate_semantic(workdir / "generate-semantic", args.quick)
+            print_generate_semantic(report["generate_semantic"])
             save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)

@@ -45,6 +45,8 @@ class Generated:
     age_s: float
     model_version: str
     key: str
+    similarity: float = 0.0   # RESULT_SEMANTIC: similarity of the matched question
+    verdict: str = "VERDICT_UNSPECIFIED"  # RESULT_SEMANTIC: "ESTIMATED" or "VERIFIED" (CacheInfo.Verdict)
 
 
 def decode_outputs(response: pb.InferResponse) -> dict[str, np.ndarray]:
@@ -128,7 +130,8 @@ class Client:
                 end = message.end
                 return Generated("".join(text), ids, pb.GenerationEnd.FinishReason.Name(end.finish_reason),
                                  end.prompt_tokens, pb.CacheInfo.Source.Name(end.cache.source), end.cache.age_s,
-                                 end.cache.model_version, end.cache.key)
+                                 end.cache.model_version, end.cache.key, end.cache.similarity,
+                                 pb.CacheInfo.Verdict.Name(end.cache.verdict))
         raise RuntimeError("the stream ended without its last message")
 
     def invalidate(self, **selector) -> int:

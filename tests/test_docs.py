@@ -162,6 +162,21 @@ def test_every_semantic_policy_setting_is_documented_with_its_default():
         assert not wrong, (heading, wrong)
 
 
+def test_every_semantic_answers_setting_is_documented_with_its_default():
+    from server.shared.answer_match import AnswerMatchPolicy, answer_match_from_config
+    from server.shared.match_policy import CalibratedPolicy
+
+    documented = rows((DOCS / "configuration.md").read_text(), "semantic answers (generative models)")
+    policy = answer_match_from_config({"enabled": True, "judge": "j"})
+    expected = {f"semantic.{f.name}": getattr(policy.rule, f.name) for f in dataclasses.fields(CalibratedPolicy)}
+    expected |= {"semantic.enabled": False, "semantic.context": policy.context}
+    assert set(documented) == set(expected) | {"semantic.judge"}, sorted(set(documented) ^ (set(expected) | {"semantic.judge"}))
+    assert documented["semantic.judge"][1] == "required"
+    wrong = {n: (documented[n][1], d) for n, d in expected.items() if documented[n][1] != f"`{literal(d)}`"}
+    assert not wrong, wrong
+    assert {f.name for f in dataclasses.fields(AnswerMatchPolicy)} == {"judge", "rule", "context"}
+
+
 # --- the README's tour, run as written against a real server -------------------------------------------
 
 def _section(markdown: str, heading: str) -> str:
@@ -286,7 +301,8 @@ def _bench_flags(module: str) -> set[str]:
 
 
 BENCH_SECTIONS = {"serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
-                  "commit", "workers", "gpu", "generate", "synonyms", "prefix", "doors", "ttl", "write"}
+                  "commit", "workers", "gpu", "generate", "synonyms", "prefix", "doors", "ttl", "write",
+                  "generate-semantic"}
 
 
 def test_bench_sections_listed_here_are_the_bench_s():

@@ -15,6 +15,7 @@ import numpy as np
 from cachestore.results import now_us
 from infercache.v1 import infercache_pb2 as pb
 from server.frontend.metrics import FrontendMetrics
+from server.frontend.plan import namespace_route
 from server.frontend.prompts import GeneratePlan, Prompts
 from server.frontend.read_cache import ReadCache
 from server.frontend.workers import WorkerPool
@@ -33,6 +34,9 @@ def _fill(item, *, plan: GeneratePlan) -> None:
     item.max_age_us, item.ttl_class = plan.max_age_us, plan.ttl_class
     item.generate.CopyFrom(plan.params)
     item.public_prefix = plan.public_prefix
+    if (question := plan.question) is not None:
+        item.question_key, item.question_marks = question.key, question.marks
+        item.embed_ids = np.asarray(question.embed_ids, dtype="<i4").tobytes()
 
 
 class GenerateCalls:
@@ -74,7 +78,9 @@ class GenerateCalls:
         self.counters["generate_forwarded"] += 1
         first = last = None
         model = plan.model.spec.name
-        async for frame in self.workers.stream(plan.model.route(plan.key), functools.partial(_fill, plan=plan),
+        # A question's namespace goes to one worker, where its index lives (server/worker/answer_matching.py).
+        route = plan.model.route(plan.key) if plan.question is None else namespace_route(plan.question.key)
+        async for frame in self.workers.stream(route, functools.partial(_fill, plan=plan),
                                                time_remaining):
             if frame.more:
                 now = time.perf_counter()

@@ -78,6 +78,11 @@ def keep(table: dict, key, value, limit: int) -> None:
     table[key] = value
 
 
+def namespace_route(key: bytes) -> int:
+    """Which worker computes the misses of a semantic namespace: every key of it meets its index there."""
+    return int.from_bytes(key[:NS_ID_BYTES], "little")
+
+
 def key_route(key: bytes) -> int:
     """Which worker computes a key's misses (server/frontend/workers.py: route % workers): from the
     key's hash part, so identical requests meet in one worker."""
@@ -100,7 +105,7 @@ class Served:
     head: FrontHead | None             # a head this frontend runs on stored features (server/frontend/features.py)
 
     def route(self, key: bytes) -> int:
-        return int.from_bytes(key[:NS_ID_BYTES], "little") if self.by_namespace else key_route(key)
+        return namespace_route(key) if self.by_namespace else key_route(key)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,10 @@ Infer; with `no_store`, a prompt holding PII is answered but never looked up or 
 cache key, which covers the namespace, the prompt as the model sees it and every setting that changes
 the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
 are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split keys, and the
-model answers the normalized question, so an answer is a function of its key alone).
+model answers the normalized question, so an answer is a function of its key alone). For a model with
+semantic answers (server/shared/answer_match.py), the plan also holds the request's question: its last user
+turn, keyed in the namespace of everything else that shapes the answer, its ids for the embedder and its
+guard marks.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from cachestore.keys import Namespace, entry_key, namespace_id
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.frontend.plan import check_identifiers, keep, key_route
+from server.shared import pii
+from server.shared import question_guards as guards
+from server.shared.answer_match import namespace_material
 from server.shared.errors import InvalidArgument, ModelNotFound, lenient, parsed
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
-from server.shared.normalize import REDACTING_ONLY, Normalizer, holds_pii
+from server.shared.normalize import REDACTING_ONLY, Normalizer, holds_pii, nfkc
+from server.shared.tokenization import TextEncoder
 
 Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
@@ -44,6 +51,9 @@ class GenerativeModel:
     template: object            # the compiled chat template
     normalize: Normalizer | None  # each turn's text before rendering (generate.normalize, privacy.pii)
     public: dict[str, list[int]]  # a public system prompt's text (as normalized) -> its tokens rendered alone
+    # semantic answers (spec.answer_match): the question's normalizer and the embedder's tokenizer
+    question_normalize: Normalizer | None = None
+    embed_encoder: TextEncoder | None = None
 
     def route(self, key: bytes) -> int:
         return key_route(key)
@@ -63,6 +73,16 @@ class GeneratePlan:
     ns: Namespace
     ttl_class: str               # the TTL class of what it stores (server/shared/ttl_classes.py)
     public_prefix: int = 0       # leading prompt tokens of a public system prompt (ComputeItem.public_prefix)
+    question: Question | None = None  # semantic answers: the request's question (None: not matched)
+
+
+@dataclass(slots=True)
+class Question:
+    """A request's last user turn for semantic answers (server/shared/answer_match.py)."""
+
+    key: bytes                   # in the namespace of everything else that shapes the answer
+    embed_ids: list[int]         # the normalized question's ids for the embedder
+    marks: str                   # its guard marks, one a line (server/shared/question_guards.py)
 
 
 def _template(source: str):
@@ -100,8 +120,19 @@ class Prompts:
                 rendered = template.render(messages=[{"role": "system", "content": text}], add_generation_prompt=False)
                 public[text] = tokenizer.encode(rendered, add_special_tokens=False).ids
             found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize,
-                                                                         public)
+                                                                         public, *self._question_tools(spec))
         return found
+
+    def _question_tools(self, spec: ModelSpec) -> tuple[Normalizer | None, TextEncoder | None]:
+        """Semantic answers: the question's normalizer (Infer's, whatever generate.normalize says: the
+        embedding is of the normalized question) and the embedder's tokenizer; none where the model has
+        no semantic answers or its embedder is not served (the worker then has no tier either)."""
+        policy = spec.answer_match
+        if policy is None or policy.rule.embedder not in self.repository.models:
+            return None, None
+        embedder = self.repository.get(policy.rule.embedder)
+        encoder = TextEncoder(embedder.version_dir(embedder.serving_version) / TOKENIZER_FILE, embedder.max_tokens)
+        return Normalizer.of(spec), encoder
 
     def prepare_models(self) -> None:
         """Tokenizers and templates of every served generative version, before the frontend listens."""
@@ -138,7 +169,7 @@ class Prompts:
         version = spec.resolve_version(request.version)
         model = self.model(spec, version)
         generation = spec.generation
-        text = self._prompt(model, request)
+        text, turns = self._prompt(model, request)
         if len(text) > spec.max_text_chars:
             raise InvalidArgument(f"the prompt has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
         ids = model.tokenizer.encode(text, add_special_tokens=False).ids
@@ -158,11 +189,13 @@ class Prompts:
         max_age_us = ttl_s * 1_000_000
         if request.cache.HasField("max_age_s"):
             max_age_us = min(max_age_us, request.cache.max_age_s * 1_000_000)
+        cached_ok, store = cached_at_all and mode != Mode.BYPASS, cached_at_all and mode != Mode.NO_STORE
         return GeneratePlan(
             model=model, tenant=request.tenant, ids=ids, params=params,
             key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant),
                           _canonical(text, params)),
-            cached_ok=cached_at_all and mode != Mode.BYPASS, store=cached_at_all and mode != Mode.NO_STORE,
+            question=_question(model, request, turns, params) if cached_ok or store else None,
+            cached_ok=cached_ok, store=store,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
             ns=Namespace(request.tenant, spec.name, version), ttl_class=ttl_class,
             public_prefix=_public_prefix(model, request, ids))
@@ -172,13 +205,14 @@ class Prompts:
         return holds_pii(request.prompt) or any(holds_pii(m.content) for m in request.messages)
 
     @staticmethod
-    def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> str:
-        """The prompt as the model sees it: the messages rendered with its chat template, or the raw one."""
+    def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> tuple[str, list[dict] | None]:
+        """The prompt as the model sees it: the messages rendered with its chat template, or the raw one;
+        and the turns it was rendered from (None for a raw prompt)."""
         if bool(request.messages) == bool(request.prompt):
             raise InvalidArgument("set exactly one of messages and prompt")
         normalize = model.normalize or (lambda text: text)
         if request.prompt:
-            return normalize(request.prompt)
+            return normalize(request.prompt), None
         if len(request.messages) > MAX_MESSAGES:
             raise InvalidArgument(f"messages has {len(request.messages)} turns; at most {MAX_MESSAGES}")
         turns = []
@@ -188,7 +222,26 @@ class Prompts:
             turns.append({"role": message.role, "content": normalize(message.content)})
         if turns[-1]["role"] == "assistant":
             raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
-        return model.template.render(messages=turns, add_generation_prompt=True)
+        return model.template.render(messages=turns, add_generation_prompt=True), turns
+
+
+def _question(model: GenerativeModel, request: pb.GenerateRequest, turns: list[dict] | None,
+              params: worker_pb2.GenerateParams) -> Question | None:
+    """The request's question for semantic answers: its last turn, a user's, normalized as Infer's texts
+    are, keyed in the namespace of every other turn the model's `semantic.context` counts and the
+    settings; None where the model has no semantic answers or the request ends otherwise."""
+    spec = model.spec
+    policy = spec.answer_match
+    if policy is None or model.embed_encoder is None or not turns or turns[-1]["role"] != "user":
+        return None
+    asked = request.messages[-1].content
+    question = model.question_normalize(asked)
+    if not question:
+        return None
+    material = namespace_material(policy, turns, _settings(params))
+    ns_id = namespace_id(request.tenant, spec.name, model.version, spec.key_variant + material)
+    redacted = pii.redact(nfkc(asked)) if spec.pii == "redact" else asked
+    return Question(entry_key(ns_id, question), model.embed_encoder.encode(question), guards.encode(guards.marks(redacted)))
 
 
 def _public_prefix(model: GenerativeModel, request: pb.GenerateRequest, ids: list[int]) -> int:
@@ -229,8 +282,12 @@ def _params(request: pb.GenerateRequest, generation) -> worker_pb2.GenerateParam
     return params
 
 
+def _settings(params: worker_pb2.GenerateParams) -> list:
+    """Every setting that changes the answer."""
+    return [params.max_new_tokens, list(params.stop), round(params.temperature, 6), round(params.top_p, 6),
+            params.top_k, params.seed if params.HasField("seed") else None]
+
+
 def _canonical(prompt: str, params: worker_pb2.GenerateParams) -> str:
     """What the key hashes beside the namespace: the prompt and every setting that changes the answer."""
-    return json.dumps([prompt, params.max_new_tokens, list(params.stop), round(params.temperature, 6),
-                       round(params.top_p, 6), params.top_k, params.seed if params.HasField("seed") else None],
-                      ensure_ascii=False, separators=(",", ":"))
+    return json.dumps([prompt, *_settings(params)], ensure_ascii=False, separators=(",", ":"))

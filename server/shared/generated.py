@@ -16,10 +16,11 @@ def whole_answer(text: str, token_ids: list[int], finish_reason: int, prompt_tok
         cache=pb.CacheInfo(model_version=version, key=key.hex()))).SerializeToString()
 
 
-def marked(answer: bytes, source: int, age_s: float = 0.0) -> bytes:
-    """The answer with where it came from and its age (MISS, age 0: the answer as it is)."""
-    return answer + pb.GenerateResponse(end=pb.GenerationEnd(cache=pb.CacheInfo(source=source, age_s=age_s))
-                                        ).SerializeToString()
+def marked(answer: bytes, source: int, age_s: float = 0.0, similarity: float = 0.0, verdict: int = 0) -> bytes:
+    """The answer with where it came from and its age (MISS, age 0: the answer as it is); a semantic
+    answer also with the matched question's similarity and the judge's verdict."""
+    return answer + pb.GenerateResponse(end=pb.GenerationEnd(cache=pb.CacheInfo(
+        source=source, age_s=age_s, similarity=similarity, verdict=verdict))).SerializeToString()
 
 
 def end_only(answer: bytes) -> bytes:

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from server.shared.answer_match import AnswerMatchPolicy, answer_match_from_config
 from server.shared.errors import ModelNotFound
 from server.shared.generation_spec import (DECODER_FILE, DECODER_WEIGHTS_FILE, GENERATION_KEYS, PREFIX_KEYS,
                                            GenerationSpec, PrefixSpec, generation_from_config, prefix_from_config)
@@ -67,6 +68,8 @@ class ModelSpec:
     # cache.classes (server/shared/ttl_classes.py); load_model sets it, with cache.ttl_s as one class
     ttl_classes: TtlClasses = TtlClasses(((ttl_classes.DEFAULT_CLASS, 0),), ttl_classes.DEFAULT_CLASS)
     synonyms: Synonyms | None = None  # normalize.synonyms: the model's dictionary (server/shared/synonyms.py)
+    # task generate with a `semantic:` section: semantic answers (server/shared/answer_match.py)
+    answer_match: AnswerMatchPolicy | None = None
 
     @property
     def key_variant(self) -> str:
@@ -219,7 +222,8 @@ def load_model(root: Path) -> ModelSpec:
             ttl_classes=lifetimes,
             synonyms=_synonyms(root, data, generation),
             precision=str((data.get("engine") or {}).get("precision", "")),
-            semantic=policy_from_config(data.get("semantic")),
+            semantic=None if task == "generate" else policy_from_config(data.get("semantic")),
+            answer_match=answer_match_from_config(data.get("semantic")) if task == "generate" else None,
             pii=str((data.get("privacy") or {}).get("pii", "off")),
             share_features=bool((data.get("l2") or {}).get("share_across_tenants", False)),
             hot_key_text=bool((data.get("hot_keys") or {}).get("keep_text", False)),

@@ -38,6 +38,7 @@ from server.shared.models import ModelRepository
 from server.shared.telemetry import Recorder
 from server.worker.features import FeatureTier, feature_selector
 from server.worker.flights import Flight, Outcome, Replies, Source, may_join, token_ids
+from server.worker.answer_matching import AnswerMatching
 from server.worker.generation import Generation, Generations
 from server.worker.heads import HeadRuntime
 from server.worker.matching import Matching
@@ -82,7 +83,8 @@ class WorkerCore:
         self._inflight: dict[bytes, Flight] = {}
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
         # Generative models (server/worker/generation.py): their own flights and schedulers.
-        self.generations = Generations(generative, writer, self.counters, lambda: self.metrics) if generative else None
+        self.generations = Generations(generative, writer, self.counters, lambda: self.metrics,
+                                       AnswerMatching(self)) if generative else None
 
     def batchers(self):
         return (runtime.batcher for runtime in self.runtimes.values())

@@ -47,7 +47,7 @@ class Generation:
     __slots__ = ("key", "item", "model", "listeners", "text", "sampler", "sent", "answer", "dropped", "deadline",
                  "created_us", "store", "prompt", "limit", "slot", "fed", "planned", "received", "next_token",
                  "awaiting", "last_step", "looked_up", "loading", "loaded", "block_keys", "kept", "reused_from",
-                 "seated_at")
+                 "seated_at", "companion")
 
     def __init__(self, item: worker_pb2.ComputeItem, model: "GenerativeRuntime", deadline: float | None) -> None:
         params = item.generate
@@ -87,6 +87,8 @@ class Generation:
         self.kept = 0
         self.reused_from = "none"
         self.seated_at = 0.0
+        # Semantic answers (server/worker/answer_matching.py): the question's entry, stored beside the answer.
+        self.companion = None
 
     @property
     def sampled(self) -> bool:
@@ -356,9 +358,12 @@ class Generations:
     answers into L1. Event loop only."""
 
     def __init__(self, runtimes: dict[tuple[str, str], GenerativeRuntime], writer, counters: Counter,
-                 metrics=lambda: None) -> None:
-        """metrics(): the worker's telemetry.Recorder while /metrics is on, else None."""
+                 metrics=lambda: None, answers=None) -> None:
+        """metrics(): the worker's telemetry.Recorder while /metrics is on, else None. answers: the worker's
+        AnswerMatching (server/worker/answer_matching.py), for models with semantic answers."""
         self.runtimes = runtimes
+        self.answers = answers
+        self._lookups: set[asyncio.Task] = set()
         self.writer = writer
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters = counters
@@ -381,11 +386,48 @@ class Generations:
                 replies.finish(item.id, Source.RESULT_EXACT, marked(record.payload, Source.RESULT_EXACT,
                                                                     record.age_s(now)))
                 return
+        if (flight is None and item.question_key and self.answers is not None
+                and self.answers.enabled(runtime.spec)):
+            task = asyncio.get_running_loop().create_task(self._semantic(replies, item, deadline, runtime))
+            self._lookups.add(task)
+            task.add_done_callback(self._lookups.discard)
+            return
+        self._start(replies, item, deadline, runtime, flight, shared)
+
+    async def _semantic(self, replies, item: worker_pb2.ComputeItem, deadline: float | None,
+                        runtime: GenerativeRuntime) -> None:
+        """A question's semantic answer, else its generation (with the question's entry to store)."""
+        try:
+            found = await self.answers.lookup(runtime, item, deadline)
+        except InferCacheError as exc:  # the deadline passed, or the embedder refused: the caller hears
+            replies.fail(item.id, exc)
+            return
+        except Exception:  # noqa: BLE001 (a failed lookup is a miss)
+            self.counters["answer_lookup_errors"] += 1
+            log.exception("semantic answer lookup failed; generating")
+            found = None
+        if found is not None and found.answer is not None:
+            replies.finish(item.id, Source.RESULT_SEMANTIC, found.answer)
+            return
+        shared = item.cached_ok or item.store
+        flight = self._flights.get(item.key) if shared else None
+        if flight is not None and flight.dropped:
+            flight = None
+        try:
+            self._start(replies, item, deadline, runtime, flight, shared,
+                        found.companion if found is not None else None)
+        except InferCacheError as exc:
+            replies.fail(item.id, exc)
+
+    def _start(self, replies, item: worker_pb2.ComputeItem, deadline: float | None, runtime: GenerativeRuntime,
+               flight: Generation | None, shared: bool, companion=None) -> None:
+        """Joins the flight of the item's key, or starts one."""
         joined = flight is not None
         if flight is not None and flight.answer is not None and not item.cached_ok:
             joined, flight = False, None  # finished, and this caller wants a fresh answer
         if flight is None:
             flight = Generation(item, runtime, deadline)
+            flight.companion = companion
             self._schedulers[(item.model, item.version)].admit(flight)  # Overloaded when full
             if shared:
                 self._flights[item.key] = flight
@@ -423,8 +465,13 @@ class Generations:
         if flight.store and self.writer is not None:
             item = flight.item
             record = answer_record(flight.model.spec, flight.created_us, flight.answer, item.ttl_class)
-            self.writer.put(flight.key, namespace(item.tenant, item.model, item.version), record,
-                            on_done=partial(self._forget, flight), ttl_class=item.ttl_class, shared=shared)
+            ns = namespace(item.tenant, item.model, item.version)
+            self.writer.put(flight.key, ns, record, on_done=partial(self._forget, flight), ttl_class=item.ttl_class,
+                            shared=shared)
+            if (companion := flight.companion) is not None:  # the question's entry, pointing at the answer
+                question = answer_record(flight.model.spec, flight.created_us, companion.payload, item.ttl_class)
+                self.writer.put(companion.key, ns, question, semantic=companion.entry, ttl_class=item.ttl_class,
+                                shared=shared)
         else:
             self._forget(flight)
 
@@ -433,5 +480,7 @@ class Generations:
             del self._flights[flight.key]
 
     async def close(self) -> None:
+        for task in list(self._lookups):
+            task.cancel()
         for scheduler in self._schedulers.values():
             await scheduler.close()

@@ -107,9 +107,15 @@ class Matching:
                         rejected=rejected)
 
     def calibrated_versions(self) -> dict[tuple[str, str], tuple[float, str]]:
-        """(model, version) -> (max_error, the rule's settings) of each version under the calibrated rule."""
-        return {key: (runtime.spec.semantic.max_error, self._rule(runtime)) for key, runtime in self.core.runtimes.items()
-                if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
+        """(model, version) -> (max_error, the rule's settings) of each version under the calibrated rule,
+        generative models' semantic answers among them."""
+        versions = {key: (runtime.spec.semantic.max_error, self._rule(runtime)) for key, runtime in self.core.runtimes.items()
+                    if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
+        generations = self.core.generations
+        for key, runtime in (generations.runtimes.items() if generations is not None else ()):
+            if (policy := runtime.spec.answer_match) is not None:  # semantic answers (server/worker/answer_matching.py)
+                versions[key] = (policy.rule.max_error, generations.answers.settings(policy))
+        return versions
 
     def _rule(self, runtime: ModelRuntime) -> str:
         policy = runtime.spec.semantic

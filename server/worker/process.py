@@ -199,6 +199,7 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     """The semantic tier when a served model asks for it and its embedder is served too; its indexes
     are rebuilt in the background (requests are served meanwhile). hnswlib is imported only here."""
     policies = [spec.semantic for spec in repository.servable() if spec.semantic is not None]
+    policies += [spec.answer_match.rule for spec in repository.servable() if spec.answer_match is not None]
     if not policies or writer is None:
         return None
     dims = set()

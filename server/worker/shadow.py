@@ -76,6 +76,10 @@ class ShadowVerifier:
         """A check found a hit of this entry wrong: near-duplicates no longer take its answer."""
         return entry in self._contested
 
+    def proven(self, entry: bytes) -> bool:
+        """A check found a hit of this entry right (and none since wrong)."""
+        return entry in self._proven
+
     def chance(self, entry: bytes, fraction: float) -> float:
         """How likely a hit answered by `entry` is verified: always while the entry is unproven."""
         return fraction if entry in self._proven else 1.0

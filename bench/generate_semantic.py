@@ -1,0 +1,276 @@
+"""Semantic answers for generated text against GPTCache (`--sections generate-semantic`).
+
+Banking77 questions as a FAQ bot's traffic. The rows are shuffled (seed 7) and the first `rows` taken;
+every 5th of them replays, the others warm the cache first. The judge is a Banking77 head trained by
+train-head on every row of the split except the replayed ones. SmolLM2 generates the answers; both
+systems hold the same warm questions and answers, and embed with the same MiniLM (the server's `minilm`,
+on the normalized question). Replays do not store, so both caches hold the warm set alone.
+
+- infercache: the model's semantic answers at `max_error` 0.01 (server/shared/answer_match.py).
+- GPTCache, the PyPI package: sqlite and faiss (its documented similar-search setup), `SearchDistanceEvaluation`
+  over a threshold sweep, its default threshold (0.8) among them. `Cache.init`'s own default evaluation is
+  `ExactMatchEvaluation`, which answers exact texts only.
+
+For each: the semantic hit rate among the replayed questions that are not exact repeats of a warm one
+(after normalization: those are exact hits for both), and the hits' fidelity with its 95% Wilson interval:
+by the judge (the judge gives the new question and the matched one the same label) and by Banking77's own
+labels (the two questions' categories agree). Then the whole-answer latency p50 of a semantic hit, an
+exact hit and a miss, one call at a time, with `latency_tokens`-token answers.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from bench import BANKING77
+from server.shared.normalize import Normalizer
+from server.tools.labelled_csv import read_labelled_csv
+from server.worker.calibration import wilson_lower
+from tests.helpers import settled
+from tests.servers import REPO, ServerProcess
+
+SEED = 7
+MAX_ERROR = 0.01
+THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.96, 0.97, 0.98, 0.99)
+ANSWERS_CONFIG = """
+task: generate
+serving_version: "1"
+generate: {{context_length: 256, max_new_tokens: 64, max_streams: 8, normalize: text}}
+cache: {{ttl_s: 86400}}
+semantic: {{enabled: true, judge: banking77-judge, max_error: {max_error}}}
+"""
+
+
+def _proportion(agreed: int, n: int) -> dict:
+    low = wilson_lower(agreed, n) if n else 0.0
+    high = 1.0 - (wilson_lower(n - agreed, n) if n else 0.0)
+    return {"rate": round(agreed / n, 4) if n else None, "n": n, "agreed": agreed,
+            "interval95": [round(low, 4), round(high, 4)]}
+
+
+def _models(root: Path, judge_rows: list[tuple[str, str]]) -> Path:
+    from server.tools.train_head import train
+
+    (root / "minilm").mkdir(parents=True)
+    (root / "minilm" / "config.yaml").write_text((REPO / "models" / "minilm" / "config.yaml").read_text())
+    (root / "minilm" / "1").symlink_to(REPO / "models" / "minilm" / "1")
+    judge_csv = root.parent / "judge.csv"
+    with open(judge_csv, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "category"])
+        writer.writerows(judge_rows)
+    train(judge_csv, text_column="text", label_column="category", models_dir=root, encoder="minilm",
+          name="banking77-judge", progress=lambda m: None)
+    (root / "answers").mkdir()
+    (root / "answers" / "config.yaml").write_text(ANSWERS_CONFIG.format(max_error=MAX_ERROR))
+    (root / "answers" / "1").symlink_to(REPO / "models" / "smollm2" / "1")
+    return root
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _counters(server: ServerProcess) -> dict:
+    out: dict[str, int] = {}
+    for worker in server.stats().workers:
+        for name, value in worker.counters.items():
+            out[name] = out.get(name, 0) + value
+    return out
+
+
+def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens: int = 1,
+                            latency_tokens: int = 32, latency_calls: int = 20) -> dict:
+    if quick:
+        rows, latency_calls = 1000, 8
+    every = read_labelled_csv(BANKING77, "text", "category", None)
+    random.Random(SEED).shuffle(every)
+    chosen = every[:rows]
+    replay = chosen[::5]
+    warm = [r for i, r in enumerate(chosen) if i % 5]
+    replayed = set(replay)
+    judge_rows = [r for r in every if r not in replayed]
+    started = time.monotonic()
+    models = _models(workdir / "models", judge_rows)
+    trained_s = time.monotonic() - started
+    normalize = Normalizer()
+    warm_normalized = {normalize(t) for t, _ in warm}
+    (workdir / "server").mkdir()
+    server = ServerProcess(workdir / "server", models, frontends=1)
+    out: dict = {"rows": rows, "warm": len(warm), "replayed": len(replay), "answer_tokens": tokens,
+                 "max_error": MAX_ERROR, "judge_rows": len(judge_rows), "judge_trained_s": round(trained_s, 1)}
+    try:
+        with server.client(timeout_s=300) as client:
+            # Warm: the model answers each warm question (8 callers: its running batch fills).
+            def ask(text: str):
+                return client.generate("answers", messages=_user(text), max_new_tokens=tokens)
+
+            started = time.monotonic()
+            with ThreadPoolExecutor(8) as pool:
+                warmed = list(pool.map(ask, [t for t, _ in warm]))
+            out["warm_s"] = round(time.monotonic() - started, 1)
+            out["warm_sources"] = dict(sorted({s: sum(g.source == s for g in warmed) for s in {g.source for g in warmed}}.items()))
+            origin = {g.key: (t, c) for g, (t, c) in zip(warmed, warm) if g.source == "MISS"}
+            answer_of = {t: g.text for g, (t, _) in zip(warmed, warm)}
+            settled(server, "semantic.indexed", timeout=120)
+            before = _counters(server)
+            out["calibration_after_warm"] = {k.split(".")[-1]: v for k, v in before.items()
+                                             if k.startswith("semantic.answers.1.")}
+
+            def replay_one(text: str):
+                t0 = time.perf_counter()
+                got = client.generate("answers", messages=_user(text), max_new_tokens=tokens, mode="NO_STORE")
+                return got, time.perf_counter() - t0
+
+            answered = [replay_one(t) for t, _ in replay]
+            judge = _judge(client, [t for t, _ in replay] + [t for t, _ in warm])
+            ours = _score([(r, g.source == "RESULT_SEMANTIC", origin.get(g.key)) for r, (g, _) in zip(replay, answered)],
+                          warm_normalized, normalize, judge)
+            ours["sources"] = {s: sum(g.source == s for g, _ in answered) for s in {g.source for g, _ in answered}}
+            ours["verdicts"] = {v: sum(g.verdict == v for g, _ in answered if g.source == "RESULT_SEMANTIC")
+                                for v in ("ESTIMATED", "VERIFIED")}
+            time.sleep(2)
+            settled(server, "semantic.answers.1.verified", timeout=120)
+            after = _counters(server)
+            ours["calibration_after_replay"] = {k.split(".")[-1]: v for k, v in after.items()
+                                                if k.startswith("semantic.answers.1.")}
+            out["infercache"] = ours
+            out["gptcache"] = _gptcache(workdir / "gptcache", client, warm, answer_of, replay, warm_normalized,
+                                        normalize, judge)
+            out["comparison"] = _compare(ours, out["gptcache"])
+            out["latency"] = _latency(client, warm, replay, answered, latency_tokens, latency_calls)
+    finally:
+        server.stop()
+    return out
+
+
+def _judge(client, texts: list[str]) -> dict[str, str]:
+    """The judge's label of each text (computed: BYPASS)."""
+    labels = {}
+    distinct = sorted(set(texts))
+    for i in range(0, len(distinct), 128):
+        chunk = distinct[i:i + 128]
+        for text, result in zip(chunk, client.infer_batch("banking77-judge", chunk, mode="BYPASS")):
+            labels[text] = result.label
+    return labels
+
+
+def _score(results, warm_normalized: set[str], normalize, judge: dict[str, str]) -> dict:
+    """results: ((query, category), hit?, (matched question, its category) or None) per replayed question."""
+    eligible = [(q, hit, m) for q, hit, m in results if normalize(q[0]) not in warm_normalized]
+    hits = [(q, m) for q, hit, m in eligible if hit and m is not None]
+    unknown = sum(1 for q, hit, m in eligible if hit and m is None)  # (a hit whose entry came from no warm miss)
+    by_judge = sum(judge[q[0]] == judge[m[0]] for q, m in hits)
+    by_label = sum(q[1] == m[1] for q, m in hits)
+    return {"exact_misses": len(eligible), "semantic_hits": len(hits) + unknown, "unattributed_hits": unknown,
+            "hit_rate": round((len(hits) + unknown) / len(eligible), 4) if eligible else None,
+            "fidelity_judge": _proportion(by_judge, len(hits)), "fidelity_banking77_labels": _proportion(by_label, len(hits))}
+
+
+def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, normalize, judge) -> dict:
+    import gptcache
+    from gptcache import Cache, Config
+    from gptcache.adapter.api import get
+    from gptcache.manager import CacheBase, VectorBase, get_data_manager
+    from gptcache.processor.pre import get_prompt
+    from gptcache.similarity_evaluation.distance import SearchDistanceEvaluation
+
+    workdir.mkdir()
+    texts = [t for t, _ in warm] + [t for t, _ in replay]
+    vectors = {}
+    for i in range(0, len(texts), 128):  # the same MiniLM, on the same normalized text
+        chunk = texts[i:i + 128]
+        for text, result in zip(chunk, client.infer_batch("minilm", chunk)):
+            vectors[text] = np.asarray(result.outputs["embedding"], dtype=np.float32)
+    cache = Cache()
+    cache.init(pre_embedding_func=get_prompt, embedding_func=lambda text, **_: vectors[text],
+               data_manager=get_data_manager(CacheBase("sqlite", sql_url=f"sqlite:///{workdir}/cache.db"),
+                                             VectorBase("faiss", dimension=384, index_path=str(workdir / "index.faiss")),
+                                             max_size=len(warm) + 1000),
+               similarity_evaluation=SearchDistanceEvaluation(), config=Config(similarity_threshold=0.8))
+    category = dict(warm)
+    started = time.monotonic()
+    cache.import_data([t for t, _ in warm], [answer_of[t] or " " for t, _ in warm])
+    imported_s = time.monotonic() - started
+    sweep = {}
+    for threshold in THRESHOLDS:
+        cache.config.similarity_threshold = threshold
+        results = []
+        for query in replay:
+            matched = []
+            answer = get(query[0], cache_obj=cache, hit_callback=lambda found: matched.extend(found))
+            hit = answer is not None and bool(matched)
+            results.append((query, hit, (matched[0][0], category.get(matched[0][0])) if hit else None))
+        sweep[f"{threshold:.2f}"] = _score(results, warm_normalized, normalize, judge)
+    return {"package": f"gptcache {gptcache.__version__}", "storage": "sqlite + faiss",
+            "evaluation": "SearchDistanceEvaluation", "default_threshold": 0.8, "import_s": round(imported_s, 2),
+            "sweep": sweep}
+
+
+def _compare(ours: dict, theirs: dict) -> dict:
+    """Our hit rate against GPTCache's best hit rate at a fidelity (by the judge) at least ours, and at 99%."""
+    out = {}
+    for name, floor in (("at_equal_fidelity", ours["fidelity_judge"]["rate"] or 1.0), ("at_99", 0.99)):
+        fit = [(row["hit_rate"], t) for t, row in theirs["sweep"].items()
+               if row["fidelity_judge"]["rate"] is not None and row["fidelity_judge"]["rate"] >= floor]
+        if fit:
+            rate, threshold = max(fit)
+            out[name] = {"gptcache_threshold": threshold, "gptcache_hit_rate": rate,
+                         "ratio": round(ours["hit_rate"] / rate, 2) if rate else None}
+        else:
+            out[name] = {"gptcache_threshold": None, "gptcache_hit_rate": 0.0, "ratio": None,
+                         "note": "no threshold of the sweep reaches this fidelity"}
+    return out
+
+
+def _latency(client, warm, replay, answered, tokens: int, calls: int) -> dict:
+    """Whole-answer p50, one call at a time, of `tokens`-token answers: misses (warm questions asked for the
+    first time at this length), exact hits (the same again) and semantic hits (replayed questions that hit
+    at the short length: their namespace at this length holds the same warm questions)."""
+    questions = [t for t, _ in warm[:calls * 4]]
+    timings: dict[str, list[float]] = {"MISS": [], "RESULT_EXACT": [], "RESULT_SEMANTIC": []}
+
+    def timed(text: str, mode: str = "DEFAULT"):
+        t0 = time.perf_counter()
+        got = client.generate("answers", messages=_user(text), max_new_tokens=tokens, mode=mode)
+        timings.setdefault(got.source, []).append((time.perf_counter() - t0) * 1000)
+        return got
+
+    for text in questions:  # misses, stored at this length
+        timed(text)
+    time.sleep(1)
+    for text in questions[:calls]:
+        timed(text)
+    hitting = [q for (q, _), (g, _) in zip(replay, answered) if g.source == "RESULT_SEMANTIC"]
+    for text in hitting[:calls * 3]:
+        if len(timings["RESULT_SEMANTIC"]) >= calls:
+            break
+        timed(text, "NO_STORE")
+    out = {"answer_tokens": tokens}
+    for source, values in timings.items():
+        if values:
+            out[source.lower()] = {"p50_ms": round(statistics.median(values), 2), "calls": len(values)}
+    if "result_semantic" in out and "miss" in out:
+        out["semantic_over_exact"] = round(out["result_semantic"]["p50_ms"] / out["result_exact"]["p50_ms"], 2)
+        out["miss_over_semantic"] = round(out["miss"]["p50_ms"] / out["result_semantic"]["p50_ms"], 1)
+    return out
+
+
+def print_generate_semantic(report: dict) -> None:
+    ours = report["infercache"]
+    print(f"\nsemantic answers, Banking77 ({report['warm']} warm, {report['replayed']} replayed), max_error {report['max_error']}")
+    print(f"  infercache: hit rate {ours['hit_rate']} of {ours['exact_misses']} exact misses; fidelity (judge) "
+          f"{ours['fidelity_judge']['rate']} {ours['fidelity_judge']['interval95']}; (labels) "
+          f"{ours['fidelity_banking77_labels']['rate']} {ours['fidelity_banking77_labels']['interval95']}")
+    for threshold, row in report["gptcache"]["sweep"].items():
+        print(f"  gptcache {threshold}: hit rate {row['hit_rate']}; fidelity (judge) {row['fidelity_judge']['rate']} "
+              f"{row['fidelity_judge']['interval95']}; (labels) {row['fidelity_banking77_labels']['rate']}")
+    print(f"  comparison: {report['comparison']}")
+    print(f"  latency: {report.get('latency')}")

@@ -1,0 +1,191 @@
+"""Semantic answers of generative models in a worker (server/shared/answer_match.py says when one is
+right): a request's question is embedded and searched in its namespace's index; the judge's class scores
+stored with the nearest cached questions decide, under the model's calibrated threshold and the guards,
+whether one of their answers answers it (RESULT_SEMANTIC, with the similarity, the answer's age and the
+verdict so far). Otherwise the judge runs on the question (a head on the embedding: a matrix product),
+which is an outcome for the calibration where the rule had an opinion, and, once the model's answer is
+generated and stored, the question's entry: the judge's response for it (its class scores, the guard
+marks, and the key of the answer as CacheInfo.key) under the question's key, indexed by its embedding.
+
+It reuses the classifier tier whole: the index and the judge's interpolated scores and fit
+(server/worker/semantic_index.py), the threshold and guard of server/worker/calibration.py (one
+Calibration per generative model version, saved with the others), and shadow verification
+(server/worker/shadow.py): a share of hits, and every hit of an unproven entry, has the judge run on the
+question while the worker is idle; a disagreement contests the entry, which answers no more.
+Any failure is a miss. A caller that goes away during the lookup (a millisecond or two) is not heard
+of until its generation starts: that generation runs for nobody and is stored. Event loop only."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from cachestore.keys import NS_ID_BYTES
+from cachestore.results import now_us
+from cachestore.semantic_log import SemanticEntry
+from infercache.v1 import infercache_pb2 as pb
+from infercache.v1 import worker_pb2
+from server.shared import question_guards as guards
+from server.shared.answer_match import AnswerMatchPolicy
+from server.shared.generated import marked
+from server.worker.calibration import Calibration
+from server.worker.flights import token_ids
+from server.worker.heads import HeadRuntime
+from server.worker.shadow import Check
+
+log = logging.getLogger("infercache.answers")
+
+Source = pb.CacheInfo.Source
+Verdict = pb.CacheInfo.Verdict
+MARKS = "question_marks"  # the judge record's tensor of the question's guard marks (utf-8)
+
+
+@dataclass
+class Companion:
+    """What a missed question adds beside its generated answer once that is stored."""
+
+    key: bytes               # the question's key
+    payload: bytes           # the judge's serialized response for it (scores, marks, the answer's key)
+    entry: SemanticEntry     # its row in the namespace's index
+
+
+@dataclass
+class Lookup:
+    answer: bytes | None = None        # a semantic hit: the whole answer, marked
+    companion: Companion | None = None
+
+
+class AnswerMatching:
+    def __init__(self, core) -> None:
+        self.core = core  # server/worker/core.py WorkerCore: its semantic tier, cache, runtimes, matching
+        self._refused: set[tuple[str, str]] = set()  # (model, version) whose judge cannot run here (logged once)
+
+    def enabled(self, spec) -> bool:
+        return spec.answer_match is not None and self.core.semantic is not None and self.core.cache is not None
+
+    async def lookup(self, runtime, item: worker_pb2.ComputeItem, deadline: float | None) -> Lookup:
+        """A semantic hit for a generation item with a question (one that a cached answer may answer), or
+        what its miss stores."""
+        policy: AnswerMatchPolicy = runtime.spec.answer_match
+        judge = self._judge(runtime, policy)
+        if judge is None:
+            return Lookup()
+        core = self.core
+        embedder = core.runtime(policy.rule.embedder, core.repository.get(policy.rule.embedder).serving_version)
+        embedding = (await embedder.batcher.submit(token_ids(item.embed_ids), deadline))["embedding"]
+        ns_id = item.question_key[:NS_ID_BYTES]
+        rule = policy.rule
+        neighbors, assessment = [], None
+        if item.cached_ok:  # (BYPASS: a fresh answer, indexed all the same)
+            neighbors, assessment = await core.semantic.search(ns_id, embedding, rule.k, judge.labels)
+        calibration = self.calibration(runtime, policy, judge)
+        marks = guards.decode(item.question_marks)
+        if assessment is not None:
+            fitted = assessment.fitted is not None
+            chosen = rule.decide(neighbors, assessment, calibration.threshold_for(fitted))
+            if chosen is not None and core.matching.shadow.contested(chosen.key):
+                chosen = None
+            if chosen is not None:
+                hit = self._answer(item, neighbors, assessment.answer, marks)
+                if hit is not None:
+                    answer, entry = hit
+                    self._verify(runtime, calibration, judge, item, embedding, assessment, entry)
+                    core.counters["answer_semantic_hits"] += 1
+                    return Lookup(answer=answer)
+                core.counters["answer_guarded"] += 1
+        # A miss: the judge's own label of the question (an outcome where the rule had an opinion), and
+        # the question's entry once its answer is stored.
+        feature = self._feature(judge, embedding)
+        outputs = await judge.batcher.submit(feature, deadline)
+        response = judge.response(outputs, item.question_key)
+        label = response.classification.label
+        if assessment is not None and rule.covers(neighbors, assessment):
+            calibration.record(assessment.margin, assessment.answer == label,
+                               fit_agreed=assessment.fitted == assessment.answer)
+        response.cache.key = item.key.hex()  # the answer's entry
+        response.outputs.add(name=MARKS, dtype="uint8", shape=[len(item.question_marks.encode())],
+                             data=item.question_marks.encode())
+        return Lookup(companion=Companion(item.question_key, response.SerializeToString(),
+                                          SemanticEntry(ns_id, label, embedding)))
+
+    def calibration(self, runtime, policy: AnswerMatchPolicy, judge: HeadRuntime) -> Calibration:
+        key = (runtime.spec.name, runtime.version)
+        calibrations = self.core.matching.calibrations
+        if (found := calibrations.get(key)) is None:
+            found = calibrations[key] = Calibration(policy.rule.max_error, self.settings(policy))
+        return found
+
+    def settings(self, policy: AnswerMatchPolicy) -> str:
+        repository = self.core.repository
+        return policy.settings(repository.get(policy.rule.embedder).serving_version,
+                               repository.get(policy.judge).serving_version)
+
+    def _judge(self, runtime, policy: AnswerMatchPolicy) -> HeadRuntime | None:
+        """The judge's runtime: a head served here that reads the embedder's embedding (None otherwise)."""
+        try:
+            spec = self.core.repository.get(policy.judge)
+            judge = self.core.runtime(spec.name, spec.serving_version)
+            embedder = self.core.runtime(policy.rule.embedder,
+                                         self.core.repository.get(policy.rule.embedder).serving_version)
+        except Exception:  # noqa: BLE001 (not served here: exact answers only)
+            judge = embedder = None
+        if isinstance(judge, HeadRuntime) and judge.reads(embedder, "embedding"):
+            return judge
+        if (runtime.spec.name, runtime.version) not in self._refused:
+            self._refused.add((runtime.spec.name, runtime.version))
+            log.error("%s: no semantic answers: its judge %r is not a served head on %r's embedding",
+                      runtime.spec.name, policy.judge, policy.rule.embedder)
+        return None
+
+    def _feature(self, judge: HeadRuntime, embedding: np.ndarray) -> np.ndarray:
+        features = self.core.features
+        stored = features.stored_form(judge.source, embedding) if features is not None else None
+        return embedding if stored is None else stored
+
+    def _answer(self, item: worker_pb2.ComputeItem, neighbors, label: str, marks: tuple[str, ...]
+                ) -> tuple[bytes, bytes] | None:
+        """The nearest neighbour holding `label` whose question's guard marks are the query's, and whose
+        answer is fresh: (the answer marked RESULT_SEMANTIC, the neighbour's key)."""
+        cache = self.core.cache
+        now = now_us()
+        max_age = item.max_age_us if item.HasField("max_age_us") else None
+        for neighbor in neighbors:
+            if neighbor.answer != label:
+                continue
+            record = cache.get(neighbor.key, now)
+            if record is None:
+                continue
+            try:
+                judged = pb.InferResponse.FromString(record.payload)
+                stored_marks = next(bytes(t.data).decode() for t in judged.outputs if t.name == MARKS)
+                answer_key = bytes.fromhex(judged.cache.key)
+            except (DecodeError, StopIteration, UnicodeDecodeError, ValueError):
+                continue
+            if not guards.same(marks, guards.decode(stored_marks)):
+                continue  # a negation, number, date or entity apart: never this one's answer
+            answer = cache.get(answer_key, now, max_age)
+            if answer is None:
+                continue
+            verdict = Verdict.VERIFIED if self.core.matching.shadow.proven(neighbor.key) else Verdict.ESTIMATED
+            age = answer.age_s(now)
+            return marked(answer.payload, Source.RESULT_SEMANTIC, age, neighbor.similarity, verdict), neighbor.key
+        return None
+
+    def _verify(self, runtime, calibration: Calibration, judge: HeadRuntime, item: worker_pb2.ComputeItem,
+                embedding: np.ndarray, assessment, entry: bytes) -> None:
+        """Offers the hit for shadow verification: the judge runs on the question when the worker is idle
+        (always while the entry is unproven, else at verify_fraction)."""
+        fraction = runtime.spec.answer_match.rule.verify_fraction
+        shadow = self.core.matching.shadow
+        if fraction == 0:
+            return
+        chance = shadow.chance(entry, fraction)
+        if chance < 1.0 and np.random.random() >= chance:
+            return
+        checked = worker_pb2.ComputeItem(key=item.question_key, tenant=item.tenant, model=judge.spec.name,
+                                         version=judge.version, store=False)  # the check stores nothing
+        shadow.offer(Check(judge, calibration, checked, self._feature(judge, embedding), embedding, assessment.answer,
+                           assessment.margin, entry, chance, now_us(), assessment.fitted is not None))
