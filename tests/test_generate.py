@@ -77,7 +77,12 @@ def server(gen_models, tmp_path_factory, engines_dir):
     from tests.servers import ServerProcess
 
     workdir = tmp_path_factory.mktemp("gen-server")
-    srv = ServerProcess(workdir, gen_models, frontends=2, engines_dir=engines_dir)
+    srv = ServerProcess(workdir, gen_models, frontends=2, engines_dir=engines_dir, wait=False)
+    try:
+        srv.wait_ready(timeout=300)  # five decoders load one after another: 35 s here, minutes on a busy machine
+    except BaseException:
+        srv.stop()
+        raise
     yield srv
     srv.stop()
 
