@@ -331,6 +331,9 @@ class WriteBehind:
         self._over = over
         self._check_disk()
         self._notify(added, removed)
+        if invalidated and self._flush_every:  # on disk before it is told done: power loss never undoes it
+            self._guarded(self.store.flush_to_disk)
+            self.counters["disk_flushes"] += 1
         for op, count in invalidated:
             self.counters["invalidated"] += count
             op.done.set_result(count)

@@ -71,7 +71,9 @@ class CacheSection:
     budget_mb: int = 1536              # eviction keeps live data under this; must be below map_size_mb
     sync: bool = True                  # flush commits to disk (false: when the kernel pleases)
     sync_interval_ms: int = 200        # with sync: commits are flushed together this long after the first of
-                                       # them (power loss may lose this window); 0 = each commit flushed
+                                       # them (power loss may lose this window, or damage the store where the
+                                       # file system reorders writes: set aside when met); 0 = each commit flushed;
+                                       # invalidations are flushed at once
     write_batch: int = 512             # most operations per write transaction (fewer on a small disk)
     group_commit_ms: int = 50          # a put waits up to this long for others to share its transaction
     sweep_interval_s: float = 30.0     # how often expired entries are deleted

@@ -59,6 +59,11 @@ def test_guards_tell_a_changed_negation_number_date_or_entity(cached, asked):
     assert not guards.same(guards.marks(cached), guards.marks(asked))
 
 
+def test_a_thousands_comma_is_one_number_and_a_decimal_comma_another():
+    assert guards.same(guards.marks("Send 1,000 euros to Anna"), guards.marks("Send 1000 euros to Anna"))
+    assert not guards.same(guards.marks("Send 1,5 euros to Anna"), guards.marks("Send 15 euros to Anna"))
+
+
 @pytest.mark.parametrize("cached, asked", [("Can I return an item after 30 days?", "could i return it after 30 days"),
                                            ("Do you ship to Canada?", "Do you deliver to Canada"),
                                            ("How do I cancel my order?", "How can I cancel an order?")])

@@ -428,3 +428,18 @@ def test_with_an_fsync_per_commit_the_writer_flushes_nothing_itself(tmp_path):
     writer.close()
     assert writer.counters["disk_flushes"] == 0
     store.close()
+
+
+def test_an_invalidation_is_on_disk_before_it_is_told_done(tmp_path):
+    """With the flush interval, puts wait for the next flush; an invalidation is flushed in its commit."""
+    store = Store(StoreSettings(tmp_path / "s", 64 << 20, 48 << 20, sync=True, sync_interval_s=30.0), readonly=False)
+    writer = WriteBehind(store, threaded=False)
+    ns = Namespace("t", "m", "1")
+    writer.put(entry_key(ns.ns_id, "text"), ns, records.Record(results.now_us(), 0, b"answer"))
+    writer.drain()
+    assert writer.counters["disk_flushes"] == 0
+    done = writer.invalidate(Selector(tenant="t"))
+    writer.drain()
+    assert done.result(1) == 1 and writer.counters["disk_flushes"] == 1
+    writer.close()
+    store.close()

@@ -13,6 +13,7 @@ guard marks.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -30,6 +31,8 @@ from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelRepository, ModelSpec
 from server.shared.normalize import REDACTING_ONLY, Normalizer, holds_pii, nfkc
 from server.shared.tokenization import TextEncoder
+
+log = logging.getLogger("infercache.prompts")
 
 Mode = pb.CachePolicy.Mode
 ROLES = ("system", "user", "assistant")
@@ -131,7 +134,12 @@ class Prompts:
         if policy is None or policy.rule.embedder not in self.repository.models:
             return None, None
         embedder = self.repository.get(policy.rule.embedder)
-        encoder = TextEncoder(embedder.version_dir(embedder.serving_version) / TOKENIZER_FILE, embedder.max_tokens)
+        try:
+            encoder = TextEncoder(embedder.version_dir(embedder.serving_version) / TOKENIZER_FILE, embedder.max_tokens)
+        except Exception as exc:  # noqa: BLE001 (its tokenizer does not load: exact answers only)
+            log.error("%s: no semantic answers: the embedder %r's tokenizer does not load: %s", spec.name,
+                      policy.rule.embedder, exc)
+            return None, None
         return Normalizer.of(spec), encoder
 
     def prepare_models(self) -> None:

@@ -27,6 +27,7 @@ NOT_ENTITIES = frozenset("i i'm i've i'd i'll hi hello please thanks ok okay".sp
 
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_THOUSANDS = re.compile(r",(?=\d{3}(?!\d))")  # 1,000 is 1000; 1,5 stays 1,5 (a decimal comma)
 _SENTENCE_END = re.compile(r"[.!?]\s*$")
 
 
@@ -37,7 +38,7 @@ def marks(text: str) -> tuple[str, ...]:
     lower = text.lower()
     negations = sum(1 for w in _WORD.findall(lower) if w in NEGATIONS or w.endswith(("n't", "n’t")))
     out += ["neg"] * negations
-    out += [f"num:{n.replace(',', '')}" for n in _NUMBER.findall(text)]
+    out += [f"num:{_THOUSANDS.sub('', n)}" for n in _NUMBER.findall(text)]
     start = None
     for match in _WORD.finditer(text):
         word = match.group()

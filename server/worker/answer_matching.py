@@ -153,8 +153,8 @@ class AnswerMatching:
         now = now_us()
         max_age = item.max_age_us if item.HasField("max_age_us") else None
         for neighbor in neighbors:
-            if neighbor.answer != label:
-                continue
+            if neighbor.answer != label or self.core.matching.shadow.contested(neighbor.key):
+                continue  # (a contested entry answers no more, whichever neighbour it is)
             record = cache.get(neighbor.key, now)
             if record is None:
                 continue

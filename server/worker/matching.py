@@ -15,6 +15,7 @@ from cachestore.semantic_log import SemanticEntry
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.shared.answers import answer_record
+from server.shared.errors import ModelNotFound
 from server.shared.feature_records import feature_namespace
 from server.shared.match_policy import Assessment, Neighbor
 from server.worker.calibration import Calibration
@@ -114,7 +115,10 @@ class Matching:
         generations = self.core.generations
         for key, runtime in (generations.runtimes.items() if generations is not None else ()):
             if (policy := runtime.spec.answer_match) is not None:  # semantic answers (server/worker/answer_matching.py)
-                versions[key] = (policy.rule.max_error, generations.answers.settings(policy))
+                try:
+                    versions[key] = (policy.rule.max_error, generations.answers.settings(policy))
+                except ModelNotFound:  # its judge or embedder is not in the repository (logged where it is used)
+                    continue
         return versions
 
     def _rule(self, runtime: ModelRuntime) -> str:

@@ -268,9 +268,10 @@ class WriterProcess:
         put.created_us, put.expires_us, put.ttl_class = record.created_us, record.expires_us, ttl_class
         self._sent += 1
         if semantic is not None:
-            vector = np.asarray(semantic.embedding, dtype="<f4")
-            put.semantic, put.answer, put.embedding = True, semantic.answer, vector.tobytes()
-            self._vectors[key] = (self._sent, vector)
+            put.semantic, put.answer = True, semantic.answer
+            put.embedding = np.asarray(semantic.embedding, dtype="<f4").tobytes()
+            # (over the frame's bytes: a view of the engine's output would keep its whole batch alive)
+            self._vectors[key] = (self._sent, np.frombuffer(put.embedding, dtype="<f4"))
             self._vector_order.append((self._sent, key))
         if on_done is not None:
             self._callbacks.append((self._sent, on_done))
