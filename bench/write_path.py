@@ -115,13 +115,9 @@ async def _writer_run(path: Path, interval_s: float, puts: int, read_s: float) -
         stored = [put() for _ in range(PREFILL)]
         await asyncio.wrap_future(writer.flush())
         read_keys = stored[::7]
-        idle = await asyncio.to_thread(_reads, path, read_keys, read_s, None)
+        idle = await asyncio.to_thread(_Reads(path, read_keys, read_s).result)
         before = writer.counters["writes"]
-        ctx = multiprocessing.get_context("spawn")
-        start, out = ctx.Barrier(2), ctx.Queue()
-        reader = ctx.Process(target=_reader, args=(str(path), read_keys, read_s, start, out))
-        reader.start()
-        await asyncio.to_thread(start.wait, 120)
+        reads = await asyncio.to_thread(_Reads, path, read_keys, read_s)  # reading from here on
         began, cpu = time.perf_counter(), _cpu_s(writer.process.pid)
         for n in range(puts):
             put()
@@ -129,8 +125,7 @@ async def _writer_run(path: Path, interval_s: float, puts: int, read_s: float) -
                 await asyncio.sleep(0)  # frames go out as a worker's do, between its batches
         await asyncio.wrap_future(writer.flush())
         wall, cpu = time.perf_counter() - began, _cpu_s(writer.process.pid) - cpu
-        busy = await asyncio.to_thread(out.get, True, 600)
-        reader.join(30)
+        busy = await asyncio.to_thread(reads.result)
         await asyncio.sleep(1.2)  # the counters come with the process's next frame
         done = writer.counters["writes"] - before
         return {"sync_interval_ms": round(interval_s * 1000), "puts": done,
@@ -168,15 +163,21 @@ def _baseline_run(tree: Path, path: Path, puts: int, read_s: float) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _reads(path: Path, keys: list[bytes], seconds: float, _) -> tuple[float, float, int]:
-    ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Barrier(2), ctx.Queue()
-    reader = ctx.Process(target=_reader, args=(str(path), keys, seconds, start, out))
-    reader.start()
-    start.wait(120)
-    got = out.get(timeout=600)
-    reader.join(30)
-    return got
+class _Reads:
+    """A reader process (_reader) started, and reading once it is built."""
+
+    def __init__(self, path: Path, keys: list[bytes], seconds: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        start, self._out = ctx.Barrier(2), ctx.Queue()
+        self._process = ctx.Process(target=_reader, args=(str(path), keys, seconds, start, self._out))
+        self._process.start()
+        start.wait(120)
+
+    def result(self) -> tuple[float, float, int]:
+        """(p50, p99 in microseconds, reads), once its seconds are over."""
+        got = self._out.get(timeout=600)
+        self._process.join(30)
+        return got
 
 
 def bench_write_path(workdir: Path, rounds: int, quick: bool, interval_ms: int | None = None,
