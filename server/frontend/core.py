@@ -104,14 +104,14 @@ class FrontendCore:
             return "expired"  # the class's TTL cut it (shorter than the storing class's, or lowered)
         return reason
 
-    def _seen(self, plan: Plan, keyed: list[Keyed]) -> None:
-        """The call's keys into the hot-key sketch (texts where the model keeps them)."""
-        served = plan.served
-        keep = served.spec.hot_key_text
-        tenant = plan.tenant if keep else ""
-        for one in keyed:
-            if not one.private:
-                self.hot.add(served.spec.name, served.version, one.key, tenant, one.text if keep else "")
+    def _seen(self, plan: Plan, one: Keyed) -> None:
+        """A call's key into the hot-key sketch (its text and tenant where the model keeps them)."""
+        if not one.private:
+            served = plan.served
+            if served.spec.hot_key_text:
+                self.hot.add(served.spec.name, served.version, one.key, plan.tenant, one.text)
+            else:
+                self.hot.add(served.spec.name, served.version, one.key, "", "")
 
     async def _fleet_hit(self, plan: Plan, keyed: Keyed) -> bytes | None:
         """A fresh entry of the fleet tier as the answer, its copy sent to the key's worker for L1; or
@@ -186,7 +186,7 @@ class FrontendCore:
         planner = self.planner
         plan, keyed = planner.prepared(request) if isinstance(request, bytes) else planner.prepare(request)
         if self.hot is not None:
-            self._seen(plan, [keyed])
+            self._seen(plan, keyed)
         if (hit := self._hit(plan, keyed)) is not None:
             tally.answered(plan, keyed, RESULT_EXACT)
             return hit
@@ -199,8 +199,8 @@ class FrontendCore:
         None where `kept` names it, key, creation time, age), not composed into InferResponse bytes; None
         when L1 has none."""
         if self.hot is not None:
-            self._seen(plan, [keyed])
-        if plan.cached_ok and not keyed.private and (cache := self.l1()) is not None:
+            self._seen(plan, keyed)
+        if plan.cached_ok and not keyed.private and (cache := self._l1.get()) is not None:  # (self.l1(), inlined)
             entry = cache.entry(keyed.key, plan.max_age_us, kept)
             if entry is not None:
                 self.counters["hit_exact"] += 1
@@ -260,7 +260,8 @@ class FrontendCore:
                 missed.append(n)
                 tally.missed(n, self._why_missed(plan, one.private))
         if self.hot is not None:
-            self._seen(plan, keyed)
+            for one in keyed:
+                self._seen(plan, one)
         self.counters["batch_calls"] += 1
         self.counters["batch_texts"] += len(keyed)
         here: dict[int, int] = {}  # texts L1 missed, answered here all the same: their sources
