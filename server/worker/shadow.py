@@ -3,8 +3,9 @@
 A share of the semantic hits served (`semantic.verify_fraction`), and every hit answered by an entry no
 verification has proven yet, is recomputed by the model in the background and compared with the answer
 served. Checks run at low priority: only while every batcher of the worker is idle (nothing queued, no
-batch running: on one CPU or one GPU the encoder's batches and the heads' compete for the same device, so
-an idle head batcher beside a busy encoder is no idle capacity). Waiting checks of one model and length
+batch running, no generation running: on one CPU or one GPU the encoder's batches, the heads' and the
+decoders' steps compete for the same device, so an idle head batcher beside a busy encoder is no idle
+capacity). Waiting checks of one model and length
 group (server/worker/batcher.py) go together: up to the batcher's max_batch where a row costs next to nothing (a
 head, a GPU), one at a time where each row adds to a batch's time (the batcher's row model, a CPU), so a
 foreground miss that arrives meanwhile waits for at most one such batch. Where no idle moment comes
@@ -18,7 +19,9 @@ one that waited over a minute (all counted). Each outcome feeds the model versio
 (threshold, live fidelity, guard: server/worker/calibration.py). An agreement proves the entry; a disagreement
 contests it: it answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the
 worker stores it under the query's key, replacing the alias the hit wrote, and indexes it: a verified
-answer is an entry of its own). One owner: the worker's event loop."""
+answer is an entry of its own). A generative model's answers are checked by regenerating them
+(server/worker/regeneration.py): a check whose model input yields to foreground work (`Preempted`) is
+offered again, in its place, for the next idle moment. One owner: the worker's event loop."""
 
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ MAX_DEFER_S = 1.0            # a batch of checks waits at most this long for an 
 QUEUE_SHARE = 0.5            # checks never fill more of a batcher's queue: requests after them find the rest
 
 
+class Preempted(Exception):
+    """A check's computation gave way to foreground work: the check waits for the next idle moment."""
+
+
 @dataclass
 class Check:
     runtime: Any               # the model's ModelRuntime (its batcher and labels)
@@ -55,6 +62,8 @@ class Check:
     chance: float              # the probability this hit was verified
     created_us: int            # when the hit was served
     fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/worker/calibration.py)
+    agrees: Callable[[dict], bool] | None = None  # whether the model's outputs agree with the hit (None: the
+    #                                               label its scores rank first is `served`)
 
 
 class ShadowVerifier:
@@ -83,6 +92,19 @@ class ShadowVerifier:
     def chance(self, entry: bytes, fraction: float) -> float:
         """How likely a hit answered by `entry` is verified: always while the entry is unproven."""
         return fraction if entry in self._proven else 1.0
+
+    def judged(self, entry: bytes, agreed: bool) -> None:
+        """A verdict on `entry` reached outside a check (a miss computed what a check would have): proves
+        or contests it as a check does."""
+        if agreed:
+            if len(self._proven) >= PROVEN_CAPACITY:
+                self._proven.clear()
+            self._proven.add(entry)
+        else:
+            if len(self._contested) >= PROVEN_CAPACITY:
+                self._contested.clear()
+            self._contested.add(entry)
+            self._proven.discard(entry)
 
     def stats(self) -> dict[str, int]:
         """The counters, and the checks not settled yet (waiting, or in a batch)."""
@@ -166,7 +188,7 @@ class ShadowVerifier:
 
     async def _check(self, checks: list[Check]) -> None:
         batcher = checks[0].runtime.batcher
-        enqueued, failed = [], []
+        enqueued, failed, preempted = [], [], []
         for check in checks:  # with no await between: the batcher cuts them into one batch
             try:
                 enqueued.append((check, batcher.enqueue(check.model_input, None, waits=True)))
@@ -174,6 +196,9 @@ class ShadowVerifier:
                 failed.append(exc)
         outcomes = await asyncio.gather(*(future for _, future in enqueued), return_exceptions=True)
         for (check, _), outputs in zip(enqueued, outcomes):
+            if isinstance(outputs, Preempted):
+                preempted.append(check)
+                continue
             if isinstance(outputs, BaseException):
                 failed.append(outputs)
                 continue
@@ -181,24 +206,21 @@ class ShadowVerifier:
                 self._settle(check, outputs)
             except Exception as exc:
                 failed.append(exc)
+        if preempted:  # back in front, in their order: they wait for the next idle moment
+            self.counters["shadow_preempted"] += len(preempted)
+            self._pending.extendleft(reversed(preempted))
         if failed:  # a check lost is a sample lost, never an answer
             self.counters["shadow_failed"] += len(failed)
             log.warning("%d of %d shadow checks failed", len(failed), len(checks), exc_info=failed[0])
 
     def _settle(self, check: Check, outputs: dict) -> None:
-        answer = check.runtime.labels[int(np.argmax(outputs["scores"]))]
-        agreed = answer == check.served
+        if check.agrees is not None:
+            agreed = bool(check.agrees(outputs))
+        else:
+            agreed = check.runtime.labels[int(np.argmax(outputs["scores"]))] == check.served
         check.calibration.verified_hit(check.margin, agreed, check.chance, check.fitted)
         self.counters["shadow_agreed" if agreed else "shadow_disagreed"] += 1
-        if agreed:
-            if len(self._proven) >= PROVEN_CAPACITY:
-                self._proven.clear()
-            self._proven.add(check.entry)
-        else:
-            if len(self._contested) >= PROVEN_CAPACITY:
-                self._contested.clear()
-            self._contested.add(check.entry)
-            self._proven.discard(check.entry)
+        self.judged(check.entry, agreed)
         self.on_checked(check, outputs, agreed)
 
 
