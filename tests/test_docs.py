@@ -170,11 +170,12 @@ def test_every_semantic_answers_setting_is_documented_with_its_default():
     policy = answer_match_from_config({"enabled": True, "judge": "j"})
     expected = {f"semantic.{f.name}": getattr(policy.rule, f.name) for f in dataclasses.fields(CalibratedPolicy)}
     expected |= {"semantic.enabled": False, "semantic.context": policy.context}
-    assert set(documented) == set(expected) | {"semantic.judge"}, sorted(set(documented) ^ (set(expected) | {"semantic.judge"}))
-    assert documented["semantic.judge"][1] == "required"
+    judges = {"semantic.judge", "semantic.answer_cosine"}  # one of the two, no default
+    assert set(documented) == set(expected) | judges, sorted(set(documented) ^ (set(expected) | judges))
+    assert all(documented[name][1] == "one of these two" for name in judges)
     wrong = {n: (documented[n][1], d) for n, d in expected.items() if documented[n][1] != f"`{literal(d)}`"}
     assert not wrong, wrong
-    assert {f.name for f in dataclasses.fields(AnswerMatchPolicy)} == {"judge", "rule", "context"}
+    assert {f.name for f in dataclasses.fields(AnswerMatchPolicy)} == {"judge", "rule", "context", "answer_cosine"}
 
 
 # --- the README's tour, run as written against a real server -------------------------------------------

@@ -12,6 +12,8 @@ It reuses the classifier tier whole: the index and the judge's interpolated scor
 Calibration per generative model version, saved with the others), and shadow verification
 (server/worker/shadow.py): a share of hits, and every hit of an unproven entry, has the judge run on the
 question while the worker is idle; a disagreement contests the entry, which answers no more.
+A model whose judge is answer equivalence (`semantic.answer_cosine`) is matched by
+server/worker/answer_equivalence.py instead, with the same calibration and shadow verifier.
 Any failure is a miss. A caller that goes away during the lookup (a millisecond or two) is not heard
 of until its generation starts: that generation runs for nobody and is stored. Event loop only."""
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -31,6 +34,7 @@ from infercache.v1 import worker_pb2
 from server.shared import question_guards as guards
 from server.shared.answer_match import AnswerMatchPolicy
 from server.shared.generated import marked
+from server.worker.answer_equivalence import AnswerEquivalence
 from server.worker.calibration import Calibration
 from server.worker.flights import token_ids
 from server.worker.heads import HeadRuntime
@@ -50,18 +54,20 @@ class Companion:
     key: bytes               # the question's key
     payload: bytes           # the judge's serialized response for it (scores, marks, the answer's key)
     entry: SemanticEntry     # its row in the namespace's index
+    awaits_answer: ClassVar[bool] = False  # (answer equivalence's needs the answer first: answer_equivalence.py)
 
 
 @dataclass
 class Lookup:
     answer: bytes | None = None        # a semantic hit: the whole answer, marked
-    companion: Companion | None = None
+    companion: Companion | None = None  # (or answer_equivalence.py's AwaitingAnswer)
 
 
 class AnswerMatching:
     def __init__(self, core) -> None:
         self.core = core  # server/worker/core.py WorkerCore: its semantic tier, cache, runtimes, matching
         self._refused: set[tuple[str, str]] = set()  # (model, version) whose judge cannot run here (logged once)
+        self.equivalence = AnswerEquivalence(core, self)
 
     def enabled(self, spec) -> bool:
         return spec.answer_match is not None and self.core.semantic is not None and self.core.cache is not None
@@ -70,6 +76,9 @@ class AnswerMatching:
         """A semantic hit for a generation item with a question (one that a cached answer may answer), or
         what its miss stores."""
         policy: AnswerMatchPolicy = runtime.spec.answer_match
+        if policy.by_answers:
+            answer, awaiting = await self.equivalence.lookup(runtime, item, deadline)
+            return Lookup(answer, awaiting)
         judge = self._judge(runtime, policy)
         if judge is None:
             return Lookup()
@@ -81,7 +90,7 @@ class AnswerMatching:
         neighbors, assessment = [], None
         if item.cached_ok:  # (BYPASS: a fresh answer, indexed all the same)
             neighbors, assessment = await core.semantic.search(ns_id, embedding, rule.k, judge.labels)
-        calibration = self.calibration(runtime, policy, judge)
+        calibration = self.calibration(runtime, policy)
         marks = guards.decode(item.question_marks)
         if assessment is not None:
             fitted = assessment.fitted is not None
@@ -111,7 +120,12 @@ class AnswerMatching:
         return Lookup(companion=Companion(item.question_key, response.SerializeToString(),
                                           SemanticEntry(ns_id, label, embedding)))
 
-    def calibration(self, runtime, policy: AnswerMatchPolicy, judge: HeadRuntime) -> Calibration:
+    async def answered(self, runtime, companion, answer: bytes, put) -> None:
+        """A missed question's answer is generated: what it settles of a companion that awaits it (answer
+        equivalence: answer_equivalence.py). `put(key, payload, semantic entry)` stores (None: nothing)."""
+        await self.equivalence.answered(runtime, companion, answer, put)
+
+    def calibration(self, runtime, policy: AnswerMatchPolicy) -> Calibration:
         key = (runtime.spec.name, runtime.version)
         calibrations = self.core.matching.calibrations
         if (found := calibrations.get(key)) is None:
@@ -120,8 +134,10 @@ class AnswerMatching:
 
     def settings(self, policy: AnswerMatchPolicy) -> str:
         repository = self.core.repository
-        return policy.settings(repository.get(policy.rule.embedder).serving_version,
-                               repository.get(policy.judge).serving_version)
+        embedder_version = repository.get(policy.rule.embedder).serving_version
+        if policy.by_answers:
+            return policy.settings(embedder_version)
+        return policy.settings(embedder_version, repository.get(policy.judge).serving_version)
 
     def _judge(self, runtime, policy: AnswerMatchPolicy) -> HeadRuntime | None:
         """The judge's runtime: a head served here that reads the embedder's embedding (None otherwise)."""

@@ -84,10 +84,17 @@ class WorkerCore:
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
         # Generative models (server/worker/generation.py): their own flights and schedulers.
         self.generations = Generations(generative, writer, self.counters, lambda: self.metrics,
-                                       AnswerMatching(self)) if generative else None
+                                       AnswerMatching(self), self._encoders_busy) if generative else None
+
+    def _encoders_busy(self) -> bool:
+        return any(not runtime.batcher.idle for runtime in self.runtimes.values())
 
     def batchers(self):
-        return (runtime.batcher for runtime in self.runtimes.values())
+        """What computes in this worker, each with `idle` and `wait_idle` (shadow checks wait for all of
+        it): every model's batcher and every generative model's scheduler."""
+        yield from (runtime.batcher for runtime in self.runtimes.values())
+        if self.generations is not None:
+            yield from self.generations.schedulers()
 
     def runtime(self, model: str, version: str) -> ModelRuntime:
         runtime = self.runtimes.get((model, version))

@@ -8,7 +8,10 @@ The decoder's work runs on the scheduler's own thread, off the event loop. A pip
 server/engines/torch_decoder.py) is given step n+1 before step n is read, so the device does not wait
 for the host: a generation that ended at step n has computed one token more, unused. A finished answer
 goes to every caller, then into L1 behind the reply (the flight stays joinable until its entry is
-committed).
+committed). A shadow regeneration (server/worker/regeneration.py) is a generation of its own that nobody
+listens to and nothing stores: it starts only while its scheduler is idle, and foreground work that
+arrives meanwhile (a generation, or a batch of any other model of the worker) drops it before the next
+step (its check waits for the next idle moment).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from server.shared.generated import marked, whole_answer
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelSpec
 from server.worker.answer_text import LENGTH, AnswerText, Sampler
+from server.worker.shadow import Preempted
 
 log = logging.getLogger("infercache.generation")
 
@@ -47,7 +51,7 @@ class Generation:
     __slots__ = ("key", "item", "model", "listeners", "text", "sampler", "sent", "answer", "dropped", "deadline",
                  "created_us", "store", "prompt", "limit", "slot", "fed", "planned", "received", "next_token",
                  "awaiting", "last_step", "looked_up", "loading", "loaded", "block_keys", "kept", "reused_from",
-                 "seated_at", "companion")
+                 "seated_at", "companion", "background")
 
     def __init__(self, item: worker_pb2.ComputeItem, model: "GenerativeRuntime", deadline: float | None) -> None:
         params = item.generate
@@ -89,6 +93,8 @@ class Generation:
         self.seated_at = 0.0
         # Semantic answers (server/worker/answer_matching.py): the question's entry, stored beside the answer.
         self.companion = None
+        # A shadow regeneration: the future its whole answer goes to (None: a foreground generation).
+        self.background: asyncio.Future | None = None
 
     @property
     def sampled(self) -> bool:
@@ -114,8 +120,11 @@ class Scheduler:
     """The running batch of one model version. Its task is the only writer of `running`, `waiting`, the
     free slots and the generations' step bookkeeping."""
 
-    def __init__(self, runtime: GenerativeRuntime, finished, counters: Counter, metrics=lambda: None) -> None:
+    def __init__(self, runtime: GenerativeRuntime, finished, counters: Counter, metrics=lambda: None,
+                 busy=lambda: False) -> None:
+        """busy(): whether another model of the worker has work (a regeneration gives way to it)."""
         self.runtime = runtime
+        self._busy = busy
         self.decoder = runtime.decoder
         self.prefix = runtime.prefix
         self._metrics = metrics              # () -> the worker's telemetry.Recorder, or None
@@ -131,25 +140,54 @@ class Scheduler:
         self._collected = 0
         self._pending: tuple[object, list] | None = None  # a launched step not read yet, and its generations
         self._wake = asyncio.Event()
+        self._became_idle = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"generate-{runtime.spec.name}")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"scheduler-{runtime.spec.name}")
 
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def idle(self) -> bool:
+        """No generation waits or runs (shadow checks may go: server/worker/shadow.py)."""
+        return not self.running and not self.waiting and self._pending is None
+
+    async def wait_idle(self) -> None:
+        """Returns once the scheduler is idle (woken when it becomes so, not by polling)."""
+        while not self.idle:
+            self._became_idle.clear()
+            await self._became_idle.wait()
+
     def admit(self, generation: Generation) -> None:
+        if generation.background is None:  # foreground: a regeneration running or waiting gives way
+            self._preempt()
+        elif not self.idle:
+            raise Preempted("the scheduler is busy")
         if len(self.waiting) >= self.limit.max_waiting and not self._free:
             raise Overloaded(f"{self.runtime.spec.name}: {len(self.running)} generations running and "
                              f"{len(self.waiting)} waiting (generate.max_waiting); retry later")
         self.waiting.append(generation)
         self._wake.set()
 
+    def _preempt(self) -> None:
+        """Drops every regeneration, running or waiting (left at the next step; a slot is freed once no
+        launched step uses it): foreground work arrived."""
+        for other in (*self.running, *self.waiting):
+            if other.background is not None and not other.dropped:
+                other.dropped = True
+                self.counters["regenerations_preempted"] += 1
+                if not other.background.done():
+                    other.background.set_exception(Preempted("foreground work arrived"))
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self.running and not self.waiting and self._pending is None:
+            if self.idle:
+                self._became_idle.set()
                 self._wake.clear()
                 await self._wake.wait()
+            if any(g.background is not None for g in (*self.running, *self.waiting)) and self._busy():
+                self._preempt()  # another model's foreground batch: the device is theirs
             self._retire(loop.time())
             self._seat()
             step, entries = self._plan()
@@ -358,17 +396,20 @@ class Generations:
     answers into L1. Event loop only."""
 
     def __init__(self, runtimes: dict[tuple[str, str], GenerativeRuntime], writer, counters: Counter,
-                 metrics=lambda: None, answers=None) -> None:
+                 metrics=lambda: None, answers=None, busy=lambda: False) -> None:
         """metrics(): the worker's telemetry.Recorder while /metrics is on, else None. answers: the worker's
-        AnswerMatching (server/worker/answer_matching.py), for models with semantic answers."""
+        AnswerMatching (server/worker/answer_matching.py), for models with semantic answers. busy(): whether
+        the worker's other models have work (shadow regenerations give way to it)."""
         self.runtimes = runtimes
         self.answers = answers
-        self._lookups: set[asyncio.Task] = set()
+        self.busy = busy
+        self._tasks: set[asyncio.Task] = set()  # semantic lookups, and what a miss's answer adds to them
         self.writer = writer
         self.cache = ResultCache(writer.store) if writer is not None else None
         self.counters = counters
         self._flights: dict[bytes, Generation] = {}
-        self._schedulers = {key: Scheduler(runtime, self._done, counters, metrics) for key, runtime in runtimes.items()}
+        self._schedulers = {key: Scheduler(runtime, self._done, counters, metrics, busy)
+                            for key, runtime in runtimes.items()}
 
     def submit(self, replies, item: worker_pb2.ComputeItem, deadline: float | None) -> None:
         runtime = self.runtimes.get((item.model, item.version))
@@ -388,9 +429,7 @@ class Generations:
                 return
         if (flight is None and item.question_key and self.answers is not None
                 and self.answers.enabled(runtime.spec)):
-            task = asyncio.get_running_loop().create_task(self._semantic(replies, item, deadline, runtime))
-            self._lookups.add(task)
-            task.add_done_callback(self._lookups.discard)
+            self.background(self._semantic(replies, item, deadline, runtime))
             return
         self._start(replies, item, deadline, runtime, flight, shared)
 
@@ -442,6 +481,28 @@ class Generations:
         flight.listeners[(replies, item.id)] = joined
         replies.waiting[item.id] = flight
 
+    def schedulers(self):
+        """Every model version's scheduler (shadow checks wait for them to be idle too)."""
+        return self._schedulers.values()
+
+    def regenerate(self, item: worker_pb2.ComputeItem) -> asyncio.Future:
+        """A shadow regeneration of `item` (server/worker/regeneration.py): its whole answer, or Preempted
+        when foreground work came first (raised at once where its scheduler is busy). Stored nowhere,
+        joined by nobody."""
+        runtime = self.runtimes[(item.model, item.version)]
+        flight = Generation(item, runtime, None)
+        flight.store = False
+        flight.background = asyncio.get_running_loop().create_future()
+        self._schedulers[(item.model, item.version)].admit(flight)
+        return flight.background
+
+    def background(self, coroutine) -> asyncio.Task:
+        """A task of this worker's generations (cancelled at close)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     def cancel(self, replies, item_id: int, flight: Generation) -> None:
         """A caller went away: a generation nobody waits for is dropped at its scheduler's next step."""
         flight.listeners.pop((replies, item_id), None)
@@ -452,6 +513,14 @@ class Generations:
 
     def _done(self, flight: Generation) -> None:
         """A flight ended: its callers get the answer; it is stored, and forgotten once committed."""
+        if flight.background is not None:  # a shadow regeneration: its answer to the check alone
+            if not flight.background.done():
+                if flight.answer is None:
+                    flight.background.set_exception(WorkerUnavailable("the regeneration failed"))
+                else:
+                    flight.background.set_result(flight.answer)
+                    self.counters["regenerated"] += 1
+            return
         if flight.answer is None:  # failed or dropped
             self._forget(flight)
             return
@@ -462,25 +531,37 @@ class Generations:
             replies.finish(item_id, source, marked(flight.answer, source))
         flight.listeners.clear()
         self.counters["generated"] += 1
-        if flight.store and self.writer is not None:
+        store = flight.store and self.writer is not None
+        if store:
             item = flight.item
             record = answer_record(flight.model.spec, flight.created_us, flight.answer, item.ttl_class)
             ns = namespace(item.tenant, item.model, item.version)
             self.writer.put(flight.key, ns, record, on_done=partial(self._forget, flight), ttl_class=item.ttl_class,
                             shared=shared)
-            if (companion := flight.companion) is not None:  # the question's entry, pointing at the answer
-                question = answer_record(flight.model.spec, flight.created_us, companion.payload, item.ttl_class)
-                self.writer.put(companion.key, ns, question, semantic=companion.entry, ttl_class=item.ttl_class,
-                                shared=shared)
         else:
             self._forget(flight)
+        companion = flight.companion
+        if companion is None:
+            return
+        put = partial(self._put_question, flight, shared) if store else None
+        if companion.awaits_answer:  # answer equivalence: the answer's embedding first (an outcome, the entry)
+            self.background(self.answers.answered(flight.model, companion, flight.answer, put))
+        elif put is not None:
+            put(companion.key, companion.payload, companion.entry)
+
+    def _put_question(self, flight: Generation, shared: bool, key: bytes, payload: bytes, entry) -> None:
+        """A question's entry (server/worker/answer_matching.py), pointing at the flight's answer."""
+        item = flight.item
+        question = answer_record(flight.model.spec, flight.created_us, payload, item.ttl_class)
+        self.writer.put(key, namespace(item.tenant, item.model, item.version), question, semantic=entry,
+                        ttl_class=item.ttl_class, shared=shared)
 
     def _forget(self, flight: Generation) -> None:
         if self._flights.get(flight.key) is flight:
             del self._flights[flight.key]
 
     async def close(self) -> None:
-        for task in list(self._lookups):
+        for task in list(self._tasks):
             task.cancel()
         for scheduler in self._schedulers.values():
             await scheduler.close()
