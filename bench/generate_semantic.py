@@ -33,7 +33,7 @@ from bench import BANKING77
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
 from server.worker.calibration import wilson_lower
-from tests.helpers import settled
+from tests.helpers import settled, worker_counters
 from tests.servers import REPO, ServerProcess
 
 SEED = 7
@@ -78,14 +78,6 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def _counters(server: ServerProcess) -> dict:
-    out: dict[str, int] = {}
-    for worker in server.stats().workers:
-        for name, value in worker.counters.items():
-            out[name] = out.get(name, 0) + value
-    return out
-
-
 def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens: int = 1,
                             latency_tokens: int = 32, latency_calls: int = 20) -> dict:
     if quick:
@@ -120,7 +112,7 @@ def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens
             origin = {g.key: (t, c) for g, (t, c) in zip(warmed, warm) if g.source == "MISS"}
             answer_of = {t: g.text for g, (t, _) in zip(warmed, warm)}
             settled(server, "semantic.indexed", timeout=120)
-            before = _counters(server)
+            before = worker_counters(server)
             out["calibration_after_warm"] = {k.split(".")[-1]: v for k, v in before.items()
                                              if k.startswith("semantic.answers.1.")}
 
@@ -138,7 +130,7 @@ def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens
                                 for v in ("ESTIMATED", "VERIFIED")}
             time.sleep(2)
             settled(server, "semantic.answers.1.verified", timeout=120)
-            after = _counters(server)
+            after = worker_counters(server)
             ours["calibration_after_replay"] = {k.split(".")[-1]: v for k, v in after.items()
                                                 if k.startswith("semantic.answers.1.")}
             out["infercache"] = ours

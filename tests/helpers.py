@@ -63,16 +63,22 @@ def link_model(root: Path, name: str, config: str, versions: dict[str, Path]) ->
     return root / name
 
 
+def worker_counters(server) -> dict[str, int]:
+    """Every worker's GetStats counters, summed by name."""
+    counters: dict[str, int] = {}
+    for worker in server.stats().workers:
+        for name, value in worker.counters.items():
+            counters[name] = counters.get(name, 0) + value
+    return counters
+
+
 def settled(server, counter: str, idle: tuple[str, ...] = ("writer.backlog",), timeout: float = 30.0,
             poll_s: float = 0.1) -> int:
     """Every worker's `counter` (summed) once background work has settled: each counter in `idle` is 0
     and `counter` holds between two reads `poll_s` apart."""
     deadline, last = time.monotonic() + timeout, None
     while True:
-        counters: dict[str, int] = {}
-        for worker in server.stats().workers:
-            for name, value in worker.counters.items():
-                counters[name] = counters.get(name, 0) + value
+        counters = worker_counters(server)
         now = counters.get(counter, 0)
         if now == last and not any(counters.get(name, 0) for name in idle):
             return now

@@ -12,7 +12,7 @@ import pytest
 from server.shared import question_guards as guards
 from server.shared.answer_match import answer_match_from_config, namespace_material
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, settled
+from tests.helpers import link_model, settled, worker_counters
 from tests.servers import REPO, ServerProcess
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
@@ -113,16 +113,8 @@ def server(tmp_path_factory, faq_models, engines_dir):
     srv.stop()
 
 
-def _counters(server: ServerProcess) -> dict:
-    counters: dict[str, int] = {}
-    for worker in server.stats().workers:
-        for name, value in worker.counters.items():
-            counters[name] = counters.get(name, 0) + value
-    return counters
-
-
 def test_the_misses_taught_a_threshold(server):
-    counters = _counters(server)
+    counters = worker_counters(server)
     assert counters["semantic.answers.1.outcomes"] >= 12
     assert "semantic.answers.1.threshold_milli" in counters
     assert counters["semantic.indexed"] + counters.get("worker.answer_semantic_hits", 0) >= 40
@@ -175,12 +167,12 @@ def test_a_semantic_hit_streams_as_one_last_message(server):
 
 
 def test_shadow_checks_judge_hits_and_count_in_the_bound(server):
-    before = _counters(server)
+    before = worker_counters(server)
     with server.client(timeout_s=120) as client:
         for text in PARAPHRASES:
             client.generate("answers", messages=_user(text + " please"), tenant="a", max_new_tokens=TOKENS,
                             mode="NO_STORE")
-    after = settled(server, "semantic.answers.1.verified") and _counters(server)
+    after = settled(server, "semantic.answers.1.verified") and worker_counters(server)
     verified = after["semantic.answers.1.verified"] - before.get("semantic.answers.1.verified", 0)
     assert verified >= 1 and after["worker.answer_semantic_hits"] > before.get("worker.answer_semantic_hits", 0)
     # each check is an outcome too: what moves the threshold

@@ -164,7 +164,7 @@ class AnswerEquivalence:
         return (await embedder.batcher.enqueue(ids, None, waits=True))["embedding"]
 
     def _embedder(self, policy: AnswerMatchPolicy):
-        return self.core.runtime(policy.rule.embedder, self.core.repository.get(policy.rule.embedder).serving_version)
+        return self.core.serving(policy.rule.embedder)
 
     def _candidates(self, item: worker_pb2.ComputeItem, neighbors, marks: tuple[str, ...]
                     ) -> tuple[Candidate | None, Candidate | None]:

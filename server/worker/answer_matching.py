@@ -83,7 +83,7 @@ class AnswerMatching:
         if judge is None:
             return Lookup()
         core = self.core
-        embedder = core.runtime(policy.rule.embedder, core.repository.get(policy.rule.embedder).serving_version)
+        embedder = core.serving(policy.rule.embedder)
         embedding = (await embedder.batcher.submit(token_ids(item.embed_ids), deadline))["embedding"]
         ns_id = item.question_key[:NS_ID_BYTES]
         rule = policy.rule
@@ -142,10 +142,8 @@ class AnswerMatching:
     def _judge(self, runtime, policy: AnswerMatchPolicy) -> HeadRuntime | None:
         """The judge's runtime: a head served here that reads the embedder's embedding (None otherwise)."""
         try:
-            spec = self.core.repository.get(policy.judge)
-            judge = self.core.runtime(spec.name, spec.serving_version)
-            embedder = self.core.runtime(policy.rule.embedder,
-                                         self.core.repository.get(policy.rule.embedder).serving_version)
+            judge = self.core.serving(policy.judge)
+            embedder = self.core.serving(policy.rule.embedder)
         except Exception:  # noqa: BLE001 (not served here: exact answers only)
             judge = embedder = None
         if isinstance(judge, HeadRuntime) and judge.reads(embedder, "embedding"):

@@ -103,6 +103,10 @@ class WorkerCore:
             raise ModelNotFound(f"model {model!r} version {version!r} is not loaded by this worker")
         return runtime
 
+    def serving(self, model: str) -> ModelRuntime:
+        """The runtime of `model`'s serving version (an embedder or a judge the semantic tiers use)."""
+        return self.runtime(model, self.repository.get(model).serving_version)
+
     # ---- items in ----------------------------------------------------------------------------------
 
     def submit_all(self, replies: Replies, items, now: float) -> None:
@@ -358,6 +362,7 @@ class WorkerCore:
             if self.features.writer is not None:
                 groups.append(("features.writer", self.features.writer.counters))
         if self.generations is not None:
+            groups.append(("generate", {"background_tasks": self.generations.background_tasks}))
             for (model, version), runtime in self.generations.runtimes.items():
                 if engine_counters := runtime.decoder.counters():
                     groups.append((f"decoder.{model}.{version}", engine_counters))
@@ -373,10 +378,10 @@ class WorkerCore:
         return groups
 
     async def close(self) -> None:
+        if self.matching.shadow is not None:  # (first: its regenerations end as checks, not as failures)
+            await self.matching.shadow.close()
         if self.generations is not None:
             await self.generations.close()
-        if self.matching.shadow is not None:
-            await self.matching.shadow.close()
         for runtime in self.runtimes.values():
             await runtime.batcher.close()
         pending = [f.future for f in list(self._inflight.values()) if f.future is not None and f.outcome is None]

@@ -160,7 +160,7 @@ class Scheduler:
 
     def admit(self, generation: Generation) -> None:
         if generation.background is None:  # foreground: a regeneration running or waiting gives way
-            self._preempt()
+            self.preempt()
         elif not self.idle:
             raise Preempted("the scheduler is busy")
         if len(self.waiting) >= self.limit.max_waiting and not self._free:
@@ -169,9 +169,9 @@ class Scheduler:
         self.waiting.append(generation)
         self._wake.set()
 
-    def _preempt(self) -> None:
+    def preempt(self) -> None:
         """Drops every regeneration, running or waiting (left at the next step; a slot is freed once no
-        launched step uses it): foreground work arrived."""
+        launched step uses it): foreground work arrived, here or at another model version's scheduler."""
         for other in (*self.running, *self.waiting):
             if other.background is not None and not other.dropped:
                 other.dropped = True
@@ -187,11 +187,13 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
             if any(g.background is not None for g in (*self.running, *self.waiting)) and self._busy():
-                self._preempt()  # another model's foreground batch: the device is theirs
+                self.preempt()  # another model's foreground batch: the device is theirs
             self._retire(loop.time())
             self._seat()
             step, entries = self._plan()
             if not step and self._pending is None:
+                if self.idle:  # (the last generations were retired just now: shadow checks may go)
+                    self._became_idle.set()
                 self._wake.clear()  # nothing to compute: a new generation, or blocks read from disk, wake it
                 await self._wake.wait()
                 continue
@@ -302,12 +304,13 @@ class Scheduler:
             else:
                 token = outcome.tokens[index]
             generation.received += 1
-            if generation.received == 1 and (recorder := self._metrics()) is not None:
+            foreground = generation.background is None  # (a regeneration is not the callers' traffic)
+            if generation.received == 1 and foreground and (recorder := self._metrics()) is not None:
                 recorder.observe(("infercache_generate_prefill_seconds", self.runtime.spec.name, generation.reused_from),
                                  asyncio.get_running_loop().time() - generation.seated_at)
             delta, ids = self._next(generation, token)
             self._emit(generation, delta, ids)
-            emitted += 1
+            emitted += foreground
         self.counters["generate_steps"] += 1
         self.counters["tokens_generated"] += emitted
         self._release()
@@ -467,7 +470,11 @@ class Generations:
         if flight is None:
             flight = Generation(item, runtime, deadline)
             flight.companion = companion
-            self._schedulers[(item.model, item.version)].admit(flight)  # Overloaded when full
+            scheduler = self._schedulers[(item.model, item.version)]
+            scheduler.admit(flight)  # Overloaded when full
+            for other in self._schedulers.values():  # the device is the foreground's: every regeneration
+                if other is not scheduler:           # gives way (its own scheduler's did in admit)
+                    other.preempt()
             if shared:
                 self._flights[item.key] = flight
         flight.store = flight.store or item.store
@@ -480,6 +487,11 @@ class Generations:
                 replies.stream(item.id, text, ids)
         flight.listeners[(replies, item.id)] = joined
         replies.waiting[item.id] = flight
+
+    @property
+    def background_tasks(self) -> int:
+        """Semantic lookups, and what misses' answers add to them (embeddings, outcomes), not done yet."""
+        return len(self._tasks)
 
     def schedulers(self):
         """Every model version's scheduler (shadow checks wait for them to be idle too)."""

@@ -162,7 +162,7 @@ class Matching:
         self.core.counters["semantic_verified_stored" if agreed else "semantic_corrected"] += 1
 
     def _embedder(self, policy) -> ModelRuntime:
-        return self.core.runtime(policy.embedder, self.core.repository.get(policy.embedder).serving_version)
+        return self.core.serving(policy.embedder)
 
     def _matched(self, chosen: Neighbor, item: worker_pb2.ComputeItem, neighbors: list[Neighbor]) -> Outcome | None:
         """The chosen neighbour's entry as a RESULT_SEMANTIC answer, if it is still fresh."""
