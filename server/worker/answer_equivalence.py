@@ -24,7 +24,9 @@ within the configured cosine of the cached answer's embedding.
   number or the name that the guard saw.
 
 Any failure is a miss (an answer not embedded: no outcome, no entry). Event loop only; the embedding runs
-on the embedder's batcher as low-priority work (its callers have their answer already)."""
+on the embedder's batcher as background work (its callers have their answer already): within the share of
+its queue that shadow checks keep to, and skipped past it (`answer_embed_skipped`), so that foreground
+embeddings are never refused for it."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from server.shared.generated import marked
 from server.worker.calibration import Calibration
 from server.worker.flights import token_ids
 from server.worker.regeneration import Regeneration, RegenerationLane
-from server.worker.shadow import Check
+from server.worker.shadow import Check, has_room
 
 log = logging.getLogger("infercache.answers")
 
@@ -134,6 +136,9 @@ class AnswerEquivalence:
         pair's verdict), then the question's entry (`put(key, payload, semantic entry)`, None: not stored)."""
         core = self.core
         policy: AnswerMatchPolicy = runtime.spec.answer_match
+        if not has_room(self._embedder(policy).batcher):  # within the share background work may take
+            core.counters["answer_embed_skipped"] += 1       # (no outcome, no entry: later questions miss)
+            return
         try:
             fresh = await self.embed(policy, pb.GenerateResponse.FromString(answer).text)
         except Exception:  # noqa: BLE001 (no outcome, no entry: later questions miss)

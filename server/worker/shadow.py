@@ -234,6 +234,11 @@ def _room(batcher) -> int:
     return _share(batcher) - batcher.depth
 
 
+def has_room(batcher) -> bool:
+    """Whether background work (a check, an answer's embedding) may join this batcher's queue now."""
+    return _room(batcher) > 0
+
+
 def _ended(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("shadow verification stopped", exc_info=task.exception())
