@@ -37,7 +37,6 @@ from functools import partial
 from typing import ClassVar
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from cachestore.keys import NS_ID_BYTES
 from cachestore.results import now_us
@@ -47,6 +46,7 @@ from infercache.v1 import worker_pb2
 from server.shared import question_guards as guards
 from server.shared.answer_match import AnswerMatchPolicy, margin
 from server.shared.generated import marked
+from server.worker import question_entries
 from server.worker.calibration import Calibration
 from server.worker.flights import token_ids
 from server.worker.regeneration import Regeneration, RegenerationLane
@@ -56,8 +56,7 @@ log = logging.getLogger("infercache.answers")
 
 Source = pb.CacheInfo.Source
 Verdict = pb.CacheInfo.Verdict
-MARKS = "question_marks"               # the entry's tensor of the question's guard marks (utf-8)
-ANSWER_EMBEDDING = "answer_embedding"  # ... and of its answer's embedding (float32)
+ANSWER_EMBEDDING = "answer_embedding"  # a question entry's tensor of its answer's embedding (float32)
 ENTRY_LABEL = "answer"                 # every entry's label in the index (no classes)
 
 
@@ -156,8 +155,7 @@ class AnswerEquivalence:
             return
         response = pb.InferResponse()
         response.cache.key = waiting.answer_key.hex()
-        marks = waiting.marks.encode()
-        response.outputs.add(name=MARKS, dtype="uint8", shape=[len(marks)], data=marks)
+        question_entries.add_marks(response, waiting.marks)
         vector = np.ascontiguousarray(fresh, dtype="<f4").ravel()
         response.outputs.add(name=ANSWER_EMBEDDING, dtype="float32", shape=[len(vector)], data=vector.tobytes())
         put(waiting.key, response.SerializeToString(), SemanticEntry(waiting.ns_id, ENTRY_LABEL, waiting.embedding))
@@ -182,42 +180,27 @@ class AnswerEquivalence:
         for neighbor in neighbors:
             if shadow.contested(neighbor.key):
                 continue  # a check found it answering wrongly: it answers no more
-            record = cache.get(neighbor.key, now)
-            if record is None:
-                continue
-            try:
-                entry = pb.InferResponse.FromString(record.payload)
-                tensors = {t.name: t for t in entry.outputs}
-                stored_marks = guards.decode(bytes(tensors[MARKS].data).decode())
-                answer_embedding = np.frombuffer(tensors[ANSWER_EMBEDDING].data, dtype="<f4")
-                answer_key = bytes.fromhex(entry.cache.key)
-            except (DecodeError, KeyError, UnicodeDecodeError, ValueError):
+            entry = question_entries.read(cache, neighbor.key, now, max_age)
+            if entry is None or ANSWER_EMBEDDING not in entry.outputs:
                 continue  # (an entry another judge wrote carries no answer embedding)
-            answer = cache.get(answer_key, now, max_age)
-            if answer is None:
-                continue
-            verdict = neighbor.key
-            if not guards.same(marks, stored_marks):
-                verdict = pair_id(neighbor.key, marks)
-                if shadow.contested(verdict) or not shadow.proven(verdict):
-                    if guarded is None:
-                        guarded = Candidate(neighbor.key, verdict, neighbor.similarity, answer.payload,
-                                            answer.age_s(now), answer_embedding)
+            embedding = np.frombuffer(entry.outputs[ANSWER_EMBEDDING].data, dtype="<f4")
+            found = Candidate(neighbor.key, neighbor.key, neighbor.similarity, entry.answer.payload,
+                              entry.answer.age_s(now), embedding)
+            if not guards.same(marks, entry.marks):
+                found.verdict = pair_id(neighbor.key, marks)
+                if shadow.contested(found.verdict) or not shadow.proven(found.verdict):
+                    guarded = guarded or found
                     continue
-            return Candidate(neighbor.key, verdict, neighbor.similarity, answer.payload, answer.age_s(now),
-                             answer_embedding), guarded
+            return found, guarded
         return None, guarded
 
     def _verify(self, runtime, policy: AnswerMatchPolicy, calibration: Calibration, item: worker_pb2.ComputeItem,
                 embedding: np.ndarray, candidate: Candidate) -> None:
         """Offers the hit for shadow regeneration (always while its entry or pair is unproven, else at
         verify_fraction)."""
-        fraction = policy.rule.verify_fraction
         shadow = self.core.matching.shadow
-        if fraction == 0:
-            return
-        chance = shadow.chance(candidate.verdict, fraction)
-        if chance < 1.0 and np.random.random() >= chance:
+        chance = shadow.drawn(candidate.verdict, policy.rule.verify_fraction)
+        if chance is None:
             return
         again = worker_pb2.ComputeItem()
         again.CopyFrom(item)

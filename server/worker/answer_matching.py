@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from cachestore.keys import NS_ID_BYTES
 from cachestore.results import now_us
@@ -34,6 +33,7 @@ from infercache.v1 import worker_pb2
 from server.shared import question_guards as guards
 from server.shared.answer_match import AnswerMatchPolicy
 from server.shared.generated import marked
+from server.worker import question_entries
 from server.worker.answer_equivalence import AnswerEquivalence
 from server.worker.calibration import Calibration
 from server.worker.flights import token_ids
@@ -44,7 +44,6 @@ log = logging.getLogger("infercache.answers")
 
 Source = pb.CacheInfo.Source
 Verdict = pb.CacheInfo.Verdict
-MARKS = "question_marks"  # the judge record's tensor of the question's guard marks (utf-8)
 
 
 @dataclass
@@ -115,8 +114,7 @@ class AnswerMatching:
             calibration.record(assessment.margin, assessment.answer == label,
                                fit_agreed=assessment.fitted == assessment.answer)
         response.cache.key = item.key.hex()  # the answer's entry
-        response.outputs.add(name=MARKS, dtype="uint8", shape=[len(item.question_marks.encode())],
-                             data=item.question_marks.encode())
+        question_entries.add_marks(response, item.question_marks)
         return Lookup(companion=Companion(item.question_key, response.SerializeToString(),
                                           SemanticEntry(ns_id, label, embedding)))
 
@@ -169,35 +167,21 @@ class AnswerMatching:
         for neighbor in neighbors:
             if neighbor.answer != label or self.core.matching.shadow.contested(neighbor.key):
                 continue  # (a contested entry answers no more, whichever neighbour it is)
-            record = cache.get(neighbor.key, now)
-            if record is None:
-                continue
-            try:
-                judged = pb.InferResponse.FromString(record.payload)
-                stored_marks = next(bytes(t.data).decode() for t in judged.outputs if t.name == MARKS)
-                answer_key = bytes.fromhex(judged.cache.key)
-            except (DecodeError, StopIteration, UnicodeDecodeError, ValueError):
-                continue
-            if not guards.same(marks, guards.decode(stored_marks)):
-                continue  # a negation, number, date or entity apart: never this one's answer
-            answer = cache.get(answer_key, now, max_age)
-            if answer is None:
-                continue
+            entry = question_entries.read(cache, neighbor.key, now, max_age)
+            if entry is None or not guards.same(marks, entry.marks):
+                continue  # (a negation, number, date or entity apart: never this one's answer)
             verdict = Verdict.VERIFIED if self.core.matching.shadow.proven(neighbor.key) else Verdict.ESTIMATED
-            age = answer.age_s(now)
-            return marked(answer.payload, Source.RESULT_SEMANTIC, age, neighbor.similarity, verdict), neighbor.key
+            age = entry.answer.age_s(now)
+            return marked(entry.answer.payload, Source.RESULT_SEMANTIC, age, neighbor.similarity, verdict), neighbor.key
         return None
 
     def _verify(self, runtime, calibration: Calibration, judge: HeadRuntime, item: worker_pb2.ComputeItem,
                 embedding: np.ndarray, assessment, entry: bytes) -> None:
         """Offers the hit for shadow verification: the judge runs on the question when the worker is idle
         (always while the entry is unproven, else at verify_fraction)."""
-        fraction = runtime.spec.answer_match.rule.verify_fraction
         shadow = self.core.matching.shadow
-        if fraction == 0:
-            return
-        chance = shadow.chance(entry, fraction)
-        if chance < 1.0 and np.random.random() >= chance:
+        chance = shadow.drawn(entry, runtime.spec.answer_match.rule.verify_fraction)
+        if chance is None:
             return
         checked = worker_pb2.ComputeItem(key=item.question_key, tenant=item.tenant, model=judge.spec.name,
                                          version=judge.version, store=False)  # the check stores nothing

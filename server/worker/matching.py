@@ -7,8 +7,6 @@ core's (server/worker/core.py); the calibrations and the shadow checks are its o
 
 from __future__ import annotations
 
-import numpy as np
-
 from cachestore.keys import NS_ID_BYTES, namespace
 from cachestore.results import now_us
 from cachestore.semantic_log import SemanticEntry
@@ -135,11 +133,8 @@ class Matching:
                 embedding, chosen: Neighbor, assessment: Assessment) -> None:
         """Offers a semantic hit for shadow verification: always while its entry is unproven, else at
         the model's verify_fraction."""
-        fraction = runtime.spec.semantic.verify_fraction
-        if fraction == 0:  # verification off: no checks, no live fidelity
-            return
-        chance = self.shadow.chance(chosen.key, fraction)
-        if chance < 1.0 and np.random.random() >= chance:
+        chance = self.shadow.drawn(chosen.key, runtime.spec.semantic.verify_fraction)
+        if chance is None:
             return
         model_input = token_ids(item.ids) if feature is None else feature
         self.shadow.offer(Check(runtime, calibration, item, model_input, embedding, chosen.answer,

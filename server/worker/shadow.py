@@ -93,6 +93,15 @@ class ShadowVerifier:
         """How likely a hit answered by `entry` is verified: always while the entry is unproven."""
         return fraction if entry in self._proven else 1.0
 
+    def drawn(self, entry: bytes, fraction: float) -> float | None:
+        """Whether a hit answered by `entry` is drawn for a check: its chance of being drawn if it is (a
+        check weighs its outcome by it), None if not. A fraction of 0 turns verification off: no checks,
+        no live fidelity, even of unproven entries."""
+        if fraction == 0:
+            return None
+        chance = self.chance(entry, fraction)
+        return chance if chance >= 1.0 or np.random.random() < chance else None
+
     def judged(self, entry: bytes, agreed: bool) -> None:
         """A verdict on `entry` reached outside a check (a miss computed what a check would have): proves
         or contests it as a check does."""
