@@ -31,11 +31,8 @@ _U64 = struct.Struct(">Q")
 _RESULT_EXACT = int(pb.CacheInfo.RESULT_EXACT)  # (a protobuf enum attribute costs ~1 us: this is per hit)
 
 
-_time_ns = time.time_ns
-
-
 def now_us() -> int:
-    return _time_ns() // 1000
+    return time.time_ns() // 1000
 
 
 WARN_EVERY_S = 10.0  # unreadable records and failed reads are counted each time, logged at most this often
@@ -98,8 +95,7 @@ class ResultCache:
         return None
 
     def _stale(self, expires: int, now: int) -> None:
-        """Notes why a record that records.fresh refused is a miss (called on the miss path only: the
-        hit path's every Python call costs about a microsecond on a cold cache)."""
+        """Notes why a record that records.fresh refused is a miss (on the miss path only)."""
         self.missed_because = "expired" if expires and now >= expires else "too_old"
 
     def _record(self, raw, key: bytes, now: int, max_age_us: int | None) -> records.Record | None:
@@ -140,7 +136,7 @@ class ResultCache:
         (key, creation time), which name the stored bytes without hashing them. The checksum has vouched
         for the bytes. An entry in clear whose (key, creation time) is in `kept` comes back with None for
         its answer, neither read nor checked again: the caller made what it needs of them when they were."""
-        return self._read(self._entry, key, _time_ns() // 1000, max_age_us, None, kept)  # (now_us, inlined)
+        return self._read(self._entry, key, now_us(), max_age_us, None, kept)
 
     def _entry(self, raw, key: bytes, now: int, max_age_us: int | None, kept: Container[tuple[bytes, int]]
                ) -> tuple[bytes | None, bytes, int, float] | None:

@@ -200,7 +200,7 @@ class FrontendCore:
         when L1 has none."""
         if self.hot is not None:
             self._seen(plan, keyed)
-        if plan.cached_ok and not keyed.private and (cache := self._l1.get()) is not None:  # (self.l1(), inlined)
+        if plan.cached_ok and not keyed.private and (cache := self.l1()) is not None:
             entry = cache.entry(keyed.key, plan.max_age_us, kept)
             if entry is not None:
                 self.counters["hit_exact"] += 1

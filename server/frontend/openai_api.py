@@ -364,8 +364,7 @@ class OpenAIDoor:
                                   (b"x-infercache-key", answer.cache.key.encode())], None]
             keep(kept, (key, created_us), found, RENDERED_KEPT)
         item, size, fixed, made = found
-        if call.dimensions is not None:
-            _check_dimensions(call, size)
+        _check_dimensions(call, size)
         headers = [(b"x-infercache-source", b"RESULT_EXACT"), (b"x-infercache-age", b"%.3f" % age_s), *fixed]
         if made is not None and made[0] == call.model_json and made[1] == call.prompt_tokens:
             return Response(200, made[2], headers)
