@@ -9,7 +9,8 @@ The name holds everything that invalidates an artifact:
 `{model}_{version}_{device}_{runtime+version}_{precision}_{profile-set hash}`. The manifest is written
 last (temp file + rename), so an artifact without a valid manifest was never finished. A missing,
 corrupt or mismatched artifact is rebuilt, never trusted. Builders in several pods on one shared
-directory serialize on the lock: the first builds, the others wait and then load its artifact.
+directory serialize on the lock: the first builds, the others wait and then load its artifact (side by
+side: the lock is held to build, never to load).
 """
 
 from __future__ import annotations
@@ -229,7 +230,10 @@ class EngineStore:
 
     def get_or_build(self, key: ArtifactKey, source: Path, build: Builder, *,
                      load: Callable[[Path], object] | None = None, allow_build: bool = True) -> tuple[Loaded, object]:
-        """The trusted artifact for `key` (built first if missing or untrusted) and load(artifact)."""
+        """The trusted artifact for `key` (built first if missing or untrusted) and load(artifact).
+
+        The lock is held to build, never to load: processes that waited for another's build load its
+        artifact side by side (several workers on one GPU start in parallel, not one after another)."""
         src = _Source(source)
         path = self.artifact_path(key)
         manifest, why = self._trusted(key, src)
@@ -240,16 +244,23 @@ class EngineStore:
         if not allow_build:
             raise FileNotFoundError(f"engine {key.name} is not in the store ({why}); run `infercache engines build`")
         with self._lock(key.name):
-            manifest, why = self._trusted(key, src)  # built by whoever held the lock before us
-            if manifest is not None:
-                engine, why = self._verified_load(path, manifest, load)
-                if not why:
-                    return Loaded(path, manifest, built=False), engine
-            if why != "not built yet":
-                log.warning("%s: rebuilding, stored artifact not trusted: %s", key.name, why)
-            manifest = self._build(key, src, build)
+            built = None
+            waited_for, _ = self._trusted(key, src)  # built by whoever held the lock before us
+            if waited_for is None or waited_for == manifest:  # (the one found untrusted above is no answer)
+                built = self._rebuild(key, src, build, why)
+        if built is None:
+            engine, why = self._verified_load(path, waited_for, load)
+            if not why:
+                return Loaded(path, waited_for, built=False), engine
+            with self._lock(key.name):  # damaged between its build and this load
+                built = self._rebuild(key, src, build, why)
         engine = load(path) if load is not None else None
-        return Loaded(path, manifest, built=True, rebuilt_reason="" if why == "not built yet" else why), engine
+        return Loaded(path, built, built=True, rebuilt_reason="" if why == "not built yet" else why), engine
+
+    def _rebuild(self, key: ArtifactKey, source: _Source, build: Builder, why: str) -> Manifest:
+        if why != "not built yet":
+            log.warning("%s: rebuilding, stored artifact not trusted: %s", key.name, why)
+        return self._build(key, source, build)
 
     def _build(self, key: ArtifactKey, source: _Source, build: Builder) -> Manifest:
         path = self.artifact_path(key)

@@ -11,6 +11,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -237,3 +238,59 @@ def test_onnxruntime_runs_a_batch_beside_another_on_its_shared_threads():
     assert OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=1).counters() == {}  # one session: nothing to count
     wider = OrtEngine(MODEL_VERSION_DIR / "model.onnx", threads=4, shared_threads=2)
     assert len(wider.shared) == wider.slots  # a pool of 2 threads each: one session per slot, none split
+
+
+_STORE_USER = """
+import fcntl, logging, subprocess, sys, time
+from pathlib import Path
+from cachestore.engine_store import ArtifactKey, EngineStore
+
+root, source, marks = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+key = ArtifactKey(model="m", version="1", device="cpu", runtime="test", runtime_version="1", precision="fp32",
+                  profiles=((1, 1, 1, 1, 1, 1),), suffix=".bin")
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+store = EngineStore(root)
+lock = store.locks / f"{key.name}.lock"
+PROBE = "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'a+'), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+
+def build(out):
+    (marks / "building").touch()
+    while not (marks / "go").exists():
+        time.sleep(0.02)
+    out.write_bytes(b"artifact")
+    return {}
+
+def load(path):  # another process tries the lock: free while this one loads?
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(lock)], capture_output=True)
+    return "lock free" if probe.returncode == 0 else "lock held"
+
+loaded, held = store.get_or_build(key, source, build, load=load)
+print("built" if loaded.built else "loaded", held, flush=True)
+"""
+
+
+def test_processes_that_waited_for_a_build_load_outside_the_lock(tmp_path):
+    """Workers that found another one building wait for it, then load side by side: none loads while
+    holding the lock (four workers on one GPU loaded one after another)."""
+    source, marks = tmp_path / "model.onnx", tmp_path / "marks"
+    source.write_bytes(b"source")
+    marks.mkdir()
+    command = [sys.executable, "-c", _STORE_USER, str(tmp_path / "engines"), str(source), str(marks)]
+    builder = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (marks / "building").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waiters = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for _ in range(2)]
+    # both are waiting for the lock before the build may finish
+    waiting = "another process is building it"
+    logs = [""] * len(waiters)
+    for i, waiter in enumerate(waiters):
+        while waiting not in logs[i] and time.monotonic() < deadline:
+            logs[i] += waiter.stdout.readline()
+    assert all(waiting in log for log in logs), logs
+    (marks / "go").touch()
+    outputs = [p.communicate(timeout=60)[0] for p in (builder, *waiters)]
+    assert [p.returncode for p in (builder, *waiters)] == [0, 0, 0], outputs
+    assert outputs[0].strip().endswith("built lock free"), outputs[0]
+    assert all(out.strip().endswith("loaded lock free") for out in outputs[1:]), outputs
