@@ -103,6 +103,12 @@ class _Head(nn.Module):
         self.bias = nn.Parameter(torch.empty(classes))
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialized (its weights are assigned or initialized after): nn.Embedding's
+    own normal_ init, on the meta device, imports torch._dynamo (5 s of a GPU worker's start)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class TorchBert(nn.Module):
     """forward(input_ids, attention_mask) -> outputs in the order of `output_names`.
 
@@ -115,9 +121,9 @@ class TorchBert(nn.Module):
         super().__init__()
         self.arch = arch
         self.output_names: tuple[str, ...] = ("embedding", "scores") if arch.head_classes else ("embedding",)
-        self.word_embeddings = nn.Embedding(arch.vocab_size, arch.hidden)
-        self.position_embeddings = nn.Embedding(arch.max_position, arch.hidden)
-        self.token_type_embeddings = nn.Embedding(arch.type_vocab, arch.hidden)  # only type 0 is used
+        self.word_embeddings = _embedding(arch.vocab_size, arch.hidden)
+        self.position_embeddings = _embedding(arch.max_position, arch.hidden)
+        self.token_type_embeddings = _embedding(arch.type_vocab, arch.hidden)  # only type 0 is used
         self.embeddings_norm = nn.LayerNorm(arch.hidden, eps=arch.layer_norm_eps)
         self.layers = nn.ModuleList(_Layer(arch) for _ in range(arch.layers))
         self.head = _Head(arch.hidden, arch.head_classes) if arch.head_classes else None
