@@ -10,7 +10,8 @@ Side by side, in one run:
    per call, both also with twice the calls in flight (part "callers"); CPU seconds per process and GPU
    busy fraction for each run;
 3. exact hits against the protobuf echo server at 1 and 256 callers;
-4. cold versus warm start (empty vs filled L3 store) and process start to the first GPU-served miss;
+4. cold versus warm start (empty vs filled L3 store), with each count of workers: launch to the first hit,
+   the first GPU-served miss, ready, and every worker at full speed (measure_starts);
 5. the null engine (no model work): what the frontends and the worker carry by themselves.
 Without a GPU the same section runs on ONNX Runtime as a dry run of the plumbing, labelled so.
 """
@@ -78,6 +79,7 @@ def raw_ceiling(minilm_dir: Path, seconds: float) -> dict:
                        ("bert-base", lambda: random_bert(BERT_BASE, device="cuda", dtype=torch.float16))):
         started = time.perf_counter()
         engine = TorchCudaEngine(make(), profiles)
+        engine.wait_warm()  # every graph captured before timing
         rows = {"graphs": len(engine.graphs), "load_and_capture_s": round(time.perf_counter() - started, 2)}
         for batch, seq in RAW_SHAPES:
             rows[f"{batch}x{seq}"] = {
@@ -105,6 +107,40 @@ def ceiling_at(raw: dict, model: str, batch: float, seq: int = 128) -> float:
 
 
 # ---- the section --------------------------------------------------------------------------------------
+
+
+def measure_starts(workdir: Path, models: Path, frontends: int, settings: tuple[str, ...], count: int,
+                   engines: Path | None) -> dict[str, dict]:
+    """A cold start (an empty L3 store: the engine built) and a warm one (the store filled, and the cold
+    run's answer in the result store): from launching the server to its first hit (warm), its first
+    miss, ready, and every worker at full speed (its CUDA graphs captured behind traffic), with each
+    worker's own start phases (GetStats)."""
+    engines = engines or workdir / f"gpu-start-engines-{count}"
+    cache = workdir / f"gpu-start-cache-{count}"
+    asked = f"first question after a cold start of {count} workers"
+    out = {}
+    for label in ("cold", "warm"):
+        run_dir = workdir / f"gpu-start-{label}-{count}"
+        run_dir.mkdir()
+        with ServerProcess(run_dir, models, frontends=frontends, settings=(*settings, f"server.workers={count}"),
+                           engines_dir=engines, cache_dir=cache, wait=False) as server:
+            row = {}
+            if label == "warm":
+                hit = pb.InferRequest(model="minilm", text=asked, cache=pb.CachePolicy(mode=pb.CachePolicy.ONLY_IF_CACHED))
+                row["start_to_first_hit_s"] = round(first_success(server.address, hit, server.started, 600, server), 2)
+            miss = pb.InferRequest(model="minilm", text=asked if label == "cold" else f"a new question {count}")
+            row["start_to_first_miss_s"] = round(first_success(server.address, miss, server.started, 600, server), 2)
+            server.wait_ready(600)
+            row["start_to_ready_s"] = round(server.ready_after, 2)
+            stats = server.wait_warm(600)
+            row["start_to_full_speed_s"] = round(time.monotonic() - server.started, 2)  # (polled every 0.1 s)
+            row["engines_built_at_start"] = sum(w.counters.get("worker.engines_built_at_start", 0) for w in stats)
+            row["workers"] = [{"start_seconds": dict(w.start_seconds),
+                               "engines": {e.model: dict(e.warmup_seconds) for e in w.engines}} for w in stats]
+            if server.stop() != 0:
+                raise RuntimeError(f"the {label} start's server did not stop cleanly:\n{server.log_text()[-3000:]}")
+        out[label] = row
+    return out
 
 
 PARTS = ("raw", "start", "bert", "minilm", "callers", "alternating", "hits", "null")
@@ -138,26 +174,11 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
                 "cache.budget_mb=12288", f"server.workers={workers[0]}")
     engines = workdir / "gpu-engines"
     report["workers_per_gpu"] = list(workers)
-
-
-    print("  cold and warm start ...", flush=True)
-    starts = {}
-    for label in ("cold", "warm") if "start" in parts else ():
-        run_dir = workdir / f"gpu-start-{label}"
-        run_dir.mkdir()
-        with ServerProcess(run_dir, models, frontends=frontends, settings=settings, engines_dir=engines,
-                           wait=False) as server:
-            miss = pb.InferRequest(model="minilm", text=f"first question after a {label} start")
-            first_miss = first_success(server.address, miss, server.started, timeout=600, server=server)
-            server.wait_ready(600)
-            starts[label] = {"start_to_ready_s": round(server.ready_after, 2), "start_to_first_miss_s": round(first_miss, 2),
-                             "engines_built_at_start": sum(w.counters.get("worker.engines_built_at_start", 0)
-                                                           for w in server.stats().workers),
-                             "worker_log": [line.split("infercache.", 1)[-1] for line in server.log_text().splitlines()
-                                            if "[worker-" in line and ("loaded" in line or "built" in line)]}
-            assert server.stop() == 0
-    if starts:
-        report["start"] = starts
+    if "start" in parts:
+        print("  cold and warm start ...", flush=True)
+        report["start"] = {f"{label}_{count}_workers": row for count in workers
+                           for label, row in measure_starts(workdir, models, frontends, settings, count,
+                                                            engines if count == workers[0] else None).items()}
     checkpoint()
 
     run_dir = workdir / "gpu-server"
@@ -359,9 +380,7 @@ def _ratios(report: dict) -> dict:
                 out[f"minilm_batch32_texts_per_s{suffix}{name[len('batch32'):]}"] = row["items_per_s"]
     if "alternating" in report:
         out["minilm_single_vs_raw_bytes_alternating_median"] = report["alternating"]["median_ratio"]
-    if "start" in report:
-        out["cold_vs_warm_start"] = round(report["start"]["cold"]["start_to_ready_s"]
-                                          / report["start"]["warm"]["start_to_ready_s"], 2)
+
     return out
 
 
@@ -404,6 +423,8 @@ def print_gpu(report: dict) -> None:
         print(f"  the writers caught up {report['writers_caught_up_s']} s after the miss runs (before the hits); "
               f"writes dropped behind them: {report['writes_dropped']}")
     for label, row in report.get("start", {}).items():
-        print(f"  {label} start: ready {row['start_to_ready_s']} s, first miss {row['start_to_first_miss_s']} s, "
-              f"engines built {row['engines_built_at_start']}")
+        hit = f"first hit {row['start_to_first_hit_s']} s, " if "start_to_first_hit_s" in row else ""
+        print(f"  {label.replace('_', ' ')}: {hit}first miss {row['start_to_first_miss_s']} s, ready "
+              f"{row['start_to_ready_s']} s, full speed {row['start_to_full_speed_s']} s, engines built "
+              f"{row['engines_built_at_start']}; worker phases {[w['start_seconds'] for w in row['workers']]}")
     print(f"  ratios {report['ratios']}")

@@ -62,6 +62,8 @@ class ServerProcess:
         if wait:
             try:
                 self.wait_ready()
+                if " torch-cuda" in self.log_text():  # a GPU worker: its graphs captured before anyone measures
+                    self.wait_warm()
             except BaseException:
                 self.stop(timeout=10)  # a server that did not come up must not outlive the caller
                 raise
@@ -77,6 +79,18 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
             time.sleep(0.01)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_text()}")
+
+    def wait_warm(self, timeout: float = 120.0) -> list[pb.ProcessStats]:
+        """Blocks until every worker runs at full speed (GetStats: "warm", its CUDA graphs captured
+        behind traffic; at once on a CPU); their stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = self.stats().workers
+            if workers and all("warm" in w.start_seconds for w in workers):
+                return list(workers)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not at full speed after {timeout} s: {[dict(w.start_seconds) for w in workers]}")
+            time.sleep(0.1)
 
     def log_text(self) -> str:
         return self.log_path.read_text()

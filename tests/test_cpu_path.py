@@ -4,6 +4,7 @@ process loads torch; worker placement (server/shared/devices.py); the null runti
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,25 @@ def test_no_server_process_loads_torch_on_a_cpu_host(start_server):
     assert len(pids) >= 4  # supervisor, worker, two frontends (and multiprocessing's helpers)
     loaded = {pid: lines[:2] for pid in pids if (lines := torch_mappings(pid))}
     assert not loaded, f"torch is mapped into server processes: {loaded}"
+
+
+def test_a_workers_start_is_timed_phase_by_phase(start_server):
+    """GetStats and the log say where a worker's start went (the phases of server/worker/startup.py)."""
+    server = start_server()
+    with server.client() as client:
+        assert client.infer(MODEL, unique("start profile")).source == "MISS"
+        [worker] = client.stats().workers
+    start = dict(worker.start_seconds)
+    assert {"imports", "runtime_import", "device_init", "ready", "warm"} <= set(start), start
+    assert 0 < start["imports"] < start["ready"] <= start["warm"], start
+    assert sum(start[p] for p in ("imports", "runtime_import", "device_init")) <= start["ready"], start
+    [engine] = [e for e in worker.engines if e.model == MODEL]
+    assert engine.warmup_seconds["load"] > 0 and engine.warmup_seconds["warmup"] > 0, engine
+    assert "capture" not in engine.warmup_seconds  # ONNX Runtime captures nothing
+    log = server.log_text()
+    assert re.search(r"worker 0 ready on .* [0-9.]+ s after its start: imports [0-9.]+ s, runtime_import "
+                     rf"[0-9.]+ s, device_init [0-9.]+ s; {MODEL} 1: load [0-9.]+ s, warmup", log), log[-3000:]
+    assert re.search(r"at full speed [0-9.]+ s after its start", log)
 
 
 def test_server_processes_run_numpy_on_one_blas_thread(start_server):

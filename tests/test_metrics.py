@@ -120,7 +120,11 @@ def test_traffic_is_counted_as_sent(observed):
     assert value(prometheus, 'infercache_queue_depth{model="minilm"}') == 0
     assert value(prometheus, 'infercache_processes{role="frontend"}') == 2
     assert value(prometheus, 'infercache_processes{role="worker"}') == 1
-    assert prometheus.query('infercache_engine_warmup_seconds{model="minilm"}')
+    phases = {r["metric"]["phase"] for r in prometheus.query('infercache_engine_warmup_seconds{model="minilm"}')}
+    assert {"load", "warmup"} <= phases, phases
+    start = {r["metric"]["phase"]: sample_value(r) for r in prometheus.query('infercache_worker_start_seconds{worker="0"}')}
+    assert {"imports", "runtime_import", "device_init", "ready", "warm"} <= set(start), start
+    assert 0 < start["imports"] < start["ready"] <= start["warm"], start
 
 
 @needs_prometheus

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +22,7 @@ from tests.servers import REPO  # noqa: E402
 from server.engines.artifacts import get_runtime, prepare  # noqa: E402
 from server.engines.onnxruntime import OrtEngine  # noqa: E402
 from server import mps  # noqa: E402
-from server.engines.torch_cuda import TorchCudaRuntime, batch_classes  # noqa: E402
+from server.engines.torch_cuda import TorchCudaRuntime, batch_classes, next_capture  # noqa: E402
 from server.shared.models import load_model  # noqa: E402
 from server.shared.tokenization import TextEncoder, pad_batch  # noqa: E402
 from tests.helpers import link_model  # noqa: E402
@@ -38,6 +39,16 @@ def test_batch_classes_pad_at_most_half_again():
     for rows in range(1, 129):
         padded = next(c for c in batch_classes(128) if c >= rows)
         assert padded <= max(rows + 1, rows * 1.5)
+
+
+def test_graphs_are_captured_for_the_shapes_traffic_runs_first_then_largest_first():
+    order = [(64, 4), (64, 1), (16, 4), (16, 1)]
+    assert next_capture(order, {}, Counter()) == (64, 4)
+    assert next_capture(order, {(64, 4): None}, Counter()) == (64, 1)
+    demand = Counter({(16, 1): 3, (64, 1): 1})
+    assert next_capture(order, {}, demand) == (16, 1)
+    assert next_capture(order, {(16, 1): None}, demand) == (64, 1)
+    assert next_capture(order, dict.fromkeys(order), demand) is None
 
 
 def test_a_version_without_its_torch_form_is_refused_with_the_reason(tmp_path):
@@ -61,14 +72,43 @@ def test_engine_from_the_l3_store_matches_onnx_runtime_at_every_batch_class(tmp_
     encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
     reference = OrtEngine(MINILM / "1" / "model.onnx")
     sequences = [encoder.encode(t) for t in TEXTS]
+    batches = []
     for rows in (1, 3, 5, 7, 17, 32):  # between classes too: padded rows must not leak into real ones
         batch = [sequences[i % len(sequences)] for i in range(rows)]
-        inputs = pad_batch(batch, max(map(len, batch)))
+        batches.append(pad_batch(batch, max(map(len, batch))))
+    eager = [engine.run(inputs)["embedding"] for inputs in batches]  # served before any graph is captured
+    assert engine.counters()["eager_runs"] == len(batches) and not engine.graphs
+    assert engine.wait_warm(120) and engine.warm_phases()["capture"] > 0
+    assert len(engine.graphs) == len(engine.seqs) * len(engine.classes)
+    for inputs, before in zip(batches, eager):
         got, want = engine.run(inputs)["embedding"], reference.run(inputs)["embedding"]
         assert got.shape == want.shape and got.dtype == np.float32
-        assert _cosines(got, want).min() >= 0.999, rows
+        assert _cosines(got, want).min() >= 0.999, len(got)
+        np.testing.assert_array_equal(got, before)  # the same answer with its graph as without
     counters = engine.counters()
-    assert counters["padded_rows"] > 0 and counters["rows"] == 1 + 3 + 5 + 7 + 17 + 32
+    assert counters["replays"] == counters["eager_runs"] == len(batches)
+    assert counters["padded_rows"] > 0 and counters["rows"] == 2 * (1 + 3 + 5 + 7 + 17 + 32)
+
+
+@GPU
+def test_graphs_are_captured_behind_live_traffic_without_changing_an_answer(tmp_path):
+    spec = load_model(MINILM)
+    _, engine = prepare(EngineStore(tmp_path / "l3"), get_runtime("torch-cuda"), spec, "1", "fp16", load=True)
+    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
+    sequences = [encoder.encode(f"{t} {n}") for n, t in enumerate(TEXTS * 4)]
+    inputs = [pad_batch(sequences[i:i + rows], max(map(len, sequences[i:i + rows])))
+              for rows in (1, 2, 5) for i in range(0, len(sequences) - rows, rows)]
+    want = [engine.run(i)["embedding"] for i in inputs]  # eager
+    engine.warm_behind_traffic()
+    with ThreadPoolExecutor(engine.slots) as pool:
+        rounds = 0
+        while engine.warm_since() is None or rounds < 2:  # serving from two threads while it captures
+            got = list(pool.map(lambda i: engine.run(i)["embedding"], inputs))
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+            rounds += 1
+    counters = engine.counters()
+    assert counters["replays"] > 0 and counters["eager_runs"] > len(inputs), counters
 
 
 @GPU
@@ -90,6 +130,9 @@ def test_a_gpu_host_serves_on_the_gpu_by_default(start_server, tmp_path):
     models = tmp_path / "models"
     link_model(models, "minilm", (MINILM / "config.yaml").read_text(), {"1": MINILM / "1"})
     server = start_server(models=models)
+    [worker] = server.wait_warm()
+    assert {"imports", "runtime_import", "device_init", "ready", "warm"} <= set(worker.start_seconds)
+    assert worker.engines[0].warmup_seconds["capture"] > 0
     with server.client() as client:
         [info] = client.models()
         assert [(e.runtime, e.precision) for e in info.engines] == [("torch-cuda", "fp16")]
@@ -121,6 +164,7 @@ def test_workers_sharing_the_gpu_run_through_a_private_mps_daemon_that_stops_wit
         return subprocess.run([MPS_CONTROL], input=f"{command}\n".encode(), env=env, capture_output=True, timeout=10)
 
     texts = [f"{text} {n}" for n in range(16) for text in TEXTS[:4]]  # keys spread over both workers
+    server.wait_warm()
     with server.client() as client:
         results = client.infer_batch("minilm", texts)
     assert all(r.source == "MISS" and r.outputs["embedding"].shape == (384,) for r in results)

@@ -92,15 +92,15 @@ class LoadedEngine:
     precision: str
     device: str
     built_s: float = 0.0  # seconds spent building it at start; 0 = loaded from the store
+    load_s: float = 0.0   # seconds to load it (the build not counted)
 
 
-def load_engines(config: Config, repository: ModelRepository, counters: Counter, runtime_name: str, *,
+def load_engines(config: Config, repository: ModelRepository, counters: Counter, runtime: Runtime, *,
                  threads: int) -> dict[tuple[str, str], LoadedEngine]:
-    """An engine for every servable model version with one of its own (engine_versions), from the L3
-    store (built there if missing). A model version the runtime cannot serve (a GPU runtime and a model
-    without its source form) runs on ONNX Runtime instead, with a warning."""
+    """An engine on `runtime` for every servable model version with one of its own (engine_versions),
+    from the L3 store (built there if missing). A model version the runtime cannot serve (a GPU runtime
+    and a model without its source form) runs on ONNX Runtime instead, with a warning."""
     store = EngineStore(Path(config.engines.dir))
-    runtime = get_runtime(runtime_name)
     fallback: Runtime | None = None
     engines = {}
     for spec in repository.servable():
@@ -123,9 +123,9 @@ def load_engines(config: Config, repository: ModelRepository, counters: Counter,
                             "build` so pods only load", artifact.manifest.name, artifact.manifest.build_seconds,
                             f" (stored one not trusted: {artifact.rebuilt_reason})" if artifact.rebuilt_reason else "")
             counters["engines_loaded"] += 1
+            built_s = artifact.manifest.build_seconds if artifact.built else 0.0
+            load_s = round(max(0.0, time.monotonic() - started - built_s), 3)
             engines[(spec.name, version)] = LoadedEngine(
-                engine, chosen.name, artifact.manifest.key["precision"], chosen.device_label(),
-                artifact.manifest.build_seconds if artifact.built else 0.0)
-            log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name,
-                     time.monotonic() - started)
+                engine, chosen.name, artifact.manifest.key["precision"], chosen.device_label(), built_s, load_s)
+            log.info("loaded %s version %s (%s) in %.2f s", spec.name, version, artifact.manifest.name, load_s)
     return engines

@@ -67,6 +67,19 @@ class Engine(ABC):
         """The engine's own figures (padding, graph replays, ...) for GetStats; written by its run threads."""
         return {}
 
+    def warm_behind_traffic(self) -> None:
+        """Starts, in the background, what makes the engine faster without changing its answers (the
+        torch-cuda engine's CUDA graphs); the engine serves meanwhile. Nothing to do for most."""
+
+    def warm_since(self) -> float | None:
+        """When (time.monotonic()) the engine reached full speed: None while warm_behind_traffic's work
+        is under way, 0.0 for an engine at full speed from its load."""
+        return 0.0
+
+    def warm_phases(self) -> dict[str, float]:
+        """Seconds of the engine's own phases of its start (its first batch, its CUDA graphs once captured)."""
+        return {}
+
 
 class Runtime(ABC):
     name: str
@@ -79,6 +92,9 @@ class Runtime(ABC):
         if not (version_dir / self.source_file).is_file():
             return f"{version_dir / self.source_file} is missing"
         return None
+
+    def open_device(self) -> None:
+        """Creates the device's context before the first engine loads (timed on its own at start)."""
 
     def device_label(self) -> str:
         """The device it runs on, for ListModels and GetStats ("cpu", "cuda:0 (NVIDIA H200)")."""

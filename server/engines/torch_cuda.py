@@ -7,25 +7,32 @@ L3 store: the module's weights cast to the serving precision (a safetensors file
 architecture), named and checked like any other artifact (device, torch + CUDA version, precision,
 profile set).
 
-Load: weights onto the GPU, then, before the worker reports ready, one CUDA graph per profile (padded
-to the bucket's length) and batch class (1, 2, 3, 4, 6, 8, 12, ... up to max_batch: a batch is padded up
-to its class: at worst a third of the rows computed are padding). The graphs share one memory pool; they replay on one stream,
-so they never run at the same time.
+Load: weights onto the GPU and one batch of the largest shape (the libraries' handles and workspaces,
+the kernels loaded): from then on the engine serves, each batch padded to its (profile, batch class)
+shape (batch classes 1, 2, 3, 4, 6, 8, 12, ... up to max_batch: at worst a third of the rows computed
+are padding). A shape without its graph yet runs eagerly, at the same padded shape, so with the same
+kernels: the answer is the one its graph gives. warm_behind_traffic() captures the graphs in a
+thread of their own, the shapes that live traffic ran eagerly first (then the largest first), each
+under the engine's lock: a batch waits for one capture at most, milliseconds. Nothing of a capture
+outlives the process (CUDA graphs are not serializable), so only the weights are stored. The graphs
+share one memory pool; they replay on one stream, so they never run at the same time.
 
 Run: two slots, each with pinned host staging buffers sized for the largest profile. A caller fills its
-slot's pinned inputs (host work), enqueues copy-in, replay and copy-out on the stream under a short
-lock, and waits on its slot's event: while the GPU runs batch n, the next caller prepares batch n+1.
-No device memory is allocated on this path (the answer is copied out of the pinned buffer into a
-fresh array, which the caller keeps). Only this module (and torch_bert) import torch, lazily, through
-artifacts.get_runtime: the CPU path never does.
+slot's pinned inputs (host work), enqueues copy-in, replay (or the eager forward) and copy-out on the
+stream under a short lock, and waits on its slot's event: while the GPU runs batch n, the next caller
+prepares batch n+1. Once warm, no device memory is allocated on this path (the answer is copied out of
+the pinned buffer into a fresh array, which the caller keeps). Only this module (and torch_bert) import
+torch, lazily, through artifacts.get_runtime: the CPU path never does.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -52,17 +59,31 @@ def batch_classes(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def next_capture(order: list, captured, demand: Counter) -> tuple[int, int] | None:
+    """The shape whose graph to capture next: the one live traffic ran eagerly most often, ties (and no
+    traffic) in `order`; None once every shape has its graph."""
+    waiting = [shape for shape in order if shape not in captured]
+    return max(waiting, key=lambda shape: demand[shape], default=None)  # max keeps the first of equals
+
+
 class _Graph:
-    """One captured forward pass for a fixed [batch class, sequence length] input shape."""
+    """One captured forward pass for a fixed [batch class, sequence length] input shape. Captured
+    without torch.cuda.graph's own preparation (a full garbage collection and an emptied allocator
+    cache before each graph: about 60 ms of the 70 ms a MiniLM graph took, 70 graphs a worker), and in
+    thread_local mode: other threads keep serving (waiting on their events) while it is captured."""
 
     def __init__(self, module, rows: int, seq: int, pool, stream) -> None:
-        device = torch.device("cuda")
         self.rows, self.seq = rows, seq
-        self.ids = torch.full((rows, seq), 100, dtype=torch.int64, device=device)  # [UNK]: any valid id
-        self.mask = torch.ones((rows, seq), dtype=torch.int64, device=device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.outputs = module(self.ids, self.mask)
+        with torch.cuda.stream(stream):
+            # Every element is written by each run before a replay: empty is enough.
+            self.ids = torch.empty((rows, seq), dtype=torch.int64, device="cuda")
+            self.mask = torch.empty((rows, seq), dtype=torch.int64, device="cuda")
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                self.outputs = module(self.ids, self.mask)
+            finally:
+                self.graph.capture_end()
 
 
 class _Slot:
@@ -90,28 +111,91 @@ class TorchCudaEngine(Engine):
         max_batch = max(p.max_batch for p in profiles)
         self.classes = batch_classes(max_batch)
         self.stream = torch.cuda.Stream()
-        self._lock = threading.Lock()       # orders enqueueing on the one stream; held for microseconds
+        # Orders enqueueing on the one stream and guards what follows; held for microseconds (a capture:
+        # milliseconds).
+        self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
-        before = torch.cuda.memory_allocated()
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (seq, rows): written by the capture thread
+        self._demand: Counter[tuple[int, int]] = Counter()  # eager runs by shape since capture started
+        # Largest first where traffic does not say otherwise: later (smaller) captures reuse the pool's blocks.
+        self._order = [(seq, rows) for seq in reversed(self.seqs) for rows in reversed(self.classes)]
+        self._before = torch.cuda.memory_allocated()
         with torch.inference_mode():
-            warm = torch.full((max_batch, self.seqs[-1]), 100, dtype=torch.int64, device="cuda")
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):   # library handles and workspaces exist before capture
-                for _ in range(2):
-                    outputs = module(warm, torch.ones_like(warm))
-            torch.cuda.current_stream().wait_stream(side)
-            dims = {name: int(t.shape[-1]) for name, t in zip(self.output_names, outputs)}
-            del warm, outputs
-            pool = torch.cuda.graph_pool_handle()
-            # Largest first: later (smaller) captures reuse the pool's blocks.
-            self.graphs = {(seq, rows): _Graph(module, rows, seq, pool, self.stream)
-                           for seq in reversed(self.seqs) for rows in reversed(self.classes)}
-        torch.cuda.synchronize()
-        self._memory = torch.cuda.memory_allocated() - before
+            dims = self._first_batch(max_batch, self.stream)
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for _ in range(self.slots):
             self._free.put(_Slot(max_batch, self.seqs[-1], dims))
+        torch.cuda.synchronize()
+        self._memory = torch.cuda.memory_allocated() - self._before
+        self._capture: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._capture_s: float | None = None  # seconds the capture of every graph took, once done
+        self.warm_at: float | None = None     # when (monotonic) that was
+
+    def _first_batch(self, rows: int, stream) -> dict[str, int]:
+        """One eager batch of `rows` at the longest profile on `stream` (the libraries' handles and
+        workspaces for it, the kernels loaded); the output dimensions."""
+        warm = torch.full((rows, self.seqs[-1]), 100, dtype=torch.int64, device="cuda")  # [UNK]: any id
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outputs = self.module(warm, torch.ones_like(warm))
+        torch.cuda.current_stream().wait_stream(stream)
+        return {name: int(t.shape[-1]) for name, t in zip(self.output_names, outputs)}
+
+    # ---- warming behind traffic ----------------------------------------------------------------------
+
+    def warm_behind_traffic(self) -> None:
+        if self._capture is None:
+            with self._lock:
+                self._demand.clear()  # the worker's warmup batches are not traffic
+            self._capture = threading.Thread(target=self._capture_all, name="cuda-graphs", daemon=True)
+            self._capture.start()
+            atexit.register(self._stop_capturing)  # not torn down mid-capture by the interpreter's exit
+
+    def _stop_capturing(self) -> None:
+        self._stopping.set()
+        self._capture.join(timeout=10)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Captures every graph (if not started yet) and waits for it; whether all were captured."""
+        self.warm_behind_traffic()
+        self._capture.join(timeout)
+        return self.warm_at is not None
+
+    def warm_since(self) -> float | None:
+        return self.warm_at
+
+    def warm_phases(self) -> dict[str, float]:
+        return {} if self._capture_s is None else {"capture": self._capture_s}
+
+    def _capture_all(self) -> None:
+        started = time.monotonic()
+        stream = torch.cuda.Stream()
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.inference_mode():
+                with self._lock:  # this thread's library handles and the stream's workspaces, before any capture
+                    self._first_batch(1, stream)
+                stream.synchronize()
+                while True:
+                    with self._lock:
+                        shape = next_capture(self._order, self.graphs, self._demand)
+                        if shape is None or self._stopping.is_set():
+                            break
+                        self.graphs[shape] = _Graph(self.module, shape[1], shape[0], pool, stream)
+            with self._lock:
+                self._memory = torch.cuda.memory_allocated() - self._before
+        except Exception:  # a shape without its graph keeps running eagerly: slower, never wrong
+            log.exception("capturing CUDA graphs failed after %d of %d; the rest run without one",
+                          len(self.graphs), len(self._order))
+            return
+        if self._stopping.is_set():
+            return
+        self.warm_at = time.monotonic()
+        self._capture_s = round(self.warm_at - started, 3)
+        log.info("captured %d CUDA graphs in %.2f s behind live traffic", len(self.graphs), self._capture_s)
+
+    # ---- running -----------------------------------------------------------------------------------
 
     def _shape_for(self, rows: int, seq: int) -> tuple[int, int]:
         padded_seq = next((s for s in self.seqs if s >= seq), None)
@@ -125,7 +209,6 @@ class TorchCudaEngine(Engine):
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         rows, seq = ids.shape
         padded_rows, padded_seq = self._shape_for(rows, seq)
-        graph = self.graphs[(padded_seq, padded_rows)]
         slot = self._free.get()
         try:
             size = padded_rows * padded_seq
@@ -135,11 +218,22 @@ class TorchCudaEngine(Engine):
             host_mask.fill(0)
             host_ids[:rows, :seq] = ids
             host_mask[:rows, :seq] = mask
+            staged_ids = slot.ids[:size].view(padded_rows, padded_seq)
+            staged_mask = slot.mask[:size].view(padded_rows, padded_seq)
             with self._lock, torch.inference_mode(), torch.cuda.stream(self.stream):
-                graph.ids.copy_(slot.ids[:size].view(padded_rows, padded_seq), non_blocking=True)
-                graph.mask.copy_(slot.mask[:size].view(padded_rows, padded_seq), non_blocking=True)
-                graph.graph.replay()
-                for name, out in zip(self.output_names, graph.outputs):
+                graph = self.graphs.get((padded_seq, padded_rows))
+                if graph is not None:
+                    graph.ids.copy_(staged_ids, non_blocking=True)
+                    graph.mask.copy_(staged_mask, non_blocking=True)
+                    graph.graph.replay()
+                    outputs = graph.outputs
+                    self._counters["replays"] += 1
+                else:  # same shape, same kernels as its graph; allocates (stream-ordered) until it has one
+                    self._demand[(padded_seq, padded_rows)] += 1
+                    self._counters["eager_runs"] += 1
+                    outputs = self.module(staged_ids.to("cuda", non_blocking=True),
+                                          staged_mask.to("cuda", non_blocking=True))
+                for name, out in zip(self.output_names, outputs):
                     slot.outputs[name][:rows].copy_(out[:rows], non_blocking=True)
                 slot.done.record(self.stream)
                 self._count(rows, seq, padded_rows, padded_seq, int(mask.sum()))
@@ -150,7 +244,6 @@ class TorchCudaEngine(Engine):
 
     def _count(self, rows: int, seq: int, padded_rows: int, padded_seq: int, tokens: int) -> None:
         c = self._counters
-        c["replays"] += 1
         c["rows"] += rows
         c["padded_rows"] += padded_rows - rows
         c["tokens"] += tokens
@@ -184,6 +277,11 @@ class TorchCudaRuntime(Runtime):
         name, major, minor = self._gpu()
         return (f"sm{major}{minor}-{name.lower().replace(' ', '-')}",
                 {"gpu": name, "compute_capability": f"{major}.{minor}"})
+
+    def open_device(self) -> None:
+        self._gpu()
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
 
     def device_label(self) -> str:
         return f"cuda:{torch.cuda.current_device()} ({self._gpu()[0]})"

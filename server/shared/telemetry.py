@@ -114,8 +114,13 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "gauge", "Seconds this server spent building the engine at start (0: loaded from the engine store).",
         ("model", "version", "runtime", "device", "worker"), ()),
     "infercache_engine_warmup_seconds": (
-        "gauge", "Seconds the engine's warmup took at start.", ("model", "version", "runtime", "device", "worker"),
-        ()),
+        "gauge", "Seconds of each phase of the engine's start: load (weights to the device, a first batch), "
+        "warmup (timed batches), capture (CUDA graphs, behind traffic; once done).",
+        ("model", "version", "runtime", "device", "worker", "phase"), ()),
+    "infercache_worker_start_seconds": (
+        "gauge", "Where a worker's start went: imports, runtime_import (torch), device_init (CUDA) in seconds; "
+        "ready and warm (every engine at full speed) in seconds since the process started.",
+        ("worker", "phase"), ()),
     "infercache_process_restarts_total": ("counter", "Child processes the supervisor restarted.", ("role",), ()),
     "infercache_processes": ("gauge", "Live child processes.", ("role",), ()),
 }

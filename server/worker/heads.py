@@ -97,6 +97,10 @@ class HeadRuntime(ModelRuntime):
             max_wait_s=config.server.max_queue_wait_s, nice=self.nice,
         )
 
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase of its start (server/worker/startup.py): a head only warms up."""
+        return {"warmup": self.warmup_s}
+
     @property
     def source(self) -> tuple[str, str, str]:
         """(encoder model, version, output): what this head reads (server/worker/features.py Source)."""

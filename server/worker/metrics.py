@@ -15,6 +15,7 @@ from server.worker.core import WorkerCore
 from server.shared.devices import WorkerPlacement
 from server.worker.heads import HeadRuntime
 from server.shared.telemetry import MEANS_SEP, Recorder
+from server.worker.startup import StartupProfile
 
 # infercache_prefix_moves_total's move label -> the prefix cache's counter (server/worker/prefix_cache.py)
 PREFIX_MOVES = {"kept": "prefix_blocks_kept", "demoted_host": "prefix_demoted_host",
@@ -23,10 +24,11 @@ PREFIX_MOVES = {"kept": "prefix_blocks_kept", "demoted_host": "prefix_demoted_ho
 
 
 class WorkerMetrics:
-    def __init__(self, core: WorkerCore, placement: WorkerPlacement, base: Recorder) -> None:
+    def __init__(self, core: WorkerCore, placement: WorkerPlacement, startup: StartupProfile, base: Recorder) -> None:
         """core.metrics: what the core records as it serves (set by the caller)."""
         self.core = core
         self.placement = placement
+        self.startup = startup
         self.base = base               # the predecessor's counters (a restarted worker continues them)
         self._store_gauges: list[tuple[tuple, float]] = []
 
@@ -80,7 +82,10 @@ class WorkerMetrics:
             gauges[depth] = gauges.get(depth, 0) + runtime.batcher.depth
             labels = (info.model, info.version, info.runtime, info.device, str(self.placement.index))
             gauges[("infercache_engine_build_seconds", *labels)] = runtime.built_s
-            gauges[("infercache_engine_warmup_seconds", *labels)] = runtime.warmup_s
+            for phase, seconds in runtime.phases().items():
+                gauges[("infercache_engine_warmup_seconds", *labels, phase)] = seconds
+        for phase, seconds in self.startup.phases.items():
+            gauges[("infercache_worker_start_seconds", str(self.placement.index), phase)] = seconds
         for name, writer in self._writers():
             gauges[("infercache_store_write_backlog", name)] = writer.counters["backlog"]
         for model, prefix in self._prefix_caches():

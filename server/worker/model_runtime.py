@@ -28,6 +28,7 @@ class ModelRuntime:
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=loaded.runtime,
                                   precision=loaded.precision, device=loaded.device)
         self.built_s = loaded.built_s  # building its engine at start took this long (0: loaded)
+        self.load_s = loaded.load_s    # loading it (from the L3 store, or after its build)
         self.warmup_s = 0.0            # set by the worker once warmed up
         # Frontends tokenize requests; the worker needs the tokenizer only for its warmup batches.
         self.encoder = TextEncoder(spec.version_dir(version) / TOKENIZER_FILE, spec.max_tokens)
@@ -41,6 +42,12 @@ class ModelRuntime:
             concurrency=self.engine.slots, name=f"{spec.name}-{version}", max_wait_s=config.server.max_queue_wait_s,
             nice=nice, groups=groups,
         )
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase of its engine's start (server/worker/startup.py): its load (weights
+        to the device, the first batch), the worker's warmup batches, and the engine's own (the CUDA
+        graphs' capture once done). A build has its own figure (built_s)."""
+        return {"load": self.load_s, "warmup": self.warmup_s, **self.engine.warm_phases()}
 
     def _run_batch(self, sequences: list) -> list[dict[str, np.ndarray]]:
         outputs = self.engine.run(pad_batch(sequences, max(len(s) for s in sequences)))

@@ -32,7 +32,7 @@ from server.worker.core import WorkerCore
 from server.shared.admission import discounted
 from server.config import Config, feature_store_settings, kv_store_settings, store_settings
 from server.shared.devices import WorkerPlacement
-from server.engines.artifacts import load_engines
+from server.engines.artifacts import get_runtime, load_engines
 from server.shared.errors import grpc_errors, to_wire
 from server.shared.framing import FrameProtocol, items_socket
 from server.worker.features import FeatureTier
@@ -42,6 +42,7 @@ from server.worker.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
 from server.shared.models import ModelConfigError, ModelRepository
 from server.worker.metrics import WorkerMetrics
+from server.worker.startup import StartupProfile
 from server.worker.writer import WriterProcess
 
 log = logging.getLogger("infercache.worker")
@@ -160,9 +161,10 @@ class _Connection:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, core: WorkerCore, placement: WorkerPlacement) -> None:
+    def __init__(self, core: WorkerCore, placement: WorkerPlacement, startup: StartupProfile) -> None:
         self.core = core
         self.placement = placement
+        self.startup = startup
 
     @grpc_errors
     async def Invalidate(self, request, context):
@@ -172,7 +174,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Stats(self, request, context):
         stats = process_stats("worker", *self.core.stat_groups())
         stats.index, stats.device = self.placement.index, self.placement.device
-        stats.engines.extend(runtime.info for runtime in self.core.runtimes.values())
+        stats.start_seconds.update(self.startup.phases)
+        for runtime in self.core.runtimes.values():
+            info = stats.engines.add()
+            info.CopyFrom(runtime.info)
+            info.warmup_seconds.update(runtime.phases())
         if self.core.generations is not None:
             stats.engines.extend(runtime.info for runtime in self.core.generations.runtimes.values())
         return stats
@@ -348,24 +354,41 @@ def _engine_threads(config: Config, cpu_workers: int) -> int:
     return config.server.engine_threads or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
 
+def _start_summary(startup: StartupProfile, runtimes) -> str:
+    models = "; ".join(f"{name} {version}: " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in
+                                                         runtime.phases().items())
+                       for (name, version), runtime in runtimes.items())
+    return f"{startup.summary()}; {models}" if models else startup.summary()
+
+
+async def _at_full_speed(startup: StartupProfile, encoders: list[ModelRuntime]) -> None:
+    """Marks (and logs) when every engine runs at full speed (its CUDA graphs captured behind traffic)."""
+    while any(runtime.engine.warm_since() is None for runtime in encoders):
+        await asyncio.sleep(0.05)
+    at = max([startup.started + startup.phases["ready"], *(r.engine.warm_since() or 0.0 for r in encoders)])
+    log.info("at full speed %.2f s after its start%s", startup.mark("warm", at),
+             "".join(f"; {r.spec.name} {r.version}: {r.phases()}" for r in encoders if r.engine.warm_phases()))
+
+
 async def _warm(runtime: ModelRuntime) -> None:
     started = time.monotonic()
     await asyncio.to_thread(runtime.warmup)
     runtime.warmup_s = time.monotonic() - started
 
 
-def _publisher(core: WorkerCore, placement: WorkerPlacement, metrics_dir: Path | None) -> telemetry.Publisher | None:
+def _publisher(core: WorkerCore, placement: WorkerPlacement, startup: StartupProfile,
+               metrics_dir: Path | None) -> telemetry.Publisher | None:
     """What publishes this worker's /metrics figures, when /metrics is on."""
     if metrics_dir is None:
         return None
     path = telemetry.snapshot_path(metrics_dir, "worker", placement.index)
     core.metrics = telemetry.Recorder()  # the core records into it as it serves
-    figures = WorkerMetrics(core, placement, telemetry.predecessor(path))
+    figures = WorkerMetrics(core, placement, startup, telemetry.predecessor(path))
     return telemetry.Publisher(path, figures.snapshot, figures.refresh_store_gauges)
 
 
 async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: Path, ready,
-                 stop: asyncio.Event, metrics_dir: Path | None) -> None:
+                 stop: asyncio.Event, metrics_dir: Path | None, startup: StartupProfile) -> None:
     nice = config.server.cpu_worker_nice if placement.gpu is None else 0
     if nice:
         # On shared cores the engine's batches take the CPUs for milliseconds; a frontend's hit or
@@ -384,12 +407,18 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     writer_started = asyncio.ensure_future(_open_writer(config, f"worker-{placement.index}", lose_writer))
     repository = ModelRepository.of(config)
     engine_counters: Counter[str] = Counter()
-    engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, placement.runtime,
+    with startup.phase("runtime_import"):
+        engine_runtime = await asyncio.to_thread(get_runtime, placement.runtime)
+    with startup.phase("device_init"):
+        await asyncio.to_thread(engine_runtime.open_device)
+    engines = await asyncio.to_thread(load_engines, config, repository, engine_counters, engine_runtime,
                                       threads=_engine_threads(config, cpu_workers))
     runtimes = {}
     for (name, version), loaded in engines.items():
         runtimes[(name, version)] = runtime = ModelRuntime(repository.get(name), version, loaded, config, nice)
         await _warm(runtime)
+        runtime.engine.warm_behind_traffic()  # CUDA graphs captured while the worker starts and serves
+    encoders = list(runtimes.values())
     writer = await writer_started
     heads, features = await _heads(config, repository, runtimes, placement, lose_writer)  # runs the warm encoders
     for runtime in heads.values():
@@ -407,9 +436,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     if tier is not None:  # what the calibrated rule learnt before a restart
         core.matching.calibrations.update(await asyncio.to_thread(
             calibration.load, calibration.path_for(tier.snapshot_dir), core.matching.calibrated_versions()))
-    publisher = _publisher(core, placement, metrics_dir if config.server.metrics_port else None)
+    publisher = _publisher(core, placement, startup, metrics_dir if config.server.metrics_port else None)
     server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, placement, startup), server)
     items_path = items_socket(socket_path)
     for path in (socket_path, items_path):
         path.unlink(missing_ok=True)  # left behind by a worker that was killed
@@ -422,9 +451,12 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         path.chmod(FILE_MODE)
     process.settle_gc()
     ready.send(("worker", placement.index, os.getpid()))
-    log.info("worker %d ready on unix:%s (pid %d, %s, %s)", placement.index, socket_path, os.getpid(),
-             placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})))
+    log.info("worker %d ready on unix:%s (pid %d, %s, %s) %.2f s after its start: %s", placement.index,
+             socket_path, os.getpid(), placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})),
+             startup.mark("ready"), _start_summary(startup, runtimes))
+    warmed = asyncio.ensure_future(_at_full_speed(startup, encoders))
     await stop.wait()
+    warmed.cancel()
     loop = asyncio.get_running_loop()
     if writer_lost.is_set():
         # Nothing answered from here on would be stored: no item is taken. Those in flight go back to
@@ -464,6 +496,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
 def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_path: str, ready,
          metrics_dir: str | None = None) -> None:
     """Entry point of a spawned worker process."""
+    startup = StartupProfile()
     if placement.gpu is not None:
         # Before anything imports torch or CUDA: this process sees its own GPU only, as device 0. An MPS
         # server numbers the GPUs it sees (the supervisor's visible ones) from 0: its clients name theirs
@@ -472,4 +505,4 @@ def main(config: Config, placement: WorkerPlacement, cpu_workers: int, socket_pa
         os.environ["CUDA_VISIBLE_DEVICES"] = str(placement.ordinal) if through_mps else placement.gpu
     process.setup_logging(config.server.log_level, f"worker-{placement.index}")
     process.run(lambda stop: _serve(config, placement, cpu_workers, Path(socket_path), ready, stop,
-                                    Path(metrics_dir) if metrics_dir else None))
+                                    Path(metrics_dir) if metrics_dir else None, startup))
