@@ -45,6 +45,8 @@ log = logging.getLogger("infercache.torch_cuda")
 
 try:
     import torch
+
+    from server.engines.cuda_graphs import capture
 except ImportError:  # pragma: no cover - a GPU host without torch: auto never picks this runtime
     torch = None
 
@@ -67,10 +69,7 @@ def next_capture(order: list, captured, demand: Counter) -> tuple[int, int] | No
 
 
 class _Graph:
-    """One captured forward pass for a fixed [batch class, sequence length] input shape. Captured
-    without torch.cuda.graph's own preparation (a full garbage collection and an emptied allocator
-    cache before each graph: about 60 ms of the 70 ms a MiniLM graph took, 70 graphs a worker), and in
-    thread_local mode: other threads keep serving (waiting on their events) while it is captured."""
+    """One captured forward pass for a fixed [batch class, sequence length] input shape."""
 
     def __init__(self, module, rows: int, seq: int, pool, stream) -> None:
         self.rows, self.seq = rows, seq
@@ -78,12 +77,7 @@ class _Graph:
             # Every element is written by each run before a replay: empty is enough.
             self.ids = torch.empty((rows, seq), dtype=torch.int64, device="cuda")
             self.mask = torch.empty((rows, seq), dtype=torch.int64, device="cuda")
-            self.graph = torch.cuda.CUDAGraph()
-            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                self.outputs = module(self.ids, self.mask)
-            finally:
-                self.graph.capture_end()
+        self.graph, self.outputs = capture(lambda: module(self.ids, self.mask), pool, stream)
 
 
 class _Slot:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from server.engines.cuda_graphs import capture
 from server.engines.decoding import Decoder, Outcome, Step
 from server.engines.llama import Llama, LlamaArchitecture
 from server.shared.generation_spec import DECODER_WEIGHTS_FILE
@@ -322,10 +323,7 @@ class TorchDecoder(Decoder):
             pool = torch.cuda.graph_pool_handle()
             for span in reversed(self.spans):
                 for width in reversed(self.batches):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                        logits = self._decode_forward(width, span)
-                    self._graphs[(width, span)] = (graph, logits)
+                    self._graphs[(width, span)] = capture(lambda: self._decode_forward(width, span), pool, self.stream)
         torch.cuda.synchronize(self.torch_device)
         self.capture_s = time.perf_counter() - started
         log.info("captured %d decode graphs (%d batch classes x %d spans) in %.1f s", len(self._graphs),
