@@ -158,6 +158,7 @@ def test_gpu_decode_graphs_replay_what_the_eager_steps_compute():
     assert together(graphed, prompts, 40, budget=64, joins=[0, 1, 1, 6]) == \
         together(eager, prompts, 40, budget=64, joins=[0, 1, 1, 6])
     assert graphed.counters()["graph_replays"] > 30
+    assert graphed.counters()["chunk_graph_replays"] > 0  # steps whose only chunk is short
 
 
 def test_gpu_continuous_batching_answers_as_each_sequence_alone(monkeypatch):

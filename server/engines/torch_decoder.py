@@ -9,9 +9,10 @@ every slot is scratch: padding tokens and idle rows write there, and nothing rea
 A step, on the decoder's stream: explicit input tokens are scattered into the slots' token buffer; one
 decode step for rows 0..R-1 (R the smallest batch class holding every row's slot; rows without a token
 this step are idle and write only scratch), replaying the CUDA graph captured for (R, span class), where
-the span class is the smallest captured number of positions covering every row; then the prompt chunks,
-batched and padded to the longest, eager (long chunks are arithmetic-bound; launches are not what
-costs); each chunk's argmax goes to its slot's token buffer, the next decode step's input. The argmax of
+the span class is the smallest captured number of positions covering every row; then the prompt chunks:
+a step's only chunk, up to 512 tokens, padded to a width class and replayed from the graph of (width,
+span class); otherwise batched and padded to the longest, eager (long chunks are arithmetic-bound:
+launches are not what costs); each chunk's argmax goes to its slot's token buffer, the next decode step's input. The argmax of
 each row and each last chunk, and the scores asked for, are copied to pinned host memory, and an event
 is recorded: `collect` waits on it. Nothing in a step waits for the host, so the scheduler launches step
 n+1 before it reads step n (`pipelined`).
@@ -23,6 +24,7 @@ import json
 import logging
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,12 @@ log = logging.getLogger("infercache.torch_decoder")
 
 SPAN_UNIT = 256  # decode steps attend a multiple of this many positions (batch_classes of it)
 PREFILL_ALIGN = 64  # a prompt chunk attends its positions rounded up to this
+# A step's only prompt chunk, when it is this short, is padded to the smallest of these widths and, on a
+# GPU, replayed from a graph per (width, span class): launching a chunk's ~25 kernels a layer eagerly costs
+# the host ~1 ms a layer (30 ms for an 8B model), several times what the GPU spends on 64 tokens, which
+# is what a prefix cache hit or a conversation's next turn leaves to compute. Longer chunks keep the eager
+# path, whose launches the GPU's arithmetic hides.
+CHUNK_WIDTHS = (32, 64, 128, 256, 512)
 
 
 def span_classes(context: int) -> tuple[int, ...]:
@@ -92,6 +100,9 @@ class TorchDecoder(Decoder):
         self.stream = torch.cuda.Stream(self.torch_device) if cuda else None
         self._copies = torch.cuda.Stream(self.torch_device) if cuda else None  # block exports beside compute
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # single-chunk prefill graphs by (width, span): what they read (ids, positions, slot, last index)
+        self._chunk_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._chunk_inputs: dict[int, torch.Tensor] = {}
         self._counters: Counter[str] = Counter()
         self.capture_s = 0.0
         self.blocks: torch.Tensor | None = None  # prefix blocks (open_blocks)
@@ -281,7 +292,10 @@ class TorchDecoder(Decoder):
         chunks = step.chunks
         n = len(chunks)
         width = max(len(c.ids) for c in chunks)
-        span = min(self.context, -(-max(c.start + len(c.ids) for c in chunks) // PREFILL_ALIGN) * PREFILL_ALIGN)
+        end = max(c.start + len(c.ids) for c in chunks)
+        if n == 1 and self.pipelined and width <= CHUNK_WIDTHS[-1]:
+            return self._prefill_one(chunks[0], _first_at_least(CHUNK_WIDTHS, width), _first_at_least(self.spans, end))
+        span = min(self.context, -(-end // PREFILL_ALIGN) * PREFILL_ALIGN)
         host = np.zeros(2 * n * width + 2 * n, dtype=np.int64)
         ids = host[:n * width].reshape(n, width)
         positions = host[n * width:2 * n * width].reshape(n, width)
@@ -299,6 +313,33 @@ class TorchDecoder(Decoder):
         self.tokens.index_copy_(0, slots, chosen)
         return chosen, logits
 
+    def _prefill_one(self, chunk, width: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's only chunk, padded to `width` (padding reads token 0 at the scratch position), over the
+        span class `span`: replayed from its graph where one was captured, else eager with the same shapes
+        (so that both compute the same)."""
+        length = len(chunk.ids)
+        host = np.zeros(2 * width + 2, dtype=np.int64)
+        host[:length] = chunk.ids
+        host[width:2 * width] = self.scratch
+        host[width:width + length] = np.arange(chunk.start, chunk.start + length)
+        host[2 * width:] = (chunk.slot, length - 1)
+        staged = self._stage(host)
+        graph = self._chunk_graphs.get((width, span))
+        if graph is not None:
+            self._chunk_inputs[width].copy_(staged)
+            graph[0].replay()
+            logits = graph[1]
+            self._counters["chunk_graph_replays"] += 1
+        else:
+            logits = self._chunk_forward(staged, width, span)
+        chosen = logits.argmax(-1)
+        self.tokens.index_copy_(0, staged[2 * width:2 * width + 1], chosen)
+        return chosen, logits
+
+    def _chunk_forward(self, inputs: torch.Tensor, width: int, span: int) -> torch.Tensor:
+        return self.module(inputs[:width].view(1, width), inputs[width:2 * width].view(1, width), self.keys,
+                           self.values, inputs[2 * width:2 * width + 1], span, inputs[2 * width + 1:])
+
     def _stage(self, host: np.ndarray) -> torch.Tensor:
         """Host int64 values on the device, through pinned memory on a GPU (the copy does not wait)."""
         if self.stream is None:
@@ -310,8 +351,9 @@ class TorchDecoder(Decoder):
     # -- CUDA graphs -------------------------------------------------------------------------------------
 
     def _capture_all(self) -> None:
-        """One graph per (batch class, span class), largest first: later, smaller captures reuse the
-        pool's blocks. Idle rows' positions are scratch, so the warm-up and capture runs write nothing real."""
+        """One decode graph per (batch class, span class) and one prompt chunk graph per (width class, span
+        class), largest first: later, smaller captures reuse the pool's blocks. Idle rows' and padding
+        positions are scratch, so the warm-up and capture runs write nothing real."""
         started = time.perf_counter()
         with torch.inference_mode():
             side = torch.cuda.Stream(self.torch_device)
@@ -323,11 +365,23 @@ class TorchDecoder(Decoder):
             pool = torch.cuda.graph_pool_handle()
             for span in reversed(self.spans):
                 for width in reversed(self.batches):
-                    self._graphs[(width, span)] = capture(lambda: self._decode_forward(width, span), pool, self.stream)
+                    self._graphs[(width, span)] = capture(partial(self._decode_forward, width, span), pool, self.stream)
+            # Single prompt chunks: their inputs all scratch (token 0 at the scratch position of slot 0).
+            side.wait_stream(torch.cuda.current_stream(self.torch_device))
+            for width in reversed(CHUNK_WIDTHS):
+                inputs = self._chunk_inputs[width] = torch.zeros(2 * width + 2, dtype=torch.int64,
+                                                                 device=self.torch_device)
+                inputs[width:2 * width] = self.scratch
+                for span in reversed(self.spans):
+                    with torch.cuda.stream(side):  # its kernels' plans and workspaces exist before capture
+                        self._chunk_forward(inputs, width, span)
+                    self.stream.wait_stream(side)
+                    self._chunk_graphs[(width, span)] = capture(partial(self._chunk_forward, inputs, width, span),
+                                                                pool, self.stream)
         torch.cuda.synchronize(self.torch_device)
         self.capture_s = time.perf_counter() - started
-        log.info("captured %d decode graphs (%d batch classes x %d spans) in %.1f s", len(self._graphs),
-                 len(self.batches), len(self.spans), self.capture_s)
+        log.info("captured %d decode graphs (%d batch classes x %d spans) and %d prompt chunk graphs in %.1f s",
+                 len(self._graphs), len(self.batches), len(self.spans), len(self._chunk_graphs), self.capture_s)
 
     # -- the rest ----------------------------------------------------------------------------------------
 
