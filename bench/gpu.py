@@ -132,7 +132,11 @@ def measure_starts(workdir: Path, models: Path, frontends: int, settings: tuple[
             row["start_to_first_miss_s"] = round(first_success(server.address, miss, server.started, 600, server), 2)
             server.wait_ready(600)
             row["start_to_ready_s"] = round(server.ready_after, 2)
-            stats = server.wait_warm(600)
+            try:
+                stats = server.wait_warm(600)
+            except Exception:
+                print(server.log_text()[-4000:], flush=True)
+                raise
             row["start_to_full_speed_s"] = round(time.monotonic() - server.started, 2)  # (polled every 0.1 s)
             row["engines_built_at_start"] = sum(w.counters.get("worker.engines_built_at_start", 0) for w in stats)
             row["workers"] = [{"start_seconds": dict(w.start_seconds),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +26,7 @@ from server import mps  # noqa: E402
 from server.engines.torch_cuda import TorchCudaRuntime, batch_classes, next_capture  # noqa: E402
 from server.shared.models import load_model  # noqa: E402
 from server.shared.tokenization import TextEncoder, pad_batch  # noqa: E402
-from tests.helpers import link_model  # noqa: E402
+from tests.helpers import link_model, wait_for  # noqa: E402
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
 MINILM = REPO / "models" / "minilm"
@@ -99,14 +100,27 @@ def test_graphs_are_captured_behind_live_traffic_without_changing_an_answer(tmp_
     inputs = [pad_batch(sequences[i:i + rows], max(map(len, sequences[i:i + rows])))
               for rows in (1, 2, 5) for i in range(0, len(sequences) - rows, rows)]
     want = [engine.run(i)["embedding"] for i in inputs]  # eager
-    engine.warm_behind_traffic()
-    with ThreadPoolExecutor(engine.slots) as pool:
+    stop = threading.Event()
+
+    def serve() -> int:
         rounds = 0
-        while engine.warm_since() is None or rounds < 2:  # serving from two threads while it captures
-            got = list(pool.map(lambda i: engine.run(i)["embedding"], inputs))
-            for a, b in zip(got, want):
-                np.testing.assert_array_equal(a, b)
+        while not stop.is_set():
+            for i, w in zip(inputs, want):
+                np.testing.assert_array_equal(engine.run(i)["embedding"], w)
             rounds += 1
+        return rounds
+
+    with ThreadPoolExecutor(engine.slots) as pool:  # two threads serving before, while and after it captures
+        serving = [pool.submit(serve) for _ in range(engine.slots)]
+        try:
+            wait_for(lambda: engine.counters()["eager_runs"] >= 2 * len(inputs), 60, "traffic before the capture")
+            engine.warm_behind_traffic()
+            wait_for(lambda: engine.warm_since() is not None, 120, "every graph captured")
+            replays = engine.counters().get("replays", 0)
+            wait_for(lambda: engine.counters().get("replays", 0) > replays + len(inputs), 60, "traffic on the graphs")
+        finally:
+            stop.set()
+        assert all(f.result() >= 2 for f in serving)
     counters = engine.counters()
     assert counters["replays"] > 0 and counters["eager_runs"] > len(inputs), counters
 

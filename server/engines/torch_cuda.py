@@ -13,7 +13,7 @@ shape (batch classes 1, 2, 3, 4, 6, 8, 12, ... up to max_batch: at worst a third
 are padding). A shape without its graph yet runs eagerly, at the same padded shape, so with the same
 kernels: the answer is the one its graph gives. warm_behind_traffic() captures the graphs in a
 thread of their own, the shapes that live traffic ran eagerly first (then the largest first), each
-under the engine's lock: a batch waits for one capture at most, milliseconds. Nothing of a capture
+under the engine's lock, let go between captures: a batch waits for one capture at most, milliseconds. Nothing of a capture
 outlives the process (CUDA graphs are not serializable), so only the weights are stored. The graphs
 share one memory pool; they replay on one stream, so they never run at the same time.
 
@@ -177,6 +177,9 @@ class TorchCudaEngine(Engine):
                         if shape is None or self._stopping.is_set():
                             break
                         self.graphs[shape] = _Graph(self.module, shape[1], shape[0], pool, stream)
+                    # Python's locks are not fair: re-taken at once, this loop kept every caller (and the
+                    # event loop reading counters) waiting for all of the captures, not one.
+                    time.sleep(0.0005)
             with self._lock:
                 self._memory = torch.cuda.memory_allocated() - self._before
         except Exception:  # a shape without its graph keeps running eagerly: slower, never wrong
