@@ -58,6 +58,14 @@ def test_a_version_without_its_torch_form_is_refused_with_the_reason(tmp_path):
     assert "torch.safetensors is missing" in reason and "prepare-model" in reason
 
 
+def _engine_and_texts(tmp_path, copies: int):
+    """MiniLM's torch-cuda engine from a fresh L3 store, and TEXTS `copies` times, each made distinct, tokenized."""
+    spec = load_model(MINILM)
+    _, engine = prepare(EngineStore(tmp_path / "l3"), get_runtime("torch-cuda"), spec, "1", "fp16", load=True)
+    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
+    return engine, [encoder.encode(f"{t} {n}") for n, t in enumerate(TEXTS * copies)]
+
+
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
@@ -93,10 +101,7 @@ def test_engine_from_the_l3_store_matches_onnx_runtime_at_every_batch_class(tmp_
 
 @GPU
 def test_graphs_are_captured_behind_live_traffic_without_changing_an_answer(tmp_path):
-    spec = load_model(MINILM)
-    _, engine = prepare(EngineStore(tmp_path / "l3"), get_runtime("torch-cuda"), spec, "1", "fp16", load=True)
-    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
-    sequences = [encoder.encode(f"{t} {n}") for n, t in enumerate(TEXTS * 4)]
+    engine, sequences = _engine_and_texts(tmp_path, 4)
     inputs = [pad_batch(sequences[i:i + rows], max(map(len, sequences[i:i + rows])))
               for rows in (1, 2, 5) for i in range(0, len(sequences) - rows, rows)]
     want = [engine.run(i)["embedding"] for i in inputs]  # eager
@@ -127,10 +132,7 @@ def test_graphs_are_captured_behind_live_traffic_without_changing_an_answer(tmp_
 
 @GPU
 def test_two_slots_at_once_give_each_caller_its_own_answers(tmp_path):
-    spec = load_model(MINILM)
-    _, engine = prepare(EngineStore(tmp_path / "l3"), get_runtime("torch-cuda"), spec, "1", "fp16", load=True)
-    encoder = TextEncoder(MINILM / "1" / "tokenizer.json", spec.max_tokens)
-    sequences = [encoder.encode(f"{t} {n}") for n, t in enumerate(TEXTS * 20)]
+    engine, sequences = _engine_and_texts(tmp_path, 20)
     inputs = [pad_batch([ids], len(ids)) for ids in sequences]
     alone = [engine.run(i)["embedding"] for i in inputs]
     with ThreadPoolExecutor(engine.slots) as pool:
