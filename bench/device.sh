@@ -24,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_RESUL
     BENCH_COMMIT="${BENCH_COMMIT:-unknown (BENCH_COMMIT not set)}"
 # The command as run, with the settings of this script that change what it measures.
 settings=$(for name in DEVICE_TESTS DEVICE_MINILM TEST_LIMIT_S BENCH_LIMIT_S; do
-    [ -z "${!name:-}" ] || printf '%s=%s ' "$name" "${!name}"; done)
+    [ -z "${!name:-}" ] || printf '%s=%q ' "$name" "${!name}"; done)
 export BENCH_COMMAND="${settings}bash bench/device.sh $*"
 [ "${DEVICE_MINILM:-1}" = 0 ] || python3 - <<'PY'
 from pathlib import Path
