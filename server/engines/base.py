@@ -77,7 +77,7 @@ class Engine(ABC):
         return 0.0
 
     def warm_phases(self) -> dict[str, float]:
-        """Seconds of the engine's own phases of its start (its first batch, its CUDA graphs once captured)."""
+        """Seconds of the engine's own phases of its start (the torch-cuda engine's capture, once done)."""
         return {}
 
 

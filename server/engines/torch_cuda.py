@@ -13,9 +13,10 @@ shape (batch classes 1, 2, 3, 4, 6, 8, 12, ... up to max_batch: at worst a third
 are padding). A shape without its graph yet runs eagerly, at the same padded shape, so with the same
 kernels: the answer is the one its graph gives. warm_behind_traffic() captures the graphs in a
 thread of their own, the shapes that live traffic ran eagerly first (then the largest first), each
-under the engine's lock, let go between captures: a batch waits for one capture at most, milliseconds. Nothing of a capture
-outlives the process (CUDA graphs are not serializable), so only the weights are stored. The graphs
-share one memory pool; they replay on one stream, so they never run at the same time.
+under the engine's lock, let go between captures: a batch waits for one capture at most (about 50 ms
+on the H200). Nothing of a capture outlives the process (CUDA graphs are not serializable), so only
+the weights are stored. The graphs share one memory pool; they replay on one stream, so they never
+run at the same time.
 
 Run: two slots, each with pinned host staging buffers sized for the largest profile. A caller fills its
 slot's pinned inputs (host work), enqueues copy-in, replay (or the eager forward) and copy-out on the

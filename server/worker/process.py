@@ -354,11 +354,10 @@ def _engine_threads(config: Config, cpu_workers: int) -> int:
     return config.server.engine_threads or max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
 
 
-def _start_summary(startup: StartupProfile, runtimes) -> str:
-    models = "; ".join(f"{name} {version}: " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in
-                                                         runtime.phases().items())
-                       for (name, version), runtime in runtimes.items())
-    return f"{startup.summary()}; {models}" if models else startup.summary()
+def _phases_text(runtimes) -> str:
+    """"minilm 1: load 0.46 s, warmup 0.37 s; ..." for the log."""
+    return "; ".join(f"{r.spec.name} {r.version}: " + ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in
+                                                                r.phases().items()) for r in runtimes)
 
 
 async def _at_full_speed(startup: StartupProfile, encoders: list[ModelRuntime]) -> None:
@@ -366,8 +365,7 @@ async def _at_full_speed(startup: StartupProfile, encoders: list[ModelRuntime]) 
     while any(runtime.engine.warm_since() is None for runtime in encoders):
         await asyncio.sleep(0.05)
     at = max([startup.started + startup.phases["ready"], *(r.engine.warm_since() or 0.0 for r in encoders)])
-    log.info("at full speed %.2f s after its start%s", startup.mark("warm", at),
-             "".join(f"; {r.spec.name} {r.version}: {r.phases()}" for r in encoders if r.engine.warm_phases()))
+    log.info("at full speed %.2f s after its start (%s)", startup.mark("warm", at), _phases_text(encoders))
 
 
 async def _warm(runtime: ModelRuntime) -> None:
@@ -453,7 +451,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     ready.send(("worker", placement.index, os.getpid()))
     log.info("worker %d ready on unix:%s (pid %d, %s, %s) %.2f s after its start: %s", placement.index,
              socket_path, os.getpid(), placement.device, ", ".join(sorted({r.info.runtime for r in runtimes.values()})),
-             startup.mark("ready"), _start_summary(startup, runtimes))
+             startup.mark("ready"), "; ".join(filter(None, (startup.summary(), _phases_text(runtimes.values())))))
     warmed = asyncio.ensure_future(_at_full_speed(startup, encoders))
     await stop.wait()
     warmed.cancel()
