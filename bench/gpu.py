@@ -181,7 +181,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
     if "start" in parts:
         print("  cold and warm start ...", flush=True)
         report["start"] = {f"{label}_{count}_workers": row for count in workers
-                           for label, row in measure_starts(workdir, models, frontends, settings, count,
+                           for label, row in measure_starts(workdir, models, frontends, settings[:-1], count,
                                                             engines if count == workers[0] else None).items()}
     checkpoint()
 
@@ -384,7 +384,6 @@ def _ratios(report: dict) -> dict:
                 out[f"minilm_batch32_texts_per_s{suffix}{name[len('batch32'):]}"] = row["items_per_s"]
     if "alternating" in report:
         out["minilm_single_vs_raw_bytes_alternating_median"] = report["alternating"]["median_ratio"]
-
     return out
 
 
