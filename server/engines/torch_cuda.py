@@ -144,8 +144,8 @@ class TorchCudaEngine(Engine):
             with self._lock:
                 self._demand.clear()  # the worker's warmup batches are not traffic
             self._capture = threading.Thread(target=self._capture_all, name="cuda-graphs", daemon=True)
-            self._capture.start()
             atexit.register(self._stop_capturing)  # not torn down mid-capture by the interpreter's exit
+            self._capture.start()
 
     def _stop_capturing(self) -> None:
         self._stopping.set()
@@ -187,6 +187,8 @@ class TorchCudaEngine(Engine):
             log.exception("capturing CUDA graphs failed after %d of %d; the rest run without one",
                           len(self.graphs), len(self._order))
             return
+        finally:  # (the registration holds the engine: let it go once there is nothing to stop)
+            atexit.unregister(self._stop_capturing)
         if self._stopping.is_set():
             return
         self.warm_at = time.monotonic()

@@ -45,7 +45,7 @@ class StartupProfile:
         try:
             yield
         finally:
-            self.phases[name] = round(self.phases.get(name, 0.0) + time.monotonic() - started, 3)
+            self.phases[name] = round(time.monotonic() - started, 3)
 
     def mark(self, name: str, at: float | None = None) -> float:
         """Records `name` at `at` (monotonic; now by default) as seconds since the process started."""
