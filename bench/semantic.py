@@ -91,22 +91,24 @@ def bench_hit_latency(models: Path, workdir: Path, rounds: int, limit: int | Non
 
 def bench_eval(models: Path, workdir: Path, limit: int | None) -> dict:
     """The calibrated rule on Banking77 train, each run on a fresh server (nothing learnt carries over):
-    held out, every 5th row replayed (the other 80% warm the cache); leave labels out, every 4th label
-    in sorted order never warms the cache and its rows are replayed as novel queries, against the cache
-    as warmed (static) and, on another server, as traffic that joins it (streaming)."""
+    held out, every 5th row replayed (the other 80% warm the cache; and, on another server, only a
+    quarter of the rows warms it); leave labels out, every 4th label in sorted order never warms the
+    cache and its rows are replayed as novel queries, against the cache as warmed (static) and, on
+    another server, as traffic that joins it (streaming)."""
     from server.tools.semantic_heldout import main as evaluate
 
     train_banking77(models)
     out: dict = {}
-    for name, leave_out, novel in (("heldout", 0, ()), ("novel_static", 4, ("static",)),
-                                   ("novel_streaming", 4, ("streaming",))):
+    for name, leave_out, novel, warm_share in (("heldout", 0, (), None), ("heldout_quarter", 0, (), 0.25),
+                                               ("novel_static", 4, ("static",), None),
+                                               ("novel_streaming", 4, ("streaming",), None)):
         run_dir = workdir / f"eval-{name}"
         run_dir.mkdir()
         server = ServerProcess(run_dir, models, engines_dir=workdir / "engines")
         try:
             out[name] = evaluate(server.address, "banking77", BANKING77, text_column="text", label_column="category",
                                  limit=limit, holdout=5, leave_out=leave_out, out=run_dir / "eval.json",
-                                 novel_modes=novel)
+                                 novel_modes=novel, warm_share=warm_share)
         finally:
             assert server.stop() == 0
     return out

@@ -72,20 +72,25 @@ def mlp_logits(x: np.ndarray, y: np.ndarray, classes: int, hidden: int = 512, ep
     return np.maximum(x @ w1 + b1, 0) @ w2 + b2
 
 
-def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool) -> dict:
-    from server.worker.calibration import Calibration
+def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = True, max_error: float = 0.01,
+           warm_share: float | None = None) -> dict:
+    """The split above; `warm_share`: only this share of the rows warms the cache (the first of the
+    shuffled warm rows), not every row outside the replays."""
+    from server.worker.calibration import Calibration, learn
     from server.shared.match_policy import CalibratedPolicy, Neighbor, assess
     from server.shared.surrogate import Surrogate
 
-    policy = CalibratedPolicy()
+    policy = CalibratedPolicy(max_error=max_error)
     model, scores = logits.argmax(axis=1), softmax(logits)
     labels = [str(c) for c in range(logits.shape[1])]
     novel = {c for i, c in enumerate(sorted(set(y.tolist()))) if i % LEAVE_OUT == 0}
     warm = [i for i in range(len(x)) if i % HOLDOUT and y[i] not in novel]
     random.Random(0).shuffle(warm)
-    calibration, fit, cached = Calibration(policy.max_error), Surrogate(x.shape[1], len(labels)), []
+    if warm_share is not None:
+        warm = warm[:int(len(x) * warm_share)]
+    calibration, fit, cached = Calibration.under(policy, ""), Surrogate(x.shape[1], len(labels)), []
 
-    def decide(i: int, learn: bool) -> tuple[bool, bool]:
+    def decide(i: int, learning: bool) -> tuple[bool, bool]:
         """(a hit that agrees with the model, a hit)"""
         if len(cached) < 2:
             return False, False
@@ -94,20 +99,20 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool) -> 
         fitted = labels[fit.answer(x[i])] if with_fit and fit.ready else None
         found = assess(x[i], x[nearest], scores[nearest], labels, fitted)
         neighbors = [Neighbor(float(x[j] @ x[i]), b"", labels[model[j]]) for j in nearest]
-        hit = policy.decide(neighbors, found, calibration.threshold_for(fitted is not None)) is not None
-        if learn and policy.covers(neighbors, found):
-            calibration.record(found.margin, found.answer == labels[model[i]], fit_agreed=fitted == found.answer)
+        hit = policy.decide(neighbors, found, calibration) is not None
+        if learning:
+            learn(calibration, neighbors, found, labels[model[i]])
         return hit and found.answer == labels[model[i]], hit
 
     for i in warm:
-        if not decide(i, learn=True)[1]:
+        if not decide(i, learning=True)[1]:
             cached.append(i)
             fit.add(x[i:i + 1], scores[i:i + 1])
     out: dict = {"cached": len(cached), "threshold": calibration.threshold,
                  "threshold_with_fit": calibration.threshold_for(True)}
     for name, rows in (("heldout", [i for i in range(len(x)) if i % HOLDOUT == 0 and y[i] not in novel]),
                        ("novel", [i for i in range(len(x)) if y[i] in novel])):
-        decided = [decide(i, learn=False) for i in rows]
+        decided = [decide(i, learning=False) for i in rows]
         hits = sum(hit for _, hit in decided)
         wrong = hits - sum(right for right, _ in decided)
         out[name] = {"queries": len(rows), "hits": hits, "hit_rate": round(hits / len(rows), 4), "differ": wrong,

@@ -201,6 +201,13 @@ def _train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _share(text: str) -> float:
+    share = float(text)
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"a share is in (0, 1], got {text}")
+    return share
+
+
 def _eval_semantic(args: argparse.Namespace) -> int:
     from server.tools.labelled_csv import LabelledDataError
 
@@ -222,7 +229,7 @@ def _eval_semantic(args: argparse.Namespace) -> int:
             evaluate(args.address, args.model, Path(args.csv), text_column=args.text_column,
                      label_column=args.label_column, limit=args.limit, holdout=args.holdout,
                      leave_out=args.leave_out_labels, out=out, novel_modes=tuple(args.novel_replay.split(",")),
-                     replay_path=Path(args.replay) if args.replay else None)
+                     replay_path=Path(args.replay) if args.replay else None, warm_share=args.warm_share)
     except LabelledDataError as exc:
         print(f"infercache: {exc}", file=sys.stderr)
         return 2
@@ -314,6 +321,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     evaluate.add_argument("--holdout", type=int, default=5, help="replay every Nth row, warm with the rest")
     evaluate.add_argument("--replay", metavar="CSV",
                           help="instead of --holdout: every row of the first file warms the cache, this file's are replayed")
+    evaluate.add_argument("--warm-share", type=_share, metavar="S",
+                          help="only this share of the file's rows (0 < S <= 1, shuffled) warms the cache")
     evaluate.add_argument("--leave-out-labels", type=int, default=0, metavar="K",
                           help="every Kth label never warms the cache: its rows are replayed as novel queries")
     evaluate.add_argument("--novel-replay", default="static,streaming", choices=("static", "streaming", "static,streaming"),

@@ -21,7 +21,7 @@ import pytest
 
 from tests.servers import ServerProcess
 from cachestore.results import now_us
-from server.worker.calibration import EDGES, Calibration, load, save, wilson_upper
+from server.worker.calibration import EDGES, Calibration, learn, load, save, wilson_upper
 from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from server.shared.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
@@ -46,20 +46,35 @@ def test_interpolation_is_exact_for_a_linear_head_inside_the_neighbours_hull():
     assert far.residual > 1
 
 
-def test_calibrated_decision_needs_coverage_margin_the_fits_agreement_and_an_entry_holding_the_answer():
+def learnt(max_error: float = 0.05, coverage: float = 0.5, bad_margin: float = 0.5, residual: float = 0.3) -> Calibration:
+    """A calibration whose outcomes put its threshold just above `bad_margin` and its reach just beyond
+    `residual`: half wrong at bad_margin, right above it, all at that residual."""
+    calibration = Calibration(max_error=max_error, coverage=coverage)
+    for _ in range(100):
+        calibration.record(bad_margin, agreed=False, residual=residual)
+        calibration.record(bad_margin, agreed=True, residual=residual)
+    for _ in range(300):
+        calibration.record(2.0, agreed=True, residual=residual)
+    return calibration
+
+
+def test_calibrated_decision_needs_margin_reach_the_fits_agreement_and_an_entry_holding_the_answer():
     policy = CalibratedPolicy(coverage=0.5)
     neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "y")]
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), threshold=1.0).key == b"k2"  # nearest holding it
-    assert policy.decide(neighbors, Assessment("y", 0.5, 0.3, "y"), threshold=1.0) is None       # margin short
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.7, "y"), threshold=1.0) is None       # not covered
-    assert policy.decide(neighbors, Assessment("z", 9.0, 0.1, "z"), threshold=1.0) is None       # nobody holds z
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), threshold=math.inf) is None  # no outcomes yet
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), 1.0, min_similarity=0.95) is None
-    assert policy.decide(neighbors, Assessment("y", 9.0, 0.1, "x"), threshold=1.0) is None       # the fit differs
-    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), threshold=1.0).key == b"k2"       # no fit yet
-    # Such a miss is still an outcome: the threshold bounds the interpolation's own error, which is what
+    calibration = learnt()
+    assert calibration.threshold_for(False) == EDGES[5] and calibration.reach_for(False) == pytest.approx(0.35)
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), calibration).key == b"k2"  # nearest holding it
+    assert policy.decide(neighbors, Assessment("y", 0.5, 0.3, "y"), calibration) is None       # margin short
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.4, "y"), calibration) is None       # beyond the reach
+    assert policy.decide(neighbors, Assessment("z", 9.0, 0.1, "z"), calibration) is None       # nobody holds z
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), Calibration(0.05)) is None  # no outcomes yet
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3, "y"), calibration, min_similarity=0.95) is None
+    assert policy.decide(neighbors, Assessment("y", 9.0, 0.1, "x"), calibration) is None       # the fit differs
+    assert policy.decide(neighbors, Assessment("y", 2.0, 0.3), calibration).key == b"k2"       # no fit yet
+    # Such a miss is still an outcome: the region bounds the interpolation's own error, which is what
     # answers in a namespace without a fit.
-    assert policy.covers(neighbors, Assessment("y", 9.0, 0.1, "x"))
+    assert policy.opines(neighbors, Assessment("y", 9.0, 0.1, "x"))
+    assert not policy.opines(neighbors, Assessment("z", 9.0, 0.1, "z"))
 
 
 def test_the_fit_learns_a_class_that_no_entry_answers():
@@ -88,12 +103,13 @@ def test_the_fit_learns_a_class_that_no_entry_answers():
     novel = unit(0.5 * centres[0] + centres[2] + rng.standard_normal((40, dim)))
     assert head(novel).argmax(axis=1).tolist() == [2] * 40
     assert [fit.answer(q) for q in novel] == [2] * 40
-    blind = 0
+    blind, anything = 0, learnt(coverage=2.0, bad_margin=0.0, residual=1.5)
+    assert anything.admits(0.5, 1.9, fitted=False)
     for query in novel:
         nearest = np.argsort(-(cached @ query))[:10]
         found = assess(query, cached[nearest], head(cached)[nearest], labels, labels[fit.answer(query)])
         assert found.fitted == "c"
-        assert CalibratedPolicy(coverage=2.0).decide([Neighbor(0.9, b"k", found.answer)], found, 0.0) is None
+        assert CalibratedPolicy(coverage=2.0).decide([Neighbor(0.9, b"k", found.answer)], found, anything) is None
         blind += found.answer != "c"
     assert blind >= 30  # the interpolation alone would have answered these from the cache
 
@@ -141,6 +157,51 @@ def test_hits_with_a_fit_and_without_have_thresholds_of_their_own():
     assert calibration.n[1].sum() == 601 and calibration.errors[1].sum() == 1
 
 
+def test_the_reach_is_learnt_and_goes_beyond_coverage_only_for_hits_a_proven_fit_vouched_for():
+    """Outcomes right up to residual 0.8 and wrong beyond: the region reaches 0.8 where the outcomes allow,
+    but hits decided without a fit stop at coverage 0.5, and those the fit agreed with too until the fit
+    has reproduced the model on enough misses; the guard brings every reach back to coverage."""
+    calibration = Calibration(max_error=0.05, coverage=0.5)
+    for residual in np.arange(0.0, 0.8, 0.05) + 0.01:
+        for _ in range(40):
+            calibration.record(3.0, agreed=True, fit_agreed=True, residual=residual)
+    for _ in range(40):
+        calibration.record(3.0, agreed=False, fit_agreed=True, residual=0.9)
+    assert calibration.admits(3.0, 0.45, fitted=False) and calibration.admits(3.0, 0.45, fitted=True)
+    assert not calibration.admits(3.0, 0.6, fitted=False) and not calibration.admits(3.0, 0.6, fitted=True)
+    assert calibration.reach_for(False) == calibration.reach_for(True) == pytest.approx(0.5)
+    for _ in range(30):
+        calibration.record_fit(agreed=True)
+    assert not calibration.fit_proven  # 0 disagreements in 30 bound them by 8.3% only
+    calibration.record_fit(agreed=False)
+    for _ in range(30):
+        calibration.record_fit(agreed=True)
+    assert not calibration.fit_proven  # 1 in 61: 7.0%
+    for _ in range(100):
+        calibration.record_fit(agreed=True)
+    assert calibration.fit_proven      # 1 in 161: 2.7%
+    assert calibration.admits(3.0, 0.75, fitted=True) and not calibration.admits(3.0, 0.75, fitted=False)
+    assert not calibration.admits(3.0, 0.9, fitted=True)  # where the outcomes went wrong
+    assert calibration.reach_for(True) == pytest.approx(0.8)
+    stats = calibration.stats()
+    assert (stats["reach_milli"], stats["reach_fit_milli"], stats["fit_answers"], stats["fit_disagreed"]) == (500, 800, 161, 1)
+    for _ in range(30):
+        calibration.verified_hit(3.0, agreed=False, chance=1.0, fit_agreed=True, residual=0.7)
+    assert calibration.tightened and not calibration.admits(9.0, 0.75, fitted=True)  # the guard: back within coverage
+    assert calibration.fit_answers == 191  # the fit vouched for those hits: they were its answers too
+
+
+def test_a_miss_teaches_the_fits_answer_and_an_outcome_where_the_rule_had_an_opinion():
+    neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "y")]
+    calibration = Calibration(max_error=0.05)
+    learn(calibration, neighbors, Assessment("y", 2.0, 0.7, "y"), "x")  # the rule and the fit both wrong
+    learn(calibration, neighbors, Assessment("z", 2.0, 0.3, "x"), "x")  # no entry holds z: the fit's answer only
+    learn(calibration, neighbors, Assessment("x", 2.0, 0.3), "x")       # no fit yet: the outcome only
+    assert (calibration.fit_answers, calibration.fit_disagreed) == (2, 1)
+    assert (calibration.n[0].sum(), calibration.errors[0].sum(), calibration.n[1].sum()) == (2, 1, 1)
+    assert calibration.n[1, 14].sum() == 1  # the fit-agreed outcome, at residual 0.7 (bins of 0.05)
+
+
 def test_config_chooses_the_rule():
     assert isinstance(policy_from_config({"enabled": True}), CalibratedPolicy)
     with pytest.raises(ValueError, match="consensus"):
@@ -151,25 +212,34 @@ def test_config_chooses_the_rule():
 
 def test_a_nan_margin_never_answers_and_is_not_an_outcome():
     neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "x")]
-    assert CalibratedPolicy().decide(neighbors, Assessment("x", math.nan, 0.1, "x"), threshold=0.5) is None
+    assert CalibratedPolicy().decide(neighbors, Assessment("x", math.nan, 0.1, "x"), learnt()) is None
     calibration = Calibration(max_error=0.05)
     calibration.record(math.nan, agreed=False)
+    calibration.record(1.0, agreed=False, residual=math.nan)
     assert calibration.n.sum() == 0
 
 
 def test_saved_outcomes_count_only_under_the_same_rule(tmp_path):
-    calibration = Calibration(max_error=0.05, rule="minilm/1 k=10 coverage=0.5")
+    policy = CalibratedPolicy(max_error=0.05, coverage=0.5)
+    calibration = Calibration.under(policy, "minilm/1 k=10 coverage=0.5")
     for _ in range(100):
-        calibration.record(2.0, agreed=True)
+        calibration.record(2.0, agreed=True, residual=0.6)
+    calibration.record_fit(agreed=False)
     calibration.verified_hit(2.0, agreed=True, chance=0.1)
     path = tmp_path / "calibration.json"
     save({("faq", "1"): calibration}, path)
-    same = load(path, {("faq", "1"): (0.05, "minilm/1 k=10 coverage=0.5")})[("faq", "1")]
+    same = load(path, {("faq", "1"): (policy, "minilm/1 k=10 coverage=0.5")})[("faq", "1")]
     assert same.threshold == calibration.threshold < math.inf
+    assert same.reach_for(False) == calibration.reach_for(False) == pytest.approx(0.5 + 1e-12)  # (coverage)
+    assert (same.fit_answers, same.fit_disagreed, same.coverage) == (1, 1, 0.5)
     assert same.fidelity == 1.0 and same.verified_at_start == 1
-    assert load(path, {("faq", "1"): (0.05, "minilm/1 k=10 coverage=0.9")}) == {}  # another coverage
+    assert load(path, {("faq", "1"): (policy, "minilm/1 k=10 coverage=0.9")}) == {}  # another coverage
+    saved = json.loads(path.read_text())
+    del saved["reaches"]  # outcomes binned by margin alone
+    path.write_text(json.dumps(saved))
+    assert load(path, {("faq", "1"): (policy, "minilm/1 k=10 coverage=0.5")}) == {}
     path.write_text("{not json")
-    assert load(path, {("faq", "1"): (0.05, "x")}) == {}
+    assert load(path, {("faq", "1"): (policy, "x")}) == {}
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,18 @@ A wrong cached answer is worse than a slow one. Two rules:
   (`assess`): weights that rebuild the query's embedding from theirs (an affine combination, ridge
   regularized) applied to their log-scores. For a model whose scores vary smoothly with the embedding
   this is a first-order estimate of the model's scores at the query; for a linear head on the embedder it
-  is exact when the query lies in the neighbours' affine hull. The predicted answer must lead its
-  runner-up by a margin that verified outcomes say keeps the error under `max_error`
-  (server/worker/calibration.py), and the query must be covered: its distance from the neighbours' hull
-  (`residual`) at most `coverage`. A query far from everything cached is a miss whatever its nearest label.
+  is exact when the query lies in the neighbours' affine hull. The predicted answer's lead over its
+  runner-up (`margin`) and the query's distance from the neighbours' hull (`residual`) must lie in the
+  region that verified outcomes say keeps the error under `max_error` (server/worker/calibration.py);
+  the residual at most `coverage` unless the namespace's fit is proven to reproduce the model. A query far
+  from everything cached is a miss whatever its nearest label.
   And the namespace's cache-wide fit of the model's scores (server/shared/surrogate.py) must not rank another
   answer first: the interpolation cannot see where the query leaves the neighbours' hull, the fit can,
   from the scores every entry holds for classes no entry answers. A query of a topic the cache has never
   stored, beside one it has, is a miss when the fit says the model would answer the new topic. A hit
-  decided with the fit has a threshold of its own, learnt from the outcomes the fit agreed with; one
+  decided with the fit has a region of its own, learnt from the outcomes the fit agreed with; one
   decided without (a namespace with fewer entries than the embedding has dimensions, beyond the worker's
-  MAX_FITS, or with scores of another length) uses the threshold of every outcome (server/worker/calibration.py).
+  MAX_FITS, or with scores of another length) that of every outcome (server/worker/calibration.py).
 - **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
   similarity floor and agreement among the nearest neighbours.
 """
@@ -76,20 +77,23 @@ def assess(query: np.ndarray, vectors: np.ndarray, scores: np.ndarray, labels: l
 class CalibratedPolicy:
     embedder: str = "minilm"
     max_error: float = 0.01      # P(semantic hit != the model's answer) to stay under
-    coverage: float = 0.5        # the most residual a covered query has (Banking77: held-out median 0.31)
+    coverage: float = 0.5        # the most residual of a hit no proven fit vouched for (Banking77: held-out median 0.31)
     k: int = 10                  # neighbours interpolated
     verify_fraction: float = 0.1  # share of hits recomputed in the background (all while an entry is unproven)
     calibrated = True
     rule = "calibrated"
 
-    def decide(self, neighbors: list[Neighbor], assessment: Assessment | None, threshold: float,
+    def decide(self, neighbors: list[Neighbor], assessment: Assessment | None, calibration,
                min_similarity: float | None = None) -> Neighbor | None:
-        """The entry that answers (the nearest holding the predicted answer), or None."""
+        """The entry that answers (the nearest holding the predicted answer), or None. `calibration`:
+        the model version's (server/worker/calibration.py), which says what margin and residual it admits."""
         if assessment is None or not neighbors:
             return None
         if min_similarity is not None and neighbors[0].similarity < min_similarity:
             return None
-        if not assessment.margin >= threshold or not self.covers(neighbors, assessment):  # (NaN: no)
+        if not self.opines(neighbors, assessment):
+            return None
+        if not calibration.admits(assessment.margin, assessment.residual, assessment.fitted is not None):
             return None
         if assessment.fitted not in (None, assessment.answer):  # the fit refuses
             return None
@@ -100,11 +104,12 @@ class CalibratedPolicy:
         return (f"{self.embedder}/{embedder_version} k={self.k} coverage={self.coverage} ridge={RIDGE} "
                 f"fit_ridge={FIT_RIDGE}")
 
-    def covers(self, neighbors: list[Neighbor], assessment: Assessment) -> bool:
-        """The query is near enough to what is cached and an entry holds the predicted answer: the
-        interpolation would answer at a low enough threshold, so such a miss is an outcome to calibrate
-        on (for hits with a fit too when the fit agreed: server/worker/calibration.py)."""
-        return assessment.residual <= self.coverage and any(n.answer == assessment.answer for n in neighbors)
+    @staticmethod
+    def opines(neighbors: list[Neighbor], assessment: Assessment) -> bool:
+        """An entry holds the predicted answer: the interpolation would answer in a wide enough region, so
+        such a miss is an outcome to calibrate on, at its margin and residual (for hits with a fit too
+        when the fit agreed: server/worker/calibration.py)."""
+        return any(n.answer == assessment.answer for n in neighbors)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Against a running server, through gRPC, with the model's configured rule (the calibrated one by default):
   1. split: every `1/holdout`-th row is replayed, the rest warm the cache (or, with a replay file, every
      row of the first file warms it and the replay file's rows are replayed); with `leave_out`, the rows
-     of that share of the labels (every k-th label in sorted order) never warm it;
+     of that share of the labels (every k-th label in sorted order) never warm it; with `warm_share`,
+     only that share of the file's rows warms it (a cache that has seen less of its traffic);
   2. warm: the warm rows (shuffled, as traffic comes) are sent to a fresh tenant in DEFAULT mode, so the
      rule learns from its misses as it would in service;
   3. held-out replay: each replay row of the warmed labels, NO_STORE (the cache does not change); a
@@ -124,14 +125,17 @@ async def one_at_a_time(stub, model: str, tenant: str, oracle: str, rows: list[t
 
 async def run(address: str, model: str, rows: list[tuple[str, str]], *, holdout: int = 5, leave_out: int = 0,
               novel_modes: tuple[str, ...] = tuple(NOVEL_MODES), concurrency: int = 16, progress=print,
-              replay_rows: list[tuple[str, str]] | None = None) -> dict:
+              replay_rows: list[tuple[str, str]] | None = None, warm_share: float | None = None) -> dict:
     warm, replay, novel = split(rows, holdout, leave_out, replay_rows)
     random.Random(0).shuffle(warm)
+    if warm_share is not None:
+        warm = warm[:round(len(rows) * warm_share)]
     run_id = uuid.uuid4().hex[:8]
     tenant, oracle = f"heldout-{run_id}", f"oracle-{run_id}"
     result: dict = {"model": model, "rows": len(rows), "warm": len(warm), "replay": len(replay), "novel": len(novel),
                     "split": ("the replay file's rows replayed" if replay_rows is not None else f"every {holdout}th row replayed")
-                    + (f"; every {leave_out}th label left out" if leave_out else "")}
+                    + (f"; every {leave_out}th label left out" if leave_out else "")
+                    + (f"; {warm_share:.0%} of the rows warm" if warm_share is not None else "")}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = infercache_pb2_grpc.InferenceCacheStub(channel)
         started = time.monotonic()
@@ -180,14 +184,15 @@ def report(result: dict) -> str:
 
 def main(address: str, model: str, csv_path: Path, *, text_column: str, label_column: str, limit: int | None,
          holdout: int, leave_out: int, out: Path, novel_modes: tuple[str, ...] = tuple(NOVEL_MODES),
-         replay_path: Path | None = None) -> dict:
+         replay_path: Path | None = None, warm_share: float | None = None) -> dict:
     rows = read_labelled_csv(csv_path, text_column, label_column, limit)
     replay_rows = None if replay_path is None else read_labelled_csv(replay_path, text_column, label_column, limit)
     print(f"infercache: evaluating {model} at {address} on {len(rows)} rows"
           + (f" warming, {len(replay_rows)} replayed" if replay_rows is not None else " (held-out replay)") + " ...",
           flush=True)
     result = asyncio.run(run(address, model, rows, holdout=holdout, leave_out=leave_out, novel_modes=novel_modes,
-                             progress=lambda m: print(m, flush=True), replay_rows=replay_rows))
+                             progress=lambda m: print(m, flush=True), replay_rows=replay_rows,
+                             warm_share=warm_share))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(report(result))

@@ -35,7 +35,7 @@ from server.shared.answer_match import AnswerMatchPolicy
 from server.shared.generated import marked
 from server.worker import question_entries
 from server.worker.answer_equivalence import AnswerEquivalence
-from server.worker.calibration import Calibration
+from server.worker.calibration import Calibration, learn
 from server.worker.flights import token_ids
 from server.worker.heads import HeadRuntime
 from server.worker.shadow import Check
@@ -92,8 +92,7 @@ class AnswerMatching:
         calibration = self.calibration(runtime, policy)
         marks = guards.decode(item.question_marks)
         if assessment is not None:
-            fitted = assessment.fitted is not None
-            chosen = rule.decide(neighbors, assessment, calibration.threshold_for(fitted))
+            chosen = rule.decide(neighbors, assessment, calibration)
             if chosen is not None and core.matching.shadow.contested(chosen.key):
                 chosen = None
             if chosen is not None:
@@ -110,9 +109,8 @@ class AnswerMatching:
         outputs = await judge.batcher.submit(feature, deadline)
         response = judge.response(outputs, item.question_key)
         label = response.classification.label
-        if assessment is not None and rule.covers(neighbors, assessment):
-            calibration.record(assessment.margin, assessment.answer == label,
-                               fit_agreed=assessment.fitted == assessment.answer)
+        if assessment is not None:
+            learn(calibration, neighbors, assessment, label)
         response.cache.key = item.key.hex()  # the answer's entry
         question_entries.add_marks(response, item.question_marks)
         return Lookup(companion=Companion(item.question_key, response.SerializeToString(),
@@ -127,7 +125,7 @@ class AnswerMatching:
         key = (runtime.spec.name, runtime.version)
         calibrations = self.core.matching.calibrations
         if (found := calibrations.get(key)) is None:
-            found = calibrations[key] = Calibration(policy.rule.max_error, self.settings(policy))
+            found = calibrations[key] = Calibration.under(policy.rule, self.settings(policy))
         return found
 
     def settings(self, policy: AnswerMatchPolicy) -> str:
@@ -186,4 +184,5 @@ class AnswerMatching:
         checked = worker_pb2.ComputeItem(key=item.question_key, tenant=item.tenant, model=judge.spec.name,
                                          version=judge.version, store=False)  # the check stores nothing
         shadow.offer(Check(judge, calibration, checked, self._feature(judge, embedding), embedding, assessment.answer,
-                           assessment.margin, entry, chance, now_us(), assessment.fitted is not None))
+                           assessment.margin, entry, chance, now_us(), assessment.fitted is not None,
+                           assessment.residual))

@@ -15,8 +15,8 @@ from infercache.v1 import worker_pb2
 from server.shared.answers import answer_record
 from server.shared.errors import ModelNotFound
 from server.shared.feature_records import feature_namespace
-from server.shared.match_policy import Assessment, Neighbor
-from server.worker.calibration import Calibration
+from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor
+from server.worker.calibration import Calibration, learn
 from server.worker.flights import Outcome, Source, token_ids
 from server.worker.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
@@ -80,8 +80,7 @@ class Matching:
                 if item.cached_ok:
                     if policy.calibrated:
                         calibration = self._calibration(runtime)
-                        fitted = assessment is not None and assessment.fitted is not None
-                        chosen = policy.decide(neighbors, assessment, calibration.threshold_for(fitted), floor)
+                        chosen = policy.decide(neighbors, assessment, calibration, floor)
                         if chosen is not None and self.shadow.contested(chosen.key):
                             chosen = None  # a check found this entry answering wrongly: it answers no more
                     else:
@@ -95,9 +94,8 @@ class Matching:
         if policy is None:
             return Outcome(runtime.payload(outputs, item.key))
         response = runtime.response(outputs, item.key)
-        if assessment is not None and policy.covers(neighbors, assessment):  # what the rule would have said
-            self._calibration(runtime).record(assessment.margin, assessment.answer == response.classification.label,
-                                              fit_agreed=assessment.fitted == assessment.answer)
+        if assessment is not None:  # what the rule would have said
+            learn(self._calibration(runtime), neighbors, assessment, response.classification.label)
         stored = response.SerializeToString()
         payload = stored
         if self._explain(response, item, neighbors):
@@ -105,16 +103,16 @@ class Matching:
         return Outcome(payload, stored=stored, embedding=embedding, label=response.classification.label,
                         rejected=rejected)
 
-    def calibrated_versions(self) -> dict[tuple[str, str], tuple[float, str]]:
-        """(model, version) -> (max_error, the rule's settings) of each version under the calibrated rule,
-        generative models' semantic answers among them."""
-        versions = {key: (runtime.spec.semantic.max_error, self._rule(runtime)) for key, runtime in self.core.runtimes.items()
+    def calibrated_versions(self) -> dict[tuple[str, str], tuple[CalibratedPolicy, str]]:
+        """(model, version) -> (the calibrated rule, its settings) of each version under it, generative
+        models' semantic answers among them."""
+        versions = {key: (runtime.spec.semantic, self._rule(runtime)) for key, runtime in self.core.runtimes.items()
                     if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
         generations = self.core.generations
         for key, runtime in (generations.runtimes.items() if generations is not None else ()):
             if (policy := runtime.spec.answer_match) is not None:  # semantic answers (server/worker/answer_matching.py)
                 try:
-                    versions[key] = (policy.rule.max_error, generations.answers.settings(policy))
+                    versions[key] = (policy.rule, generations.answers.settings(policy))
                 except ModelNotFound:  # its judge or embedder is not in the repository (logged where it is used)
                     continue
         return versions
@@ -126,7 +124,7 @@ class Matching:
     def _calibration(self, runtime: ModelRuntime) -> Calibration:
         key = (runtime.spec.name, runtime.version)
         if (calibration := self.calibrations.get(key)) is None:
-            calibration = self.calibrations[key] = Calibration(runtime.spec.semantic.max_error, self._rule(runtime))
+            calibration = self.calibrations[key] = Calibration.under(runtime.spec.semantic, self._rule(runtime))
         return calibration
 
     def _verify(self, runtime: ModelRuntime, calibration: Calibration, item: worker_pb2.ComputeItem, feature,
@@ -138,7 +136,8 @@ class Matching:
             return
         model_input = token_ids(item.ids) if feature is None else feature
         self.shadow.offer(Check(runtime, calibration, item, model_input, embedding, chosen.answer,
-                                assessment.margin, chosen.key, chance, now_us(), assessment.fitted is not None))
+                                assessment.margin, chosen.key, chance, now_us(), assessment.fitted is not None,
+                                assessment.residual))
 
     def _checked(self, check: Check, outputs: dict, agreed: bool) -> None:
         """A verified hit: the model's answer replaces the alias the hit wrote (when its request stored

@@ -62,6 +62,7 @@ class Check:
     chance: float              # the probability this hit was verified
     created_us: int            # when the hit was served
     fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/worker/calibration.py)
+    residual: float = 0.0      # the query's distance from its neighbours' hull (match_policy.Assessment)
     agrees: Callable[[dict], bool] | None = None  # whether the model's outputs agree with the hit (None: the
     #                                               label its scores rank first is `served`)
 
@@ -227,7 +228,7 @@ class ShadowVerifier:
             agreed = bool(check.agrees(outputs))
         else:
             agreed = check.runtime.labels[int(np.argmax(outputs["scores"]))] == check.served
-        check.calibration.verified_hit(check.margin, agreed, check.chance, check.fitted)
+        check.calibration.verified_hit(check.margin, agreed, check.chance, check.fitted, check.residual)
         self.counters["shadow_agreed" if agreed else "shadow_disagreed"] += 1
         self.judged(check.entry, agreed)
         self.on_checked(check, outputs, agreed)
