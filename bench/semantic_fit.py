@@ -1,4 +1,5 @@
-"""Offline replay of the calibrated semantic rule, with and without the namespace's fit (`python -m bench.semantic_fit`).
+"""Offline replay of the calibrated semantic rule: with and without the namespace's fit, and hits against
+fidelity across `max_error` (`python -m bench.semantic_fit`).
 
 What the server's eval (bench/semantic.py) cannot show: how the rule does for a model that is not a
 linear head on the embedder. Banking77 train is embedded once with MiniLM; two models answer it:
@@ -13,6 +14,9 @@ replayed, the rest warm the cache in shuffled order. The rule is the server's ow
 hnswlib. Warm-up stores misses and learns from every covered miss and every hit (as if each hit were
 shadow-verified); the replays change nothing. Reported: held-out hits among queries and how many differ
 from the model; novel (left-out label) queries answered and how many differ.
+
+The curve: both models with the fit, `max_error` CURVE, the cache warmed by every warm row and by a
+quarter of the file's rows; each point's fidelity with its 95% interval; drawn into docs/semantic-curve.png.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import numpy as np
 from bench import BANKING77, banking77_missing, default_out, recorded
 
 LEAVE_OUT, HOLDOUT = 4, 5
+CURVE = (0.002, 0.005, 0.01, 0.02, 0.05)
+QUARTER = 0.25
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "semantic-curve.png"
 
 
 def embed_banking77() -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +83,7 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = Tr
            warm_share: float | None = None) -> dict:
     """The split above; `warm_share`: only this share of the rows warms the cache (the first of the
     shuffled warm rows), not every row outside the replays."""
-    from server.worker.calibration import Calibration, learn
+    from server.worker.calibration import Calibration, learn, wilson_lower, wilson_upper
     from server.shared.match_policy import CalibratedPolicy, Neighbor, assess
     from server.shared.surrogate import Surrogate
 
@@ -116,13 +123,72 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = Tr
         hits = sum(hit for _, hit in decided)
         wrong = hits - sum(right for right, _ in decided)
         out[name] = {"queries": len(rows), "hits": hits, "hit_rate": round(hits / len(rows), 4), "differ": wrong,
-                     "differ_share": round(wrong / hits, 4) if hits else None}
+                     "differ_share": round(wrong / hits, 4) if hits else None,
+                     "fidelity_95": [round(wilson_lower(hits - wrong, hits), 4),
+                                     round(wilson_upper(hits - wrong, hits, 1.96), 4)] if hits else None}
     return out
+
+
+def curve(x: np.ndarray, y: np.ndarray, models: dict[str, np.ndarray]) -> dict:
+    """Each model with the fit at each max_error in CURVE, warmed by every warm row and by QUARTER of the rows."""
+    out: dict = {}
+    for name, logits in models.items():
+        for warm, share in (("all", None), ("quarter", QUARTER)):
+            points = out[f"{name}_{warm}"] = []
+            for max_error in CURVE:
+                r = replay(x, y, logits, True, max_error, share)
+                points.append({"max_error": max_error, "cached": r["cached"], "heldout": r["heldout"],
+                               "novel": r["novel"]})
+                h, n = r["heldout"], r["novel"]
+                print(f"curve {name:<6} warm {warm:<7} max_error {max_error:<5} held-out hits {h['hit_rate']:.1%} "
+                      f"({h['differ']} differ); novel answered {n['hit_rate']:.1%} ({n['differ']} differ)", flush=True)
+    return out
+
+
+def plot(points: dict, path: Path) -> None:
+    """Held-out hits against fidelity (95% intervals), and realized error against max_error."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    for key, series in points.items():
+        hits = [p for p in series if p["heldout"]["hits"]]
+        rates = [p["heldout"]["hit_rate"] for p in hits]
+        fidelity = [1 - p["heldout"]["differ_share"] for p in hits]
+        low = [f - p["heldout"]["fidelity_95"][0] for f, p in zip(fidelity, hits)]
+        high = [p["heldout"]["fidelity_95"][1] - f for f, p in zip(fidelity, hits)]
+        label = key.replace("_all", ", 80% of rows warm").replace("_quarter", ", 25% warm")
+        line = left.errorbar(rates, fidelity, yerr=[low, high], marker="o", capsize=3, label=label)
+        for rate, f, p in zip(rates, fidelity, hits):
+            left.annotate(f"{p['max_error']}", (rate, f), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        errors = [p["heldout"]["differ_share"] for p in hits]
+        upper = [1 - p["heldout"]["fidelity_95"][0] - e for e, p in zip(errors, hits)]
+        right.errorbar([p["max_error"] for p in hits], errors, yerr=[[0] * len(hits), upper], marker="o",
+                       capsize=3, color=line[0].get_color(), label=label)
+    bound = [0, max(CURVE)]
+    right.plot(bound, bound, "--", color="grey", linewidth=1, label="the bound (max_error)")
+    left.set_xlabel("held-out queries answered semantically")
+    left.set_ylabel("fidelity (the hit's answer = the model's), 95% interval")
+    left.set_title("hits against fidelity, max_error marked")
+    right.set_xlabel("max_error")
+    right.set_ylabel("realized error, with its 95% upper bound")
+    right.set_title("realized error against the bound")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8, loc="lower left")
+    fig.suptitle("Banking77 (MiniLM embeddings), offline replay of the calibrated rule: python -m bench.semantic_fit",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.semantic_fit")
     parser.add_argument("--out", default=str(default_out("semantic-fit")))
+    parser.add_argument("--png", default=str(PLOT))
     args = parser.parse_args()
     if banking77_missing():
         raise SystemExit(f"bench.semantic_fit: nothing to replay: {banking77_missing()}")
@@ -132,15 +198,18 @@ def main() -> None:
     classes = int(y.max()) + 1
     w, b = fit_softmax(x, y, classes, epochs=300, l2=1e-4)
     report: dict = {"recorded": recorded("bench.semantic_fit")}
-    for name, logits in (("linear", x @ w + b), ("mlp", mlp_logits(x, y, classes))):
+    models = {"linear": x @ w + b, "mlp": mlp_logits(x, y, classes)}
+    for name, logits in models.items():
         report[name] = {"train_accuracy": round(float((logits.argmax(1) == y).mean()), 4)}
         for rule, with_fit in (("interpolation", False), ("with_fit", True)):
             r = report[name][rule] = replay(x, y, logits, with_fit)
             print(f"{name:<6} {rule:<13} held-out hits {r['heldout']['hit_rate']:.1%} ({r['heldout']['differ']} differ); "
                   f"novel answered {r['novel']['hit_rate']:.1%} ({r['novel']['differ']} of {r['novel']['hits']} "
                   f"differ); thresholds {r['threshold']} / with the fit {r['threshold_with_fit']}", flush=True)
+    report["curve"] = curve(x, y, models)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    plot(report["curve"], Path(args.png))
+    print(f"wrote {args.out} and {args.png}")
 
 
 if __name__ == "__main__":

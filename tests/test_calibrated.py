@@ -191,6 +191,22 @@ def test_the_reach_is_learnt_and_goes_beyond_coverage_only_for_hits_a_proven_fit
     assert calibration.fit_answers == 191  # the fit vouched for those hits: they were its answers too
 
 
+def test_the_region_within_coverage_is_the_best_of_the_outcomes_within_it():
+    """Far outcomes that need a higher threshold do not raise it for hits within coverage."""
+    calibration = Calibration(max_error=0.05, coverage=0.5)
+    for _ in range(300):
+        calibration.record(0.5, agreed=True, fit_agreed=True, residual=0.3)
+    for _ in range(100):
+        calibration.record(0.5, agreed=False, fit_agreed=True, residual=0.7)
+    for _ in range(500):
+        calibration.record(3.0, agreed=True, fit_agreed=True, residual=0.7)
+    for _ in range(300):
+        calibration.record_fit(agreed=True)
+    assert calibration.admits(0.5, 0.3, fitted=False) and (calibration.threshold, calibration.reach_for(False)) == (0.0, 0.35)
+    assert calibration.threshold_for(True) == EDGES[5] and calibration.reach_for(True) == 0.75  # 800 outcomes, not 300
+    assert calibration.admits(0.5, 0.3, fitted=True) and not calibration.admits(0.5, 0.7, fitted=True)
+
+
 def test_a_miss_teaches_the_fits_answer_and_an_outcome_where_the_rule_had_an_opinion():
     neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "y")]
     calibration = Calibration(max_error=0.05)
@@ -223,6 +239,7 @@ def test_saved_outcomes_count_only_under_the_same_rule(tmp_path):
     policy = CalibratedPolicy(max_error=0.05, coverage=0.5)
     calibration = Calibration.under(policy, "minilm/1 k=10 coverage=0.5")
     for _ in range(100):
+        calibration.record(2.0, agreed=True, residual=0.3)
         calibration.record(2.0, agreed=True, residual=0.6)
     calibration.record_fit(agreed=False)
     calibration.verified_hit(2.0, agreed=True, chance=0.1)
@@ -230,7 +247,7 @@ def test_saved_outcomes_count_only_under_the_same_rule(tmp_path):
     save({("faq", "1"): calibration}, path)
     same = load(path, {("faq", "1"): (policy, "minilm/1 k=10 coverage=0.5")})[("faq", "1")]
     assert same.threshold == calibration.threshold < math.inf
-    assert same.reach_for(False) == calibration.reach_for(False) == pytest.approx(0.5 + 1e-12)  # (coverage)
+    assert same.reach_for(False) == calibration.reach_for(False) == 0.35  # within coverage: the outcomes at 0.3
     assert (same.fit_answers, same.fit_disagreed, same.coverage) == (1, 1, 0.5)
     assert same.fidelity == 1.0 and same.verified_at_start == 1
     assert load(path, {("faq", "1"): (policy, "minilm/1 k=10 coverage=0.9")}) == {}  # another coverage
@@ -293,6 +310,7 @@ def test_no_semantic_hit_before_outcomes_bound_the_error_then_hits_are_verified(
             _infer_indexed(server, client, text, tenant=tenant)
         counters = _counters(server)
         assert counters["semantic.faq.1.outcomes"] >= 11 and "semantic.faq.1.threshold_milli" in counters
+        assert 0 < counters["semantic.faq.1.reach_milli"] <= 900  # within coverage 0.9: 52 rows make no fit
         paraphrases = ["my parcel has still not arrived", "I want to send these shoes back",
                        "how can I cancel the order I just placed", "when will my order be delivered",
                        "what payment methods can I use", "how do I reset my account password"]

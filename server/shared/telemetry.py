@@ -107,6 +107,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
     "infercache_semantic_threshold": (
         "gauge", "The calibrated rule's margin threshold in force for hits decided without a fit (absent while outcomes support none).",
         ("model", "version", "worker"), ()),
+    "infercache_semantic_reach": (
+        "gauge", "The calibrated rule's residual reach in force (the farthest from the neighbours' hull a hit may lie; "
+        "2: any), for hits decided without the fit (fit=false) and those the fit agreed with (fit=true).",
+        ("model", "version", "worker", "fit"), ()),
     "infercache_engines_built_total": (
         "counter", "Engines built when the server started (not found in the engine store): a cold start.",
         ("model", "runtime", "device"), ()),

@@ -128,7 +128,7 @@ def _config_text(encoder_name: str, encoder_config: str, semantic: bool) -> str:
             "  enabled: true",
             f"  embedder: {encoder_name}       # the model whose embedding output finds neighbours",
             f"  max_error: {policy.max_error}        # P(a semantic hit differs from the model's answer) to stay under",
-            f"  coverage: {policy.coverage}          # queries farther than this from the cached neighbours' hull miss",
+            f"  coverage: {policy.coverage}          # farther from the cached neighbours' hull: a miss, unless the fit is proven",
             f"  k: {policy.k}                 # neighbours whose class scores are interpolated",
             f"  verify_fraction: {policy.verify_fraction}   # hits recomputed in the background (all while an entry is unproven)",
             "  # Expert override, a fixed consensus rule instead (setting min_similarity chooses it):",

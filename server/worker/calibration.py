@@ -58,6 +58,7 @@ log = logging.getLogger("infercache.calibration")
 BIN = 0.125
 EDGES = np.arange(0.0, 8.0 + BIN / 2, BIN)    # the last bin holds every margin >= 8
 REACHES = np.arange(21) / 20               # residual bins (0, 0.05, .. 1); the last holds every residual >= 1
+NO_REGION = (math.inf, -math.inf)             # (margin threshold, reach) of a set whose outcomes bound no region
 GUARD_STEP = 0.25                             # the threshold's rise per disagreement under the guard
 Z = 1.645                                     # one-sided 95%
 RECENT = 200                                  # verified hits the guard looks at
@@ -90,8 +91,8 @@ class Calibration:
         self.errors = np.zeros_like(self.n)
         self.fit_answers = 0                     # computed misses where the fit had an answer ...
         self.fit_disagreed = 0                   # ... and it was not the model's
-        self._base = np.full(2, math.inf)        # each set's region: its margin threshold ...
-        self._reach = np.full(2, -math.inf)      # ... and the residual below which it admits
+        # each set's region (margin threshold, the residual below which it admits), within coverage and not
+        self._regions = [[NO_REGION, NO_REGION], [NO_REGION, NO_REGION]]
         self.tightened = 0       # guard steps in force
         self.verified = 0        # shadow-verified hits (since the first start), and their weighted agreement
         self.disagreed = 0
@@ -102,7 +103,7 @@ class Calibration:
         self._recent: deque[tuple[float, bool]] = deque(maxlen=RECENT)
         self._recent_weight = 0.0  # the weights in _recent, and those of its agreements
         self._recent_agreed = 0.0
-        self._stale = False        # outcomes recorded since `_base` was last worked out
+        self._stale = False        # outcomes recorded since `_regions` were last worked out
 
     @classmethod
     def under(cls, policy, rule: str) -> "Calibration":
@@ -142,10 +143,9 @@ class Calibration:
     def _region(self, s: int) -> tuple[float, float]:
         if self._stale:
             self._rebase()
-        reach = float(self._reach[s])
-        if self.tightened or s == 0 or not self.fit_proven:
-            reach = min(reach, self.coverage + 1e-12)  # (coverage itself admitted)
-        return float(self._base[s]) + GUARD_STEP * self.tightened, reach
+        beyond = s == 1 and not self.tightened and self.fit_proven
+        threshold, reach = self._regions[s][beyond]
+        return threshold + GUARD_STEP * self.tightened, reach
 
     @property
     def fidelity(self) -> float | None:
@@ -172,19 +172,20 @@ class Calibration:
 
     def _rebase(self) -> None:
         self._stale = False
-        tops = np.append(REACHES[1:], math.inf)  # each residual bin's upper edge
+        tops = np.append(REACHES[1:], math.inf)  # each residual bin's upper edge: a reach
+        within = tops <= self.coverage + 1e-9 if self.coverage < 2 else np.ones(len(tops), bool)  # (residuals <= 2)
         for s in (0, 1):
-            within_n, within_errors = np.cumsum(self.n[s], axis=0), np.cumsum(self.errors[s], axis=0)  # per reach
-            n = np.cumsum(within_n[:, ::-1], axis=1)[:, ::-1]  # ... at or above each margin edge
-            errors = np.cumsum(within_errors[:, ::-1], axis=1)[:, ::-1]
+            n = np.cumsum(self.n[s], axis=0)  # outcomes within each reach ...
+            n = np.cumsum(n[:, ::-1], axis=1)[:, ::-1]  # ... at or above each margin edge
+            errors = np.cumsum(self.errors[s], axis=0)
+            errors = np.cumsum(errors[:, ::-1], axis=1)[:, ::-1]
             passing = wilson_upper(errors, n) <= self.max_error
             first = np.where(passing.any(axis=1), passing.argmax(axis=1), -1)  # the lowest passing edge per reach
-            held = np.where(first >= 0, n[np.arange(len(REACHES)), np.maximum(first, 0)], 0)
-            if held.max() <= 0:
-                self._base[s], self._reach[s] = math.inf, -math.inf
-                continue
-            best = int(held.argmax())  # the region that holds the most outcomes (the nearest reach of a tie)
-            self._base[s], self._reach[s] = float(EDGES[first[best]]), float(tops[best])
+            held = np.where(first >= 0, n[np.arange(len(tops)), np.maximum(first, 0)], 0)
+            for beyond, usable in ((False, within), (True, np.ones(len(tops), bool))):
+                candidates = np.where(usable, held, 0)
+                best = int(candidates.argmax())  # the region that holds the most outcomes (the nearest reach of a tie)
+                self._regions[s][beyond] = (float(EDGES[first[best]]), float(tops[best])) if candidates[best] else NO_REGION
 
     def verified_hit(self, margin: float, agreed: bool, chance: float, fit_agreed: bool = False,
                      residual: float = 0.0) -> None:

@@ -100,6 +100,9 @@ class WorkerMetrics:
                 gauges[("infercache_semantic_fidelity", *labels)] = calibration.fidelity
             if calibration.threshold != float("inf"):
                 gauges[("infercache_semantic_threshold", *labels)] = calibration.threshold
+            for fitted in (False, True):
+                if (reach := calibration.reach_for(fitted)) > 0:
+                    gauges[("infercache_semantic_reach", *labels, str(fitted).lower())] = min(reach, 2.0)
         return [*gauges.items(), *self._store_gauges]
 
     def _means(self) -> dict[str, dict[int, float]]:
