@@ -70,14 +70,14 @@ from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 
-NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms", "generate-semantic"}  # sections that train a head on it or replay its texts
+NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms", "generate-semantic", "peers"}  # sections that train a head on it or replay its texts
 # Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
          "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
          "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write",
-         "generate_semantic": "generate-semantic"}
+         "generate_semantic": "generate-semantic", "peers": "peers"}
 
 
 def make_models(root: Path) -> Path:
@@ -284,7 +284,7 @@ def main() -> None:
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
                              "against computing the prompt), doors (hits through the OpenAI and KServe doors), ttl (TTL "
                              "classes' cost, expiry jitter's spread), generate-semantic (semantic answers of "
-                             "SmolLM2 on Banking77 against GPTCache), gpu and "
+                             "SmolLM2 on Banking77 against GPTCache), peers (semantic hits against GPTCache), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -456,6 +456,13 @@ def main() -> None:
             (workdir / "generate-semantic").mkdir()
             report["generate_semantic"] = bench_generate_semantic(workdir / "generate-semantic", args.quick)
             print_generate_semantic(report["generate_semantic"])
+            save()
+        if "peers" in sections:
+            from bench.peers import bench_peers_semantic, print_peers
+
+            print("benchmarking semantic hits against GPTCache (Banking77) ...", flush=True)
+            report["peers"] = {"semantic": bench_peers_semantic(models, workdir / "peers", args.quick)}
+            print_peers(report["peers"])
             save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)

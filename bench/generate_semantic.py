@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import BANKING77
+from bench.peers import close_gptcache, open_gptcache, proportion
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
-from server.worker.calibration import wilson_lower
 from tests.helpers import settled, worker_counters
 from tests.servers import REPO, ServerProcess
 
@@ -46,13 +46,6 @@ generate: {{context_length: 256, max_new_tokens: 64, max_streams: 8, normalize: 
 cache: {{ttl_s: 86400}}
 semantic: {{enabled: true, judge: banking77-judge, max_error: {max_error}}}
 """
-
-
-def _proportion(agreed: int, n: int) -> dict:
-    low = wilson_lower(agreed, n) if n else 0.0
-    high = 1.0 - (wilson_lower(n - agreed, n) if n else 0.0)
-    return {"rate": round(agreed / n, 4) if n else None, "n": n, "agreed": agreed,
-            "interval95": [round(low, 4), round(high, 4)]}
 
 
 def _models(root: Path, judge_rows: list[tuple[str, str]]) -> Path:
@@ -163,30 +156,20 @@ def _score(results, warm_normalized: set[str], normalize, judge: dict[str, str])
     by_label = sum(q[1] == m[1] for q, m in hits)
     return {"exact_misses": len(eligible), "semantic_hits": len(hits) + unknown, "unattributed_hits": unknown,
             "hit_rate": round((len(hits) + unknown) / len(eligible), 4) if eligible else None,
-            "fidelity_judge": _proportion(by_judge, len(hits)), "fidelity_banking77_labels": _proportion(by_label, len(hits))}
+            "fidelity_judge": proportion(by_judge, len(hits)), "fidelity_banking77_labels": proportion(by_label, len(hits))}
 
 
 def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, normalize, judge) -> dict:
     import gptcache
-    from gptcache import Cache, Config
     from gptcache.adapter.api import get
-    from gptcache.manager import CacheBase, VectorBase, get_data_manager
-    from gptcache.processor.pre import get_prompt
-    from gptcache.similarity_evaluation.distance import SearchDistanceEvaluation
 
-    workdir.mkdir()
     texts = [t for t, _ in warm] + [t for t, _ in replay]
     vectors = {}
     for i in range(0, len(texts), 128):  # the same MiniLM, on the same normalized text
         chunk = texts[i:i + 128]
         for text, result in zip(chunk, client.infer_batch("minilm", chunk)):
             vectors[text] = np.asarray(result.outputs["embedding"], dtype=np.float32)
-    cache = Cache()
-    cache.init(pre_embedding_func=get_prompt, embedding_func=lambda text, **_: vectors[text],
-               data_manager=get_data_manager(CacheBase("sqlite", sql_url=f"sqlite:///{workdir}/cache.db"),
-                                             VectorBase("faiss", dimension=384, index_path=str(workdir / "index.faiss")),
-                                             max_size=len(warm) + 1000),
-               similarity_evaluation=SearchDistanceEvaluation(), config=Config(similarity_threshold=0.8))
+    cache = open_gptcache(workdir, vectors.__getitem__, len(warm) + 1000)
     category = dict(warm)
     started = time.monotonic()
     cache.import_data([t for t, _ in warm], [answer_of[t] or " " for t, _ in warm])
@@ -201,6 +184,7 @@ def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, n
             hit = answer is not None and bool(matched)
             results.append((query, hit, (matched[0][0], category.get(matched[0][0])) if hit else None))
         sweep[f"{threshold:.2f}"] = _score(results, warm_normalized, normalize, judge)
+    close_gptcache(cache)
     return {"package": f"gptcache {gptcache.__version__}", "storage": "sqlite + faiss",
             "evaluation": "SearchDistanceEvaluation", "default_threshold": 0.8, "import_s": round(imported_s, 2),
             "sweep": sweep}
