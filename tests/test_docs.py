@@ -303,7 +303,7 @@ def _bench_flags(module: str) -> set[str]:
 
 BENCH_SECTIONS = {"serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
                   "commit", "workers", "gpu", "generate", "synonyms", "prefix", "doors", "ttl", "write",
-                  "generate-semantic"}
+                  "generate-semantic", "peers"}
 
 
 def test_bench_sections_listed_here_are_the_bench_s():
