@@ -21,9 +21,7 @@ from typing import Callable
 from cachestore import integrity
 from cachestore.env import DIR_MODE
 from server.shared import devices, process
-from server.frontend import process as frontend
-from server import mps
-from server.worker import process as worker
+from server import children, mps
 from server.shared.auth import TokenFileError, read_tokens, write_in_force
 from server.config import Config, feature_store_settings
 from server.socket_dir import SocketDir, SocketDirBusy
@@ -77,7 +75,7 @@ class Supervisor:
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
         self.metrics_dir.mkdir(mode=DIR_MODE)
         figures = str(self.metrics_dir)
-        self.workers = [_Child("worker", p.index, worker.main,
+        self.workers = [_Child("worker", p.index, children.worker,
                                lambda ready, p=p: (config, p, cpu_workers, sockets[p.index], ready, figures))
                         for p in self.placements]
         # The token set in force: this process's alone to change (SIGHUP), every frontend reads it.
@@ -85,7 +83,7 @@ class Supervisor:
         if self.tokens_path is not None:
             write_in_force(self.tokens_path, config.secrets.tokens)
         self.frontends = [
-            _Child("frontend", i, frontend.main,
+            _Child("frontend", i, children.frontend,
                    lambda ready, i=i: (config, i, sockets, ready, figures, self.tokens_path))
             for i in range(config.frontend_count)
         ]
