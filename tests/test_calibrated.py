@@ -207,6 +207,23 @@ def test_the_region_within_coverage_is_the_best_of_the_outcomes_within_it():
     assert calibration.admits(0.5, 0.3, fitted=True) and not calibration.admits(0.5, 0.7, fitted=True)
 
 
+def test_decisions_work_the_region_out_again_at_most_every_rebase_s(monkeypatch):
+    """Under load an outcome comes with almost every miss: decisions read a region at most REBASE_S old;
+    the figures read (thresholds, reaches, GetStats) are always current."""
+    from server.worker import calibration as module
+
+    monkeypatch.setattr(module, "REBASE_S", 3600.0)
+    calibration = learnt()
+    assert calibration.admits(2.0, 0.3, fitted=False)
+    for _ in range(300):
+        calibration.record(2.0, agreed=False, residual=0.3)  # the region is gone ...
+    assert calibration.admits(2.0, 0.3, fitted=False)  # ... but decisions read it until REBASE_S has passed
+    assert calibration.threshold == math.inf and not calibration.admits(2.0, 0.3, fitted=False)
+    monkeypatch.setattr(module, "REBASE_S", 0.0)
+    calibration.record(2.0, agreed=False, residual=0.3)
+    assert not calibration.admits(2.0, 0.3, fitted=False) and not calibration._stale
+
+
 def test_a_miss_teaches_the_fits_answer_and_an_outcome_where_the_rule_had_an_opinion():
     neighbors = [Neighbor(0.9, b"k1", "x"), Neighbor(0.85, b"k2", "y")]
     calibration = Calibration(max_error=0.05)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections import deque
 from pathlib import Path
 
@@ -62,6 +63,8 @@ NO_REGION = (math.inf, -math.inf)             # (margin threshold, reach) of a s
 GUARD_STEP = 0.25                             # the threshold's rise per disagreement under the guard
 Z = 1.645                                     # one-sided 95%
 RECENT = 200                                  # verified hits the guard looks at
+REBASE_S = 0.05                               # decisions work the regions out again at most this often (about
+#                                               100 us each: under load an outcome comes with almost every miss)
 GUARD_MIN = 30                                # ... once it has this many
 
 
@@ -103,7 +106,8 @@ class Calibration:
         self._recent: deque[tuple[float, bool]] = deque(maxlen=RECENT)
         self._recent_weight = 0.0  # the weights in _recent, and those of its agreements
         self._recent_agreed = 0.0
-        self._stale = False        # outcomes recorded since `_regions` were last worked out
+        self._stale = False        # outcomes recorded since `_regions` were last worked out ...
+        self._rebased_at = -math.inf  # ... at this time (monotonic)
 
     @classmethod
     def under(cls, policy, rule: str) -> "Calibration":
@@ -130,7 +134,7 @@ class Calibration:
         without it, so a namespace whose fit becomes ready does not stop answering while outcomes with
         a fit gather."""
         for s in ((0, 1) if fitted else (0,)):
-            threshold, reach = self._region(s)
+            threshold, reach = self._region(s, REBASE_S)
             if margin >= threshold and residual < reach:
                 return True
         return False
@@ -140,8 +144,10 @@ class Calibration:
         """The fit's first class has been the model's answer often enough to let hits reach beyond coverage."""
         return wilson_upper(self.fit_disagreed, self.fit_answers) <= self.max_error
 
-    def _region(self, s: int) -> tuple[float, float]:
-        if self._stale:
+    def _region(self, s: int, within_s: float = 0.0) -> tuple[float, float]:
+        """Set s's region; worked out again if outcomes came since, and (for decisions: `within_s`) the
+        last time is that long ago."""
+        if self._stale and time.monotonic() - self._rebased_at >= within_s:
             self._rebase()
         beyond = s == 1 and not self.tightened and self.fit_proven
         threshold, reach = self._regions[s][beyond]
@@ -171,21 +177,20 @@ class Calibration:
         self.fit_disagreed += not agreed
 
     def _rebase(self) -> None:
-        self._stale = False
+        self._stale, self._rebased_at = False, time.monotonic()
         tops = np.append(REACHES[1:], math.inf)  # each residual bin's upper edge: a reach
         within = tops <= self.coverage + 1e-9 if self.coverage < 2 else np.ones(len(tops), bool)  # (residuals <= 2)
-        for s in (0, 1):
-            n = np.cumsum(self.n[s], axis=0)  # outcomes within each reach ...
-            n = np.cumsum(n[:, ::-1], axis=1)[:, ::-1]  # ... at or above each margin edge
-            errors = np.cumsum(self.errors[s], axis=0)
-            errors = np.cumsum(errors[:, ::-1], axis=1)[:, ::-1]
-            passing = wilson_upper(errors, n) <= self.max_error
-            first = np.where(passing.any(axis=1), passing.argmax(axis=1), -1)  # the lowest passing edge per reach
-            held = np.where(first >= 0, n[np.arange(len(tops)), np.maximum(first, 0)], 0)
-            for beyond, usable in ((False, within), (True, np.ones(len(tops), bool))):
-                candidates = np.where(usable, held, 0)
-                best = int(candidates.argmax())  # the region that holds the most outcomes (the nearest reach of a tie)
-                self._regions[s][beyond] = (float(EDGES[first[best]]), float(tops[best])) if candidates[best] else NO_REGION
+        # Both sets at once: outcomes within each reach (axis 1), at or above each margin edge (axis 2).
+        n = np.cumsum(np.cumsum(self.n, axis=1)[:, :, ::-1], axis=2)[:, :, ::-1]
+        errors = np.cumsum(np.cumsum(self.errors, axis=1)[:, :, ::-1], axis=2)[:, :, ::-1]
+        passing = wilson_upper(errors, n) <= self.max_error
+        first = np.where(passing.any(axis=2), passing.argmax(axis=2), -1)  # the lowest passing edge per set and reach
+        held = np.where(first >= 0, np.take_along_axis(n, np.maximum(first, 0)[:, :, None], axis=2)[:, :, 0], 0)
+        for beyond, candidates in ((False, np.where(within, held, 0)), (True, held)):
+            best = candidates.argmax(axis=1)  # the region that holds the most outcomes (the nearest reach of a tie)
+            for s in (0, 1):
+                b = int(best[s])
+                self._regions[s][beyond] = (float(EDGES[first[s, b]]), float(tops[b])) if candidates[s, b] else NO_REGION
 
     def verified_hit(self, margin: float, agreed: bool, chance: float, fit_agreed: bool = False,
                      residual: float = 0.0) -> None:
