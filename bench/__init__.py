@@ -84,6 +84,14 @@ def recorded(module: str) -> dict:
             "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def proportion(agreed: int, n: int) -> dict:
+    """A rate with its 95% Wilson interval (None where n is 0)."""
+    from server.worker.calibration import wilson_lower, wilson_upper
+
+    return {"rate": round(agreed / n, 4) if n else None, "n": n, "agreed": agreed,
+            "interval95": [round(wilson_lower(agreed, n), 4), round(wilson_upper(agreed, n, 1.96), 4)] if n else None}
+
+
 def default_out(stem: str) -> Path:
     """bench/results/<stem>-<machine tag>.json."""
     return RESULTS / f"{stem}-{machine()['tag']}.json"

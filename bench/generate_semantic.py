@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import BANKING77
-from bench.peers import close_gptcache, open_gptcache, proportion
+from bench import BANKING77, proportion
+from bench.peers import close_gptcache, open_gptcache
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
 from tests.helpers import settled, worker_counters

@@ -174,14 +174,14 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         checkpoint()
     # A store that holds every miss of the run (the default budget, 1.5 GB, holds about 700k MiniLM
     # answers; four workers' miss runs write more), so that no hit run measures eviction.
-    settings = (f"engines.runtime={runtime}", "server.max_queue=16384", "cache.map_size_mb=16384",
-                "cache.budget_mb=12288", f"server.workers={workers[0]}")
+    base = (f"engines.runtime={runtime}", "server.max_queue=16384", "cache.map_size_mb=16384", "cache.budget_mb=12288")
+    settings = (*base, f"server.workers={workers[0]}")
     engines = workdir / "gpu-engines"
     report["workers_per_gpu"] = list(workers)
     if "start" in parts:
         print("  cold and warm start ...", flush=True)
         report["start"] = {f"{label}_{count}_workers": row for count in workers
-                           for label, row in measure_starts(workdir, models, frontends, settings[:-1], count,
+                           for label, row in measure_starts(workdir, models, frontends, base, count,
                                                             engines if count == workers[0] else None).items()}
     checkpoint()
 
@@ -262,7 +262,7 @@ def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, fro
         run_dir = workdir / f"gpu-server-{count}-workers"
         run_dir.mkdir()
         sweep = report.setdefault("minilm_by_workers", {})
-        with ServerProcess(run_dir, models, frontends=frontends, settings=(*settings[:-1], f"server.workers={count}"),
+        with ServerProcess(run_dir, models, frontends=frontends, settings=(*base, f"server.workers={count}"),
                            engines_dir=engines) as server:
             sweep[str(count)] = runs = {
                 "single": measured(server, "minilm", lambda: load(server.address, INFER, single, 32)),

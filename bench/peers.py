@@ -24,21 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import BANKING77
+from bench import BANKING77, proportion
 from server.shared.normalize import Normalizer
 from tests.servers import REPO, ServerProcess
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)
 HOLDOUT = 5
 LATENCY_CALLS = 300
-
-
-def proportion(agreed: int, n: int) -> dict:
-    """A rate with its 95% Wilson interval."""
-    from server.worker.calibration import wilson_lower, wilson_upper
-
-    return {"rate": round(agreed / n, 4) if n else None, "n": n, "agreed": agreed,
-            "interval95": [round(wilson_lower(agreed, n), 4), round(wilson_upper(agreed, n, 1.96), 4)] if n else None}
 
 
 def bench_peers_semantic(models: Path, workdir: Path, quick: bool) -> dict:
