@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import BANKING77, banking77_missing, default_out, recorded
+from bench import BANKING77, banking77_missing, default_out, proportion, recorded
 
 LEAVE_OUT, HOLDOUT = 4, 5
 CURVE = (0.002, 0.005, 0.01, 0.02, 0.05)
@@ -83,7 +83,7 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = Tr
            warm_share: float | None = None) -> dict:
     """The split above; `warm_share`: only this share of the rows warms the cache (the first of the
     shuffled warm rows), not every row outside the replays."""
-    from server.worker.calibration import Calibration, learn, wilson_lower, wilson_upper
+    from server.worker.calibration import Calibration, learn
     from server.shared.match_policy import CalibratedPolicy, Neighbor, assess
     from server.shared.surrogate import Surrogate
 
@@ -96,6 +96,7 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = Tr
     if warm_share is not None:
         warm = warm[:int(len(x) * warm_share)]
     calibration, fit, cached = Calibration.under(policy, ""), Surrogate(x.shape[1], len(labels)), []
+    calibration.rebase_s = 0.0  # every decision reads the current regions: the figures do not depend on the replay's speed
 
     def decide(i: int, learning: bool) -> tuple[bool, bool]:
         """(a hit that agrees with the model, a hit)"""
@@ -124,8 +125,7 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = Tr
         wrong = hits - sum(right for right, _ in decided)
         out[name] = {"queries": len(rows), "hits": hits, "hit_rate": round(hits / len(rows), 4), "differ": wrong,
                      "differ_share": round(wrong / hits, 4) if hits else None,
-                     "fidelity_95": [round(wilson_lower(hits - wrong, hits), 4),
-                                     round(wilson_upper(hits - wrong, hits, 1.96), 4)] if hits else None}
+                     "fidelity_95": proportion(hits - wrong, hits)["interval95"]}
     return out
 
 

@@ -207,19 +207,17 @@ def test_the_region_within_coverage_is_the_best_of_the_outcomes_within_it():
     assert calibration.admits(0.5, 0.3, fitted=True) and not calibration.admits(0.5, 0.7, fitted=True)
 
 
-def test_decisions_work_the_region_out_again_at_most_every_rebase_s(monkeypatch):
-    """Under load an outcome comes with almost every miss: decisions read a region at most REBASE_S old;
+def test_decisions_work_the_region_out_again_at_most_every_rebase_s():
+    """Under load an outcome comes with almost every miss: decisions read a region at most rebase_s old;
     the figures read (thresholds, reaches, GetStats) are always current."""
-    from server.worker import calibration as module
-
-    monkeypatch.setattr(module, "REBASE_S", 3600.0)
     calibration = learnt()
+    calibration.rebase_s = 3600.0
     assert calibration.admits(2.0, 0.3, fitted=False)
     for _ in range(300):
         calibration.record(2.0, agreed=False, residual=0.3)  # the region is gone ...
-    assert calibration.admits(2.0, 0.3, fitted=False)  # ... but decisions read it until REBASE_S has passed
+    assert calibration.admits(2.0, 0.3, fitted=False)  # ... but decisions read it until rebase_s has passed
     assert calibration.threshold == math.inf and not calibration.admits(2.0, 0.3, fitted=False)
-    monkeypatch.setattr(module, "REBASE_S", 0.0)
+    calibration.rebase_s = 0.0
     calibration.record(2.0, agreed=False, residual=0.3)
     assert not calibration.admits(2.0, 0.3, fitted=False) and not calibration._stale
 

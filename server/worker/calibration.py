@@ -63,9 +63,9 @@ NO_REGION = (math.inf, -math.inf)             # (margin threshold, reach) of a s
 GUARD_STEP = 0.25                             # the threshold's rise per disagreement under the guard
 Z = 1.645                                     # one-sided 95%
 RECENT = 200                                  # verified hits the guard looks at
+GUARD_MIN = 30                                # ... once it has this many
 REBASE_S = 0.05                               # decisions work the regions out again at most this often (about
 #                                               100 us each: under load an outcome comes with almost every miss)
-GUARD_MIN = 30                                # ... once it has this many
 
 
 def wilson_upper(errors, n, z: float = Z):
@@ -94,6 +94,7 @@ class Calibration:
         self.errors = np.zeros_like(self.n)
         self.fit_answers = 0                     # computed misses where the fit had an answer ...
         self.fit_disagreed = 0                   # ... and it was not the model's
+        self.fit_proven = False                  # ... seldom enough to let hits reach beyond coverage (`_prove_fit`)
         # each set's region (margin threshold, the residual below which it admits), within coverage and not
         self._regions = [[NO_REGION, NO_REGION], [NO_REGION, NO_REGION]]
         self.tightened = 0       # guard steps in force
@@ -108,6 +109,7 @@ class Calibration:
         self._recent_agreed = 0.0
         self._stale = False        # outcomes recorded since `_regions` were last worked out ...
         self._rebased_at = -math.inf  # ... at this time (monotonic)
+        self.rebase_s = REBASE_S   # decisions work them out again at most this often
 
     @classmethod
     def under(cls, policy, rule: str) -> "Calibration":
@@ -134,15 +136,10 @@ class Calibration:
         without it, so a namespace whose fit becomes ready does not stop answering while outcomes with
         a fit gather."""
         for s in ((0, 1) if fitted else (0,)):
-            threshold, reach = self._region(s, REBASE_S)
+            threshold, reach = self._region(s, self.rebase_s)
             if margin >= threshold and residual < reach:
                 return True
         return False
-
-    @property
-    def fit_proven(self) -> bool:
-        """The fit's first class has been the model's answer often enough to let hits reach beyond coverage."""
-        return wilson_upper(self.fit_disagreed, self.fit_answers) <= self.max_error
 
     def _region(self, s: int, within_s: float = 0.0) -> tuple[float, float]:
         """Set s's region; worked out again if outcomes came since, and (for decisions: `within_s`) the
@@ -175,6 +172,12 @@ class Calibration:
         """A computed miss where the namespace's fit had an answer: was it the model's?"""
         self.fit_answers += 1
         self.fit_disagreed += not agreed
+        self._prove_fit()
+
+    def _prove_fit(self) -> None:
+        """Worked out when the counts change (decisions read it): the 95% bound of the fit's disagreement
+        with the model within max_error."""
+        self.fit_proven = wilson_upper(self.fit_disagreed, self.fit_answers) <= self.max_error
 
     def _rebase(self) -> None:
         self._stale, self._rebased_at = False, time.monotonic()
@@ -253,6 +256,7 @@ class Calibration:
             raise ValueError("outcome bins of another shape")
         calibration.n, calibration.errors = n, errors
         calibration.fit_answers, calibration.fit_disagreed = int(state["fit_answers"]), int(state["fit_disagreed"])
+        calibration._prove_fit()
         calibration.verified = calibration.verified_at_start = int(state["verified"])
         calibration.disagreed = calibration.disagreed_at_start = int(state["disagreed"])
         calibration._weight, calibration._agreed_weight = float(state["weight"]), float(state["agreed_weight"])
