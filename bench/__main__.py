@@ -284,12 +284,16 @@ def main() -> None:
                              "and hits; on a GPU host the torch decoder against its raw loop), prefix (the prefix cache "
                              "against computing the prompt), doors (hits through the OpenAI and KServe doors), ttl (TTL "
                              "classes' cost, expiry jitter's spread), generate-semantic (semantic answers of "
-                             "SmolLM2 on Banking77 against GPTCache), peers (semantic hits against GPTCache), gpu and "
+                             "SmolLM2 on Banking77 against GPTCache), peers (exact hits against Triton's response "
+                             "cache, semantic hits against GPTCache), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
     parser.add_argument("--gpu-parts", default=",".join(PARTS),
                         help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
+    parser.add_argument("--peers-parts", default="hits,semantic",
+                        help="peers section parts, comma-separated: hits (exact hits against Triton's response "
+                             "cache), semantic (semantic hits against GPTCache)")
     parser.add_argument("--gpu-workers", default="1",
                         help="gpu section: worker processes sharing the GPU, comma-separated; the first serves every "
                              "step, the others repeat the MiniLM runs (e.g. 1,2,4)")
@@ -458,12 +462,22 @@ def main() -> None:
             print_generate_semantic(report["generate_semantic"])
             save()
         if "peers" in sections:
-            from bench.peers import bench_peers_semantic, print_peers
+            peer_parts = set(args.peers_parts.split(","))
+            report["peers"] = {}
+            if "hits" in peer_parts:
+                from bench.peers_hits import bench_peers_hits, print_peers_hits
 
-            print("benchmarking semantic hits against GPTCache (Banking77) ...", flush=True)
-            report["peers"] = {"semantic": bench_peers_semantic(models, workdir / "peers", args.quick)}
-            print_peers(report["peers"])
-            save()
+                print("benchmarking exact hits against Triton's response cache ...", flush=True)
+                report["peers"]["hits"] = bench_peers_hits(workdir / "peers-hits", texts, rounds, args.quick)
+                print_peers_hits(report["peers"]["hits"])
+                save()
+            if "semantic" in peer_parts:
+                from bench.peers import bench_peers_semantic, print_peers
+
+                print("benchmarking semantic hits against GPTCache (Banking77) ...", flush=True)
+                report["peers"]["semantic"] = bench_peers_semantic(models, workdir / "peers", args.quick)
+                print_peers(report["peers"])
+                save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
             (workdir / "commit").mkdir()

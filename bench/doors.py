@@ -40,10 +40,13 @@ HITS = 200  # distinct texts, each a cached entry
 TARGETS = {"http_p50_ratio_max": 1.2, "http_throughput_ratio_min": 0.85, "kserve_p50_ratio_max": 1.15}
 
 
-def _kserve_request(text: str) -> bytes:
+def kserve_request(text: str, batched: bool = False) -> bytes:
+    """ModelInfer of minilm with one BYTES text, serialized: shape [1], or [1, 1] for a server whose
+    model batches (Triton's dynamic batcher)."""
     element = text.encode()
     request = kpb.ModelInferRequest(model_name="minilm", inputs=[kpb.ModelInferRequest.InferInputTensor(
-        name="text", datatype="BYTES", shape=[1])], raw_input_contents=[len(element).to_bytes(4, "little") + element])
+        name="text", datatype="BYTES", shape=[1, 1] if batched else [1])],
+        raw_input_contents=[len(element).to_bytes(4, "little") + element])
     return request.SerializeToString()
 
 
@@ -79,7 +82,7 @@ def bench_doors(workdir: Path, texts: list[str], rounds: int, quick: bool) -> di
     http_requests = [post("/v1/embeddings", b'{"model":"minilm","input":%s,"encoding_format":"base64"}'
                           % _json_string(t)) for t in chosen]
     native = [pb.InferRequest(model="minilm", text=t).SerializeToString() for t in chosen]
-    kserve = [_kserve_request(t) for t in chosen]
+    kserve = [kserve_request(t) for t in chosen]
     hit_body, hit_headers = _recorded_http(http_port, http_requests[0].split(b"\r\n\r\n", 1)[1])
     started: list = []
     skipped = _stacks_missing()
@@ -124,7 +127,7 @@ def bench_doors(workdir: Path, texts: list[str], rounds: int, quick: bool) -> di
                     result = uvloop.run(run_raw_load(address, method, payloads, concurrency=concurrency, total=total))
                     assert result.errors == 0, f"{name}: {result.errors} errors"
                     runs[name][concurrency].append(result.summary())
-        _check_hits(server.address, kserve)
+        check_hits(server.address, kserve)
     finally:
         echo.stop(started)
         if granian is not None:
@@ -143,7 +146,7 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _check_hits(address: str, kserve: list[bytes]) -> None:
+def check_hits(address: str, kserve: list[bytes]) -> None:
     """Every KServe request was a hit (the generator does not read sources): asked once more."""
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(MODEL_INFER, request_serializer=None, response_deserializer=None)

@@ -1,4 +1,5 @@
-"""The C++ load generator (bench/native/loadgen.cc): built on first use, run as a child process.
+"""The benchmarks' C++ programs (bench/native/), built on first use: the load generator (loadgen.cc), run
+as a child process here, and the native gRPC floor (floor.cc) of the peers section.
 
 Where the benchmark host shares its cores with the server (the 2-core machine), the Python generator's
 own CPU per call (about 0.8 ms there, as much as the server's frontends) is taken from the server; this
@@ -23,7 +24,7 @@ from bench.load import CHANNELS_PER_PROCESS, INFER, LoadResult, answered_sources
 from tests.servers import REPO
 from infercache.v1 import infercache_pb2 as pb
 
-SOURCE = Path(__file__).with_name("native") / "loadgen.cc"
+NATIVE = Path(__file__).with_name("native")  # C++ sources: loadgen.cc, floor.cc
 BUILD = REPO / "build" / "bench"
 
 _built: dict[str, Path | None] = {}
@@ -31,31 +32,34 @@ _built: dict[str, Path | None] = {}
 
 def loadgen() -> Path | None:
     """The built generator (rebuilt when its source changes), or None where it cannot be built."""
-    if "path" in _built:
-        return _built["path"]
-    digest = hashlib.blake2b(SOURCE.read_bytes(), digest_size=8).hexdigest()
-    binary = BUILD / f"loadgen-{digest}"
-    path = binary if binary.exists() else _build(binary)
-    _built["path"] = path
-    return path
+    return native("loadgen")
 
 
-def _build(binary: Path) -> Path | None:
+def native(name: str) -> Path | None:
+    """bench/native/NAME.cc built (again when its source changes), or None where it cannot be built."""
+    if name not in _built:
+        source = NATIVE / f"{name}.cc"
+        digest = hashlib.blake2b(source.read_bytes(), digest_size=8).hexdigest()
+        binary = BUILD / f"{name}-{digest}"
+        _built[name] = binary if binary.exists() else _build(source, binary)
+    return _built[name]
+
+
+def _build(source: Path, binary: Path) -> Path | None:
     compiler = shutil.which("g++") or shutil.which("c++")
     flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True, text=True) \
         if shutil.which("pkg-config") else None
     if compiler is None or flags is None or flags.returncode != 0:
-        print("  (the C++ load generator needs g++ and gRPC's C++ library: apt-get install g++ pkg-config "
-              "libgrpc++-dev; using the Python generator)", flush=True)
+        print(f"  ({source.name} needs g++ and gRPC's C++ library: apt-get install g++ pkg-config libgrpc++-dev)",
+              flush=True)
         return None
     binary.parent.mkdir(parents=True, exist_ok=True)
     partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")  # two builds at once: each its own
-    print("  building the C++ load generator ...", flush=True)
-    built = subprocess.run([compiler, "-O2", "-std=c++17", str(SOURCE), *flags.stdout.split(), "-o", str(partial)],
+    print(f"  building {source.name} ...", flush=True)
+    built = subprocess.run([compiler, "-O2", "-std=c++17", str(source), *flags.stdout.split(), "-o", str(partial)],
                            capture_output=True, text=True)
     if built.returncode != 0:
-        print(f"  (the C++ load generator did not build, using the Python generator:\n{built.stderr[-2000:]})",
-              flush=True)
+        print(f"  ({source.name} did not build:\n{built.stderr[-2000:]})", flush=True)
         return None
     partial.rename(binary)
     return binary
@@ -87,3 +91,18 @@ def run_each_once_native(binary: Path, address: str, requests: list[pb.InferRequ
             latencies.append(latency_ms)
     errors, sources = answered_sources(responses)
     return LoadResult(len(latencies), errors, ended - began, np.array(latencies), sources)
+
+
+def start_floor(binary: Path, answer: bytes, workdir: Path) -> tuple[str, subprocess.Popen]:
+    """bench/native/floor.cc answering every call with `answer`: (address, process) once it listens."""
+    from tests.servers import free_port
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    answer_file = workdir / "floor-answer"
+    answer_file.write_bytes(answer)
+    port = free_port()
+    proc = subprocess.Popen([str(binary), str(port), str(answer_file)], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"the native floor did not start (exit status {proc.wait(10)})")
+    return f"127.0.0.1:{port}", proc

@@ -1,12 +1,14 @@
-"""The benchmarks' own tools, against a real server: the C++ load generator (bench/native/loadgen.cc)."""
+"""The benchmarks' own tools, against real servers: the C++ load generator (bench/native/loadgen.cc), the
+native gRPC floor (bench/native/floor.cc), the GPU and write-path benches' dry runs."""
 
 from __future__ import annotations
 
 import subprocess
 
+import grpc
 import pytest
 
-from bench.native_load import loadgen, run_each_once_native
+from bench.native_load import loadgen, native as native_binary, run_each_once_native, start_floor
 from infercache.v1 import infercache_pb2 as pb
 
 
@@ -37,6 +39,23 @@ def test_the_native_generator_fails_loudly_without_a_server(native):
         run_each_once_native(native, "127.0.0.1:1", [pb.InferRequest(model="minilm", text="x")], concurrency=1,
                              timeout=1.0)
     assert failed.value.returncode == 3  # could not connect
+
+
+def test_the_native_floor_answers_every_method_with_its_bytes(tmp_path):
+    binary = native_binary("floor")
+    if binary is None:
+        pytest.skip("the native floor does not build here: needs g++, pkg-config and libgrpc++-dev")
+    answer = bytes(range(256)) * 3
+    address, proc = start_floor(binary, answer, tmp_path)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            for method in ("/inference.GRPCInferenceService/ModelInfer", "/infercache.v1.InferenceCache/Infer"):
+                call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+                assert call(b"any request", timeout=10) == answer
+                assert call(b"", timeout=10) == answer
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_the_gpu_generate_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_path):

@@ -1,0 +1,58 @@
+"""Virtualenvs of the peers the bench runs as servers, each pinned and apart from infercache's (their
+pins clash with ours: PyTriton needs numpy < 2). Made on first use under build/peers/, made again when
+the pins change; where one cannot be made the bench says why and skips that peer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from tests.servers import REPO
+
+ROOT = REPO / "build" / "peers"
+
+# PyTriton ships tritonserver, its Python backend and the local response cache; ONNX Runtime and the
+# tokenizer at infercache's versions run the same MiniLM graph.
+TRITON = ("nvidia-pytriton==0.7.0", "numpy==1.26.4", "onnxruntime==1.32.0", "tokenizers==0.23.3")
+
+
+class PeerEnv:
+    def __init__(self, python: Path, env: dict[str, str]) -> None:
+        self.python, self.env = python, env
+
+
+def triton_env() -> PeerEnv | str:
+    """PyTriton's virtualenv, or why there is none. Triton's Python backend runs the model in a stub
+    process that loads this interpreter's shared libpython: the interpreter must be built with it, and the
+    stub must find this one's before any other of the same minor version (a Debian libpython3.11 beside
+    pyenv's 3.11 fails on a stdlib mismatch)."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return f"Triton's Python backend loads libpython, and {sys.executable} is built without a shared one"
+    libdir = sysconfig.get_config_var("LIBDIR")
+    made = _made("triton", TRITON)
+    if isinstance(made, str):
+        return made
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    return PeerEnv(made, env)
+
+
+def _made(name: str, pins: tuple[str, ...]) -> Path | str:
+    """The virtualenv `name` holding `pins` (its python), made or remade as needed; or why it failed."""
+    home = ROOT / name
+    python, stamp = home / "bin" / "python", home / "pins.txt"
+    wanted = "\n".join(pins) + "\n"
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    print(f"  making the {name} peer's virtualenv ({', '.join(pins)}) ...", flush=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    for step in ([base, "-m", "venv", "--clear", str(home)],
+                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *pins]):
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"{' '.join(step[:3])} ... failed: {(done.stderr or done.stdout).strip()[-500:]}"
+    stamp.write_text(wanted)
+    return python
