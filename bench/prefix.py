@@ -128,7 +128,7 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
             for _ in range(2):  # two other prefixes fill device memory: this one goes to host memory
                 out["computed"].append(_ttft(stub, "host", _words(fresh() + suffix())))
             out["host"].append(_ttft(stub, "host", _words(prefix + suffix())))
-        on_disk = [fresh() for _ in range(max(2, rounds))]
+        on_disk = [fresh() for _ in range(max(3, rounds))]
         for prefix in on_disk + [fresh(), fresh()]:  # the last two push the others out to disk
             _ttft(stub, "disk", _words(prefix + suffix()))
         deadline = time.monotonic() + 120
@@ -159,6 +159,8 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
                        "disk": round(p50["disk"] / p50["computed_after_restart"], 3)},
             "reused_tokens": {t: counters.get(f"prefix.host.1.prefix_tokens_{t}", 0) for t in ("memory", "host")}
             | {"disk": after.get("prefix.disk.1.prefix_tokens_disk", 0)},
+            # from a disk hit's lookup until its blocks are in host memory (the worker's own timing)
+            "disk_read_ms_mean": round(after.get("prefix.disk.1.prefix_disk_read_us", 0) / 1000 / len(on_disk), 2),
             "worker_counters": {"first": _worker_figures(counters), "after_restart": _worker_figures(after)}}
 
 

@@ -109,6 +109,8 @@ class KvSection:
     map_size_mb: int = 8192
     budget_mb: int = 6144              # eviction keeps live blocks under this; must be below map_size_mb
     ttl_s: int = 86400                 # a block's life (cache.max_ttl_s caps it too); 0 = no expiry
+    write_queue_mb: int = 2048         # demoted blocks waiting for a worker's disk writer, at most; past it a
+                                       # block is dropped (kv.dropped_backlog), computed again when next asked
 
 
 @dataclass(frozen=True)
@@ -339,6 +341,8 @@ def validate(config: Config) -> None:
                           "l2.frontend_head_mb >= 0")
     if not 0 < l2.budget_mb < l2.map_size_mb:
         raise ConfigError(f"l2.budget_mb ({l2.budget_mb}) must be positive and below l2.map_size_mb ({l2.map_size_mb})")
+    if config.kv.write_queue_mb <= 0:
+        raise ConfigError(f"kv.write_queue_mb must be positive, not {config.kv.write_queue_mb}")
     if not 0 < config.kv.budget_mb < config.kv.map_size_mb:
         raise ConfigError(f"kv.budget_mb ({config.kv.budget_mb}) must be positive and below kv.map_size_mb "
                           f"({config.kv.map_size_mb})")

@@ -29,6 +29,7 @@ import asyncio
 import hashlib
 import logging
 import struct
+import time
 from collections import Counter, OrderedDict
 from functools import partial
 
@@ -145,6 +146,7 @@ class PrefixCache:
         there or does not read back as a block (a miss from there on); then wakes the scheduler."""
         loop = asyncio.get_running_loop()
         read = partial(self.disk.read, make=self.decoder.host_block)
+        started = time.perf_counter()
         try:
             blocks = await asyncio.gather(*(loop.run_in_executor(self.disk.readers, read, k) for k in keys))
         except RuntimeError:  # the pool shut down: the worker is stopping
@@ -155,6 +157,7 @@ class PrefixCache:
                 break
             loaded[key] = block
         self.counters["prefix_disk_reads"] += len(loaded)
+        self.counters["prefix_disk_read_us"] += int((time.perf_counter() - started) * 1e6)
         generation.loaded, generation.loading = loaded, False
         wake()
 

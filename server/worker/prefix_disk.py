@@ -6,7 +6,8 @@ store writer process's frames as answers do: each worker writes its own demoted 
 its own, several to a transaction, straight into the environment (LMDB serializes writers across
 processes; a transaction is whole or absent, so kill -9 leaves no half-written block). That thread is
 the only writer of this worker's blocks; it keeps the store under `kv.budget_mb` (oldest blocks first)
-and sweeps expired ones. What waits for it is bounded (WRITE_QUEUE_BYTES); past that a block is dropped
+and sweeps expired ones. What waits for it is bounded by `kv.write_queue_mb`, sized for a long prompt's
+blocks demoted at once (4,096 tokens of a Llama-3-8B shape are 512 MiB); past that a block is dropped
 (counted). Reads run in a pool of threads, each block checked (checksum, and sealing when encryption is
 on) and copied once, from the map into a host block. Any failure is a miss: a block not written, or not
 read, is computed again.
@@ -28,15 +29,16 @@ from cachestore.results import evict_oldest, now_us, put, sweep_expired
 log = logging.getLogger("infercache.prefix")
 
 READERS = 16                  # threads reading blocks back (LMDB reads, checksums and copies release the GIL)
-WRITE_QUEUE_BYTES = 512 << 20  # blocks waiting for the writer thread, at most
 WRITE_TXN_BYTES = 64 << 20    # blocks per write transaction, at most
 SWEEP_EVERY = 64              # write transactions between sweeps of expired blocks
 
 
 class BlockStore:
-    def __init__(self, settings: StoreSettings, ttl_s: int) -> None:
-        """Opens the store (StoreError when it cannot be) and starts its writer thread."""
+    def __init__(self, settings: StoreSettings, ttl_s: int, queue_bytes: int) -> None:
+        """Opens the store (StoreError when it cannot be) and starts its writer thread; at most
+        `queue_bytes` of blocks wait for it."""
         self.store = Store(settings, readonly=False)
+        self.queue_bytes = queue_bytes
         self.budget = settings.budget
         self.ttl_us = ttl_s * 1_000_000
         self._counts: Counter[str] = Counter()  # written by the writer thread (and reads: failures)
@@ -87,7 +89,7 @@ class BlockStore:
         writer thread, once it is committed or dropped)."""
         size = len(payload)
         with self._lock:
-            if self._queued + size > WRITE_QUEUE_BYTES:
+            if self._queued + size > self.queue_bytes:
                 self._counts["dropped_backlog"] += 1
                 done()
                 return

@@ -323,7 +323,7 @@ def _open_block_store(config: Config):
 
     try:
         return BlockStore(kv_store_settings(config), min((t for t in (config.kv.ttl_s, config.cache.max_ttl_s) if t),
-                                                         default=0))
+                                                         default=0), queue_bytes=config.kv.write_queue_mb << 20)
     except StoreError as exc:
         log.error("prefix block store unavailable, prefix caches keep to memory: %s", exc)
         return None
