@@ -6,6 +6,7 @@ Every result file is named for what it measures and the machine it ran on (`benc
 
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -49,10 +50,13 @@ def _cpu_model() -> str:
 
 
 def machine() -> dict:
-    """What a result file says of the machine; `tag` ends its name: `h200`, `h200x2` (GPUs), else `2core`."""
+    """What a result file says of the machine; `tag` ends its name: the GPU's model and count (`h200`,
+    `h100`, `h200x2`: "NVIDIA H100 80GB HBM3" is an h100), else the cores (`2core`)."""
     cpus, gpus = os.cpu_count() or 1, _gpu_names()
     if gpus:
-        tag = gpus[0].split()[-1].lower() + (f"x{len(gpus)}" if len(gpus) > 1 else "")
+        words = gpus[0].split()
+        chip = next((w for w in words if re.fullmatch(r"[A-Za-z]+\d{2,4}[A-Za-z]?", w)), words[-1])
+        tag = chip.lower() + (f"x{len(gpus)}" if len(gpus) > 1 else "")
     else:
         tag = f"{cpus}core"
     return {"tag": tag, "cpus": cpus, "cpu_model": _cpu_model(), "gpus": gpus, "python": platform.python_version()}

@@ -23,7 +23,7 @@ DOCS = REPO / "docs"
 README = REPO / "README.md"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 RESULTS = REPO / "bench" / "results"
-MACHINES = ("2core", "h200", "h200x2")  # what a result file's name ends with (bench.machine()'s tag)
+MACHINES = ("2core", "h100", "h200", "h200x2")  # what a result file's name ends with (bench.machine()'s tag)
 
 
 def rows(markdown: str, heading: str) -> dict[str, list[str]]:
