@@ -291,6 +291,9 @@ def main() -> None:
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
     parser.add_argument("--gpu-parts", default=",".join(PARTS),
                         help=f"gpu section steps, comma-separated (default all: {','.join(PARTS)})")
+    parser.add_argument("--prefix-parts", default="tiers,reuse",
+                        help="prefix section on a GPU host, parts comma-separated: tiers (TTFT by tier), reuse (no "
+                             "reuse and conversations, two 8B models: an H200's memory)")
     parser.add_argument("--peers-parts", default="hits,semantic",
                         help="peers section parts, comma-separated: hits (exact hits against Triton's response "
                              "cache), semantic (semantic hits against GPTCache)")
@@ -424,7 +427,8 @@ def main() -> None:
             print("benchmarking the prefix cache ...", flush=True)
             if gpu_available():
                 report["prefix"] = {}
-                bench_prefix_gpu(workdir / "prefix", rounds, args.quick, report["prefix"], checkpoint=save)
+                bench_prefix_gpu(workdir / "prefix", rounds, args.quick, report["prefix"], checkpoint=save,
+                                 parts=tuple(args.prefix_parts.split(",")))
             else:
                 report["prefix"] = bench_prefix_cpu(workdir / "prefix", rounds, args.quick)
             print_prefix(report["prefix"])

@@ -249,8 +249,9 @@ def _by_turn(ttfts: list[float], turns: int) -> list[float]:
 
 
 def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, checkpoint=lambda: None,
-                     arch_name: str = "llama3-8b", device: str = "cuda") -> dict:
-    """arch_name "tiny" with device "cpu": the tests' dry run of every step."""
+                     arch_name: str = "llama3-8b", device: str = "cuda", parts: tuple[str, ...] = ("tiers", "reuse")
+                     ) -> dict:
+    """arch_name "tiny" with device "cpu": the tests' dry run of every step. `parts`: tiers (1), reuse (2, 3)."""
     from bench.generate_gpu import _architecture, write_random_model
 
     arch = _architecture(arch_name)
@@ -271,8 +272,11 @@ def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, chec
     link_model(root, "disk", model_config(16, device, generate=generate, prefix_cache=f"block_tokens: {BLOCK}, "
                                           f"device_mb: {two}, host_mb: {0 if device == 'cuda' else two}"),
                {"1": version})
-    report["tiers"] = bench_tiers(root, workdir / "tiers", rounds, arch.vocab)
-    checkpoint()
+    if "tiers" in parts:
+        report["tiers"] = bench_tiers(root, workdir / "tiers", rounds, arch.vocab)
+        checkpoint()
+    if "reuse" not in parts:
+        return report
     reuse = workdir / "models-reuse"
     generate = "context_length: 2048, max_new_tokens: 256, max_streams: 64, max_waiting: 256, prefill_tokens: 4096"
     link_model(reuse, "on", model_config(64, device, generate=generate, prefix_cache=f"block_tokens: {BLOCK}"),

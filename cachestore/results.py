@@ -148,7 +148,7 @@ class ResultCache:
                 self._stale(expires, now)
                 return None
         flags, kid, created, expires, payload = records.checked(raw)
-        if flags or self._ring is not None:
+        if flags & records.FLAG_ENCRYPTED or self._ring is not None:
             payload = records.opened(flags, kid, created, expires, payload, key, self._ring)
         if records.fresh(created, expires, now, max_age_us):
             return bytes(payload), key, created, records.age_s(created, now)
@@ -157,7 +157,7 @@ class ResultCache:
 
     def _answer_bytes(self, raw, key: bytes, now: int, max_age_us: int | None) -> bytes | None:
         flags, kid, created, expires, payload = records.checked(raw)
-        if flags or self._ring is not None:  # sealed, or encryption is on: opened, or refused
+        if flags & records.FLAG_ENCRYPTED or self._ring is not None:  # sealed, or encryption is on: opened, or refused
             payload = records.opened(flags, kid, created, expires, payload, key, self._ring)
         if records.fresh(created, expires, now, max_age_us):
             return b"".join((payload, wire.cache_info(_RESULT_EXACT, records.age_s(created, now))))

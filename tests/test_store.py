@@ -15,6 +15,7 @@ from cachestore.env import DB_EXPIRY, DB_META, DB_RESULTS, DB_STORED, Store, Sto
 from cachestore.errors import CorruptRecord, StoreError, StoreFormatError
 from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
 from cachestore.keys import Selector
+from cachestore.sealing import KeyRing
 from cachestore.writer import RUNWAY, WriteBehind
 
 MB = 1 << 20
@@ -59,6 +60,23 @@ def test_record_roundtrip_and_corruption_detected():
         records.decode(b"\x09" + raw[1:])
     with pytest.raises(CorruptRecord):
         records.decode(b"short")
+
+
+def test_large_records_are_checked_with_xxh3_and_any_changed_byte_is_found():
+    """Payloads from 64 KiB on (prefix key/value blocks) carry xxh3's checksum, flagged; in clear and sealed."""
+    payload = os.urandom(records.LARGE)
+    for ring in (None, KeyRing((b"k" * 32,))):
+        raw = records.encode(records.Record(1, 2, payload), b"key", ring)
+        flags = raw[1]
+        assert flags & records.FLAG_XXH3 and bool(flags & records.FLAG_ENCRYPTED) == (ring is not None)
+        assert records.decode(raw, b"key", ring).payload == payload
+        for at in (records.HEADER.size, len(raw) // 2, len(raw) - 1):
+            damaged = bytearray(raw)
+            damaged[at] ^= 0x01
+            with pytest.raises(CorruptRecord, match="checksum"):
+                records.decode(bytes(damaged), b"key", ring)
+    small = records.encode(records.Record(1, 2, payload[:records.LARGE - 1]))
+    assert not small[1] & records.FLAG_XXH3  # crc32, as before
 
 
 def test_keys_are_fixed_length_and_namespaced():

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from cachestore.keys import Namespace
-from cachestore.records import Record, checked, opened
+from cachestore.records import FLAG_ENCRYPTED, Record, checked, opened
 from cachestore.results import evict_oldest, now_us, put, sweep_expired
 
 log = logging.getLogger("infercache.prefix")
@@ -71,7 +71,8 @@ class BlockStore:
                 flags, kid, created, expires, stored = checked(raw)
                 if expires and now_us() >= expires:
                     return None
-                clear = opened(flags, kid, created, expires, stored, key, store.ring) if flags or store.ring else stored
+                clear = opened(flags, kid, created, expires, stored, key, store.ring) \
+                    if flags & FLAG_ENCRYPTED or store.ring else stored
                 return make(clear)
         except Exception as exc:  # noqa: BLE001 (a block that does not read is computed again)
             self._counts["unreadable"] += 1
