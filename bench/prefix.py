@@ -9,7 +9,9 @@ On a GPU host (a Llama-3-8B-shaped model, random bf16 weights: speed does not de
 1. Tiers: a 4,096-token prefix plus 64 new tokens; TTFT of a fresh prefix (the whole prompt computed)
    against the same prefix cached in device memory, in pinned host memory (pushed out of device memory by
    other prefixes), and on disk after the server was stopped and started again (a model whose demoted
-   blocks go straight to disk). Each hit against the fresh prefixes of the same server process.
+   blocks go straight to disk). Each hit against the fresh prefixes of the same server process. Then the
+   decoder alone, in a process of its own, runs the same steps (computed, device and host hits): what the
+   server adds to each is the rest of its TTFT.
 2. No reuse: waves of 64 streams of distinct 512-token prompts and 256 new tokens, prefix cache on against
    off (two model names, the same weights), rounds alternating: decode tokens/s and wall time.
 3. Conversations: 64 at once, 10 turns each, every turn re-sending the conversation (a system prompt of
@@ -93,6 +95,7 @@ def bench_prefix_cpu(workdir: Path, rounds: int, quick: bool) -> dict:
 # -- GPU: an 8B shape, random weights --------------------------------------------------------------------------
 
 PREFIX_TOKENS, SUFFIX_TOKENS, BLOCK = 4096, 64, 64
+TIERS_CONTEXT = 4352  # the tiers' model: a prefix, its suffix and the answer
 PREFIX_MB = 1100  # device (and host) memory for two 4,096-token prefixes of the 8B shape (64 blocks of 8 MiB each)
 
 
@@ -162,6 +165,59 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
             # from a disk hit's lookup until its blocks are in host memory (the worker's own timing)
             "disk_read_ms_mean": round(after.get("prefix.disk.1.prefix_disk_read_us", 0) / 1000 / len(on_disk), 2),
             "worker_counters": {"first": _worker_figures(counters), "after_restart": _worker_figures(after)}}
+
+
+def _decoder_child(version: str, context: int, device: str, rounds: int, vocab: int, out) -> None:
+    """In a child process, the decoder alone (no server): the tiers' steps timed from launch to the first
+    token, so that the server's own cost per request is the rest of its TTFT."""
+    import torch
+
+    from server.engines import torch_decoder
+    from server.engines.decoding import Chunk, Keep, Restore, Step
+
+    decoder = torch_decoder.load(Path(version), 4, context, device)
+    blocks = PREFIX_TOKENS // BLOCK
+    decoder.open_blocks(BLOCK, blocks * decoder.block_bytes(BLOCK))
+    rng = random.Random(9)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    def timed(*steps: Step) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for step in steps:
+            decoder.collect(decoder.launch(step))
+        return 1000 * (time.perf_counter() - started)
+
+    out_ms: dict[str, list[float]] = {"computed": [], "device": [], "host": []}
+    for _ in range(max(2, rounds) + 1):  # the first round warms
+        prefix = ids(PREFIX_TOKENS)
+        out_ms["computed"].append(timed(  # as the server reads it: one step of its prefill budget, then the rest
+            Step(chunks=[Chunk(0, prefix, 0)], keeps=[Keep(0, i * BLOCK, i) for i in range(blocks)]),
+            Step(chunks=[Chunk(0, ids(SUFFIX_TOKENS), PREFIX_TOKENS, last=True)])))
+        out_ms["device"].append(timed(Step(restores=[Restore(1, i * BLOCK, i) for i in range(blocks)],
+                                           chunks=[Chunk(1, ids(SUFFIX_TOKENS), PREFIX_TOKENS, last=True)])))
+        exported = decoder.collect(decoder.launch(Step(exports=[(i, i) for i in range(blocks)]))).exports
+        host = [block for _, block in sorted(exported, key=lambda e: e[0])]
+        out_ms["host"].append(timed(Step(restores=[Restore(2, i * BLOCK, host[i]) for i in range(blocks)],
+                                         chunks=[Chunk(2, ids(SUFFIX_TOKENS), PREFIX_TOKENS, last=True)])))
+    del decoder
+    out.send({tier: round(statistics.median(times[1:]), 2) for tier, times in out_ms.items()})
+
+
+def decoder_alone(version: Path, context: int, device: str, rounds: int, vocab: int) -> dict:
+    """_decoder_child's figures: p50 ms by tier (computed, device, host)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_decoder_child, args=(str(version), context, device, rounds, vocab, send))
+    child.start()
+    result = receive.recv()
+    child.join()
+    return result
 
 
 def _worker_figures(counters: dict) -> dict:
@@ -261,7 +317,8 @@ def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, chec
     per_block = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2 * BLOCK  # bf16
     two = -(-2 * (PREFIX_TOKENS // BLOCK + 2) * per_block // 2**20)
     root = workdir / "models-tiers"
-    generate = "context_length: 4352, max_new_tokens: 64, max_streams: 16, max_waiting: 64, prefill_tokens: 4096"
+    generate = (f"context_length: {TIERS_CONTEXT}, max_new_tokens: 64, max_streams: 16, max_waiting: 64, "
+                "prefill_tokens: 4096")
     version = write_random_model(root, arch_name, 16, device, generate=generate)
     (root / arch_name).rename(root / "host")
     version = root / "host" / "1"
@@ -274,6 +331,10 @@ def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, chec
                {"1": version})
     if "tiers" in parts:
         report["tiers"] = bench_tiers(root, workdir / "tiers", rounds, arch.vocab)
+        alone = decoder_alone(version, TIERS_CONTEXT, device, rounds, arch.vocab)
+        served = report["tiers"]["ttft_p50_ms"]
+        report["tiers"]["decoder_alone_ms"] = alone  # the decoder's steps with no server around them
+        report["tiers"]["server_adds_ms"] = {tier: round(served[tier] - alone[tier], 2) for tier in alone}
         checkpoint()
     if "reuse" not in parts:
         return report
@@ -297,6 +358,8 @@ def print_prefix(report: dict) -> None:
     if "tiers" in report:
         tiers = report["tiers"]
         print(f"TTFT p50 ms: {tiers['ttft_p50_ms']}; ratios to computing the whole prompt: {tiers['ratios']}")
+        if "decoder_alone_ms" in tiers:
+            print(f"the decoder alone, ms: {tiers['decoder_alone_ms']}; the server adds {tiers['server_adds_ms']}")
     if "no_reuse" in report:
         print(f"no reuse: decode tok/s on/off {report['no_reuse']['decode_ratio_on_off']}, "
               f"wall on/off {report['no_reuse']['wall_ratio_on_off']}")

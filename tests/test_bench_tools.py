@@ -84,6 +84,8 @@ def test_the_gpu_prefix_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_pat
     tiers = report["tiers"]
     assert set(tiers["ratios"]) == {"device", "host", "disk"} and all(v > 0 for v in tiers["ratios"].values())
     assert tiers["reused_tokens"]["memory"] > 0 and tiers["reused_tokens"]["disk"] > 0
+    assert set(tiers["decoder_alone_ms"]) == {"computed", "device", "host"}
+    assert all(v > 0 for v in tiers["decoder_alone_ms"].values()) and set(tiers["server_adds_ms"]) == {"computed", "device", "host"}
     assert report["no_reuse"]["decode_ratio_on_off"] > 0
     conversations = report["conversations"]
     assert conversations["reused_tokens"] > 0 and conversations["off_over_on"] > 0
