@@ -296,7 +296,8 @@ def main() -> None:
                              "reuse and conversations, two 8B models: an H200's memory)")
     parser.add_argument("--peers-parts", default="hits,semantic",
                         help="peers section parts, comma-separated: hits (exact hits against Triton's response "
-                             "cache), semantic (semantic hits against GPTCache)")
+                             "cache), semantic (semantic hits against GPTCache), infinity (misses against infinity: "
+                             "the lent GPU, bench/device.sh; elsewhere a dry run on the CPU)")
     parser.add_argument("--gpu-workers", default="1",
                         help="gpu section: worker processes sharing the GPU, comma-separated; the first serves every "
                              "step, the others repeat the MiniLM runs (e.g. 1,2,4)")
@@ -474,6 +475,14 @@ def main() -> None:
                 print("benchmarking exact hits against Triton's response cache ...", flush=True)
                 report["peers"]["hits"] = bench_peers_hits(workdir / "peers-hits", texts, rounds, args.quick)
                 print_peers_hits(report["peers"]["hits"])
+                save()
+            if "infinity" in peer_parts:
+                from bench.peers_infinity import bench_peers_infinity, minilm_source, print_peers_infinity
+
+                print("benchmarking misses against infinity ...", flush=True)
+                report["peers"]["infinity"] = bench_peers_infinity(workdir / "peers-infinity", texts, minilm_source(),
+                                                                   max(2, rounds), args.quick)
+                print_peers_infinity(report["peers"]["infinity"])
                 save()
             if "semantic" in peer_parts:
                 from bench.peers import bench_peers_semantic, print_peers

@@ -4,6 +4,9 @@
 #   .whl/              wheels for the device's Python (3.12, x86_64) of what its image lacks, and the hnswlib
 #                      source distribution (built there)
 #   .devcarry/minilm-fp16  all-MiniLM-L6-v2 with its weights in fp16 (the fp32 file is over the carry limit)
+#   .devcarry/minilm-shape its config and tokenizer alone (DEVICE_MINILM=random: random weights made there,
+#                      where the carry has no room for the weights: the peers section's infinity part)
+#   .peerwhl/          infinity's wheels (bench/peer_envs.py installs them there without resolving)
 #   infercache/v1, infercache/kserve   the generated stubs (make stubs)
 # Then call the device tool with carry [".whl", ".devcarry", "infercache/v1", "infercache/kserve"] and the command
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/device.sh --sections gpu ...
@@ -22,6 +25,29 @@ echo "wheels for Python $PYVER ..."
 "$PY" -m pip install -q --disable-pip-version-check pybind11
 "$PY" -m pip download -q --disable-pip-version-check --dest .whl --no-binary=:all: --no-deps --no-build-isolation \
     hnswlib==0.8.0
+echo "infinity's wheels (the peers section's infinity part; installed there without resolving, over the image's torch and numpy) ..."
+rm -rf .peerwhl && mkdir -p .peerwhl
+"$PY" -m pip download -q --disable-pip-version-check --dest .peerwhl --only-binary=:all: --no-deps \
+    --python-version "$PYVER" --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    infinity-emb==0.0.78 sentence-transformers==3.4.1 transformers==4.57.1 tokenizers==0.22.2 \
+    huggingface-hub==0.36.2 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+    annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 uvicorn==0.32.1 orjson==3.13.0 \
+    prometheus-fastapi-instrumentator==8.1.0 posthog==7.91.1 backoff==2.2.1 distro==1.9.0 typer==0.12.5 \
+    click==8.1.8 rich==13.9.4 python-dotenv==1.2.4 httptools==0.9.0 websockets==17.4 watchfiles==1.3.0
+echo "all-MiniLM-L6-v2's shape (config and tokenizer: DEVICE_MINILM=random makes weights there) ..."
+rm -rf .devcarry/minilm-shape && mkdir -p .devcarry/minilm-shape
+HF_HUB_OFFLINE=1 "$PY" - <<'PY'
+import shutil
+from pathlib import Path
+
+from server.tools.export_model import default_encoder_dir
+
+source = default_encoder_dir()
+for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+    if (source / name).is_file():
+        shutil.copy(source / name, Path(".devcarry/minilm-shape") / name)
+PY
 echo "all-MiniLM-L6-v2 in fp16 ..."
 rm -rf .devcarry/minilm-fp16 && mkdir -p .devcarry
 HF_HUB_OFFLINE=1 "$PY" - <<'PY'
@@ -39,4 +65,4 @@ for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_to
         shutil.copy(source / name, target / name)
 PY
 make -s stubs
-du -sh .whl .devcarry infercache/v1 infercache/kserve
+du -sh .whl .peerwhl .devcarry/* infercache/v1 infercache/kserve

@@ -17,6 +17,11 @@ ROOT = REPO / "build" / "peers"
 # PyTriton ships tritonserver, its Python backend and the local response cache; ONNX Runtime and the
 # tokenizer at infercache's versions run the same MiniLM graph.
 TRITON = ("nvidia-pytriton==0.7.0", "numpy==1.26.4", "onnxruntime==1.32.0", "tokenizers==0.23.3")
+# infinity's torch engine and OpenAI-compatible server, at the versions its pins allow (numpy < 2,
+# transformers <= 5.0, sentence-transformers < 4); torch is the interpreter's own where it has one (the
+# GPU machine's CUDA build), else pip's.
+INFINITY = ("infinity-emb[server,torch]==0.0.78", "sentence-transformers==3.4.1", "transformers==4.57.1",
+            "numpy==1.26.4")
 
 
 class PeerEnv:
@@ -40,8 +45,21 @@ def triton_env() -> PeerEnv | str:
     return PeerEnv(made, env)
 
 
-def _made(name: str, pins: tuple[str, ...]) -> Path | str:
-    """The virtualenv `name` holding `pins` (its python), made or remade as needed; or why it failed."""
+def infinity_env() -> PeerEnv | str:
+    """infinity's virtualenv over the interpreter's own packages (torch), or why there is none. Offline
+    (the GPU machine: bench/device.sh sets PEER_WHEELS to the folder bench/device_carry.sh fills), the
+    folder's wheels are installed as they are, without resolving: the image's numpy 2 serves infinity,
+    whose numpy < 2 pin is older than its code's needs."""
+    wheels = os.environ.get("PEER_WHEELS")
+    made = _made("infinity", tuple(sorted(str(w) for w in Path(wheels).glob("*.whl"))), system_site=True,
+                 resolve=False) if wheels else _made("infinity", INFINITY, system_site=True)
+    return made if isinstance(made, str) else PeerEnv(made, dict(os.environ))
+
+
+def _made(name: str, pins: tuple[str, ...], system_site: bool = False, resolve: bool = True) -> Path | str:
+    """The virtualenv `name` holding `pins` (its python), made or remade as needed; or why it failed.
+    `system_site`: it sees the interpreter's own packages too (pins override them); `resolve` False: the
+    pins (wheel files) are installed as they are, offline, their dependencies not looked for."""
     home = ROOT / name
     python, stamp = home / "bin" / "python", home / "pins.txt"
     wanted = "\n".join(pins) + "\n"
@@ -49,8 +67,10 @@ def _made(name: str, pins: tuple[str, ...]) -> Path | str:
         return python
     print(f"  making the {name} peer's virtualenv ({', '.join(pins)}) ...", flush=True)
     base = getattr(sys, "_base_executable", sys.executable)
-    for step in ([base, "-m", "venv", "--clear", str(home)],
-                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *pins]):
+    venv = [base, "-m", "venv", "--clear", *(["--system-site-packages"] if system_site else []), str(home)]
+    for step in (venv,
+                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                  *([] if resolve else ["--no-deps", "--no-index"]), *pins]):
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode != 0:
             return f"{' '.join(step[:3])} ... failed: {(done.stderr or done.stdout).strip()[-500:]}"

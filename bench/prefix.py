@@ -203,7 +203,6 @@ def _decoder_child(version: str, context: int, device: str, rounds: int, vocab: 
         host = [block for _, block in sorted(exported, key=lambda e: e[0])]
         out_ms["host"].append(timed(Step(restores=[Restore(2, i * BLOCK, host[i]) for i in range(blocks)],
                                          chunks=[Chunk(2, ids(SUFFIX_TOKENS), PREFIX_TOKENS, last=True)])))
-    del decoder
     out.send({tier: round(statistics.median(times[1:]), 2) for tier, times in out_ms.items()})
 
 

@@ -58,6 +58,21 @@ def test_the_native_floor_answers_every_method_with_its_bytes(tmp_path):
         proc.wait(10)
 
 
+def test_the_http_load_processes_send_each_request_once_and_count_every_answer():
+    from bench import echo
+    from bench.http_load import post, run_http_processes
+
+    address, procs = echo.start(2, echo.http_main, b'{"ok":true}', [(b"x-infercache-source", b"RESULT_EXACT")])
+    try:
+        host, port = address.rsplit(":", 1)
+        requests = [post("/v1/embeddings", b'{"input":"%d"}' % i) for i in range(301)]
+        result = run_http_processes(host, int(port), requests, processes=3, concurrency=4)
+    finally:
+        echo.stop(procs)
+    assert (result.requests, result.errors, len(result.latencies_ms)) == (301, 0, 301)
+    assert result.seconds > 0 and result.latencies_ms.min() > 0
+
+
 def test_the_gpu_generate_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_path):
     """bench/generate_gpu.py's dry run: random weights written, the raw loop in its child, the server's waves
     from client processes, the figures and their ratios (torch on the CPU; the H200 runs the real shapes)."""
