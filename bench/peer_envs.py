@@ -1,14 +1,19 @@
-"""Virtualenvs of the peers the bench runs as servers, each pinned and apart from infercache's (their
-pins clash with ours: PyTriton needs numpy < 2). Made on first use under build/peers/, made again when
-the pins change; where one cannot be made the bench says why and skips that peer."""
+"""The peers the bench runs as servers: their virtualenvs, each pinned and apart from infercache's (their
+pins clash with ours: PyTriton needs numpy < 2), made on first use under build/peers/ and again when the
+pins change (where one cannot be made the bench says why and skips that peer); and their processes."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
+from typing import Callable
+
+import psutil
 
 from tests.servers import REPO
 
@@ -27,6 +32,44 @@ INFINITY = ("infinity-emb[server,torch]==0.0.78", "sentence-transformers==3.4.1"
 class PeerEnv:
     def __init__(self, python: Path, env: dict[str, str]) -> None:
         self.python, self.env = python, env
+
+
+class PeerServer:
+    """A peer's server process, in a process group of its own (its children stop with it), its output in
+    `log_path`."""
+
+    def __init__(self, args: list[str], env: dict[str, str], workdir: Path, stop_signal: int = signal.SIGTERM) -> None:
+        workdir.mkdir(parents=True)
+        self.log_path = workdir / "server.log"
+        self._log = self.log_path.open("wb")
+        self.stop_signal = stop_signal
+        self.proc = subprocess.Popen(args, env=env, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_until(self, ready: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
+        """Polls ready() until it holds; stops the server and raises with its log's end when it exits or
+        `timeout_s` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{what} did not start: {self.log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def pids(self) -> list[int]:
+        """The server's process and its descendants."""
+        root = psutil.Process(self.proc.pid)
+        return [root.pid, *(p.pid for p in root.children(recursive=True))]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, self.stop_signal)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
 
 
 def triton_env() -> PeerEnv | str:

@@ -21,14 +21,11 @@ from __future__ import annotations
 import os
 import signal
 import statistics
-import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
-import psutil
 import uvloop
 
 from bench import echo
@@ -36,7 +33,7 @@ from bench.doors import MODEL_INFER, check_hits, kserve_request
 from bench.fixtures import distinct_texts
 from bench.load import INFER, run_raw_load, warm
 from bench.native_load import native as native_binary, start_floor
-from bench.peer_envs import TRITON, PeerEnv, triton_env
+from bench.peer_envs import TRITON, PeerEnv, PeerServer, triton_env
 from bench.probes import cpu_during, server_roles
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
@@ -51,31 +48,18 @@ CACHE_BYTES = 256 << 20
 COMPARED = 50  # texts whose embeddings are compared between the two servers
 
 
-class TritonPeer:
-    """PyTriton serving bench/triton_model.py in its virtualenv, in a process group of its own."""
+class TritonPeer(PeerServer):
+    """PyTriton serving bench/triton_model.py in its virtualenv (it stops on SIGINT)."""
 
     def __init__(self, env: PeerEnv, workdir: Path) -> None:
         version_dir = REPO / "models" / "minilm" / "1"
         max_tokens = load_model(REPO / "models" / "minilm").max_tokens
         self.port, self.metrics_port = free_port(), free_port()
-        workdir.mkdir(parents=True)
-        self.log_path = workdir / "triton.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [str(env.python), str(REPO / "bench" / "triton_model.py"), str(version_dir), str(max_tokens),
-             str(self.port), str(free_port()), str(self.metrics_port), str(CACHE_BYTES)],
-            env=env.env, cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 180
-        while b"\nready\n" not in b"\n" + self.log_path.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"Triton did not start: {self.log_path.read_text()[-2000:]}")
-            time.sleep(0.2)
-
-    def pids(self) -> list[int]:
-        root = psutil.Process(self.proc.pid)
-        return [root.pid, *(p.pid for p in root.children(recursive=True))]
+        super().__init__([str(env.python), str(REPO / "bench" / "triton_model.py"), str(version_dir), str(max_tokens),
+                          str(self.port), str(free_port()), str(self.metrics_port), str(CACHE_BYTES)],
+                         env.env, workdir, signal.SIGINT)
+        self.wait_until(lambda: b"\nready\n" in b"\n" + self.log_path.read_bytes(), "Triton", 180)
 
     def cache_hits(self) -> int:
         """Triton's response-cache hits of the model, from its /metrics."""
@@ -84,16 +68,6 @@ class TritonPeer:
                 if line.startswith('nv_cache_num_hits_per_model{model="minilm"'):
                     return int(float(line.rsplit(" ", 1)[1]))
         raise RuntimeError("Triton's /metrics has no nv_cache_num_hits_per_model for minilm")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
 
 
 def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) -> dict:

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 
 from bench.fixtures import distinct_texts, make_gpu_models
 from bench.http_load import post, run_http_processes
-from bench.peer_envs import INFINITY, PeerEnv, infinity_env
+from bench.peer_envs import INFINITY, PeerEnv, PeerServer, infinity_env
 from bench.probes import cpu_during, gpu_available, server_roles
 from tests.servers import REPO, ServerProcess, free_port
 
@@ -33,27 +29,17 @@ GOALS = {"single_ratio_min": 1.5, "batch32_ratio_min": 1.0}  # infercache's text
 SHAPES = {"single": (1, 32), "batch32": (32, 4)}  # texts per call, calls in flight per load process
 
 
-class InfinityPeer:
-    """infinity's server (`infinity_emb v2`) on `source`, in a process group of its own."""
+class InfinityPeer(PeerServer):
+    """infinity's server (`infinity_emb v2`) on `source`."""
 
     def __init__(self, env: PeerEnv, source: Path, workdir: Path, on_gpu: bool) -> None:
         self.port = free_port()
-        workdir.mkdir(parents=True)
-        self.log = (workdir / "infinity.log").open("wb")
-        environment = {**env.env, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HUB_OFFLINE": "1"}
         args = [str(env.python.parent / "infinity_emb"), "v2", "--model-id", str(source), "--served-model-name",
                 "minilm", "--engine", "torch", "--device", "cuda" if on_gpu else "cpu", "--batch-size", "128",
-                "--port", str(self.port), "--host", "127.0.0.1"]
-        if on_gpu:
-            args += ["--dtype", "float16"]
-        self.proc = subprocess.Popen(args, env=environment, cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"infinity did not start: {(workdir / 'infinity.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+                "--port", str(self.port), "--host", "127.0.0.1", *(["--dtype", "float16"] if on_gpu else [])]
+        super().__init__(args, {**env.env, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+                                "HF_HUB_OFFLINE": "1"}, workdir)
+        self.wait_until(self._healthy, "infinity")
 
     def _healthy(self) -> bool:
         try:
@@ -61,20 +47,6 @@ class InfinityPeer:
                 return response.status == 200
         except OSError:
             return False
-
-    def pids(self) -> list[int]:
-        root = psutil.Process(self.proc.pid)
-        return [root.pid, *(p.pid for p in root.children(recursive=True))]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
 
 
 def minilm_source() -> Path:
