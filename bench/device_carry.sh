@@ -34,7 +34,8 @@ rm -rf .peerwhl && mkdir -p .peerwhl
     huggingface-hub==0.36.2 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
     annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 uvicorn==0.32.1 orjson==3.13.0 \
     prometheus-fastapi-instrumentator==8.1.0 posthog==7.91.1 backoff==2.2.1 distro==1.9.0 typer==0.12.5 \
-    click==8.1.8 rich==13.9.4 python-dotenv==1.2.4 httptools==0.9.0 websockets==17.4 watchfiles==1.3.0
+    click==8.1.8 rich==13.9.4 python-dotenv==1.2.4 httptools==0.9.0 websockets==17.4 watchfiles==1.3.0 \
+    opentelemetry-api==1.45.3
 echo "all-MiniLM-L6-v2's shape (config and tokenizer: DEVICE_MINILM=random makes weights there) ..."
 rm -rf .devcarry/minilm-shape && mkdir -p .devcarry/minilm-shape
 HF_HUB_OFFLINE=1 "$PY" - <<'PY'

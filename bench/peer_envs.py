@@ -89,33 +89,53 @@ def triton_env() -> PeerEnv | str:
 
 
 def infinity_env() -> PeerEnv | str:
-    """infinity's virtualenv over the interpreter's own packages (torch), or why there is none. Offline
-    (the GPU machine: bench/device.sh sets PEER_WHEELS to the folder bench/device_carry.sh fills), the
-    folder's wheels are installed as they are, without resolving: the image's numpy 2 serves infinity,
-    whose numpy < 2 pin is older than its code's needs."""
+    """infinity over this interpreter's packages (torch), or why it cannot run: its virtualenv, or offline
+    (the GPU machine: bench/device.sh sets PEER_WHEELS to the folder bench/device_carry.sh fills) the
+    folder's wheels installed as they are, without resolving: the image's numpy 2 serves infinity, whose
+    numpy < 2 pin is older than its code's needs."""
     wheels = os.environ.get("PEER_WHEELS")
-    made = _made("infinity", tuple(sorted(str(w) for w in Path(wheels).glob("*.whl"))), system_site=True,
-                 resolve=False) if wheels else _made("infinity", INFINITY, system_site=True)
+    if wheels:
+        return _unpacked("infinity", sorted(str(w) for w in Path(wheels).glob("*.whl")))
+    made = _made("infinity", INFINITY, inherit=True)
     return made if isinstance(made, str) else PeerEnv(made, dict(os.environ))
 
 
-def _made(name: str, pins: tuple[str, ...], system_site: bool = False, resolve: bool = True) -> Path | str:
+def _unpacked(name: str, wheels: list[str]) -> PeerEnv | str:
+    """`wheels` installed as they are (offline, no dependencies looked for) into a folder that goes first
+    on this interpreter's path: no virtualenv to make (the GPU machine's Python may have no ensurepip)."""
+    target = ROOT / f"{name}-site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                           "--no-deps", "--no-index", "--upgrade", "--target", str(target), *wheels],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"pip install of the {name} peer's wheels failed: {(done.stderr or done.stdout).strip()[-500:]}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
+    return PeerEnv(Path(sys.executable), env)
+
+
+def _made(name: str, pins: tuple[str, ...], inherit: bool = False) -> Path | str:
     """The virtualenv `name` holding `pins` (its python), made or remade as needed; or why it failed.
-    `system_site`: it sees the interpreter's own packages too (pins override them); `resolve` False: the
-    pins (wheel files) are installed as they are, offline, their dependencies not looked for."""
+    `inherit`: it sees this interpreter's packages too, after its own (a .pth file: --system-site-packages
+    would show the base interpreter's, where this one is a virtualenv)."""
     home = ROOT / name
     python, stamp = home / "bin" / "python", home / "pins.txt"
-    wanted = "\n".join(pins) + "\n"
+    wanted = "\n".join((*pins, f"inherit={inherit}")) + "\n"
     if python.exists() and stamp.exists() and stamp.read_text() == wanted:
         return python
     print(f"  making the {name} peer's virtualenv ({', '.join(pins)}) ...", flush=True)
     base = getattr(sys, "_base_executable", sys.executable)
-    venv = [base, "-m", "venv", "--clear", *(["--system-site-packages"] if system_site else []), str(home)]
-    for step in (venv,
-                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                  *([] if resolve else ["--no-deps", "--no-index"]), *pins]):
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0:
-            return f"{' '.join(step[:3])} ... failed: {(done.stderr or done.stdout).strip()[-500:]}"
+    done = subprocess.run([base, "-m", "venv", "--clear", str(home)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"{base} -m venv failed: {(done.stderr or done.stdout).strip()[-500:]}"
+    if inherit:
+        paths = dict.fromkeys((sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]))
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site) / "_inherited.pth").write_text("".join(f"{p}\n" for p in paths))
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *pins],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"pip install of the {name} peer failed: {(done.stderr or done.stdout).strip()[-500:]}"
     stamp.write_text(wanted)
     return python

@@ -34,7 +34,8 @@ class InfinityPeer(PeerServer):
 
     def __init__(self, env: PeerEnv, source: Path, workdir: Path, on_gpu: bool) -> None:
         self.port = free_port()
-        args = [str(env.python.parent / "infinity_emb"), "v2", "--model-id", str(source), "--served-model-name",
+        args = [str(env.python), "-c", "import sys; from infinity_emb.cli import cli; sys.argv[0] = 'infinity_emb'; cli()",
+                "v2", "--model-id", str(source), "--served-model-name",
                 "minilm", "--engine", "torch", "--device", "cuda" if on_gpu else "cpu", "--batch-size", "128",
                 "--port", str(self.port), "--host", "127.0.0.1", *(["--dtype", "float16"] if on_gpu else [])]
         super().__init__(args, {**env.env, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
