@@ -317,6 +317,10 @@ def main() -> None:
     parser.add_argument("--generate-models", default="llama3-8b,smollm2-135m",
                         help="generate section on a GPU host: the random-weight model shapes, comma-separated")
     args = parser.parse_args()
+    for option, value, known in (("--peers-parts", args.peers_parts, {"hits", "semantic", "infinity"}),
+                                 ("--prefix-parts", args.prefix_parts, {"tiers", "reuse"})):
+        if set(value.split(",")) - known:
+            parser.error(f"{option}: {sorted(set(value.split(',')) - known)} unknown; the parts are {sorted(known)}")
     sections = set(args.sections.split(","))
     missing = banking77_missing()
     for name in sorted(sections & NEEDS_BANKING77) if missing else ():

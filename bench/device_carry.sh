@@ -10,6 +10,8 @@
 #   infercache/v1, infercache/kserve   the generated stubs (make stubs)
 # Then call the device tool with carry [".whl", ".devcarry", "infercache/v1", "infercache/kserve"] and the command
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/device.sh --sections gpu ...
+# (the peers section's infinity part: carry .peerwhl and .devcarry/minilm-shape instead of .devcarry, and
+# DEVICE_MINILM=random; bench/device.sh says how)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

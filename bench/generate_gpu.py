@@ -137,17 +137,13 @@ def _raw_child(version: str, streams: tuple[int, ...], device: str, out) -> None
     del decoder
     if device == "cuda":
         torch.cuda.empty_cache()
-    out.send(rows)
+    out.put(rows)
 
 
 def raw_baseline(version: Path, streams: tuple[int, ...], device: str = "cuda") -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_raw_child, args=(str(version), streams, device, send))
-    child.start()
-    result = receive.recv()
-    child.join()
-    return result
+    from bench.load import run_children
+
+    return run_children(_raw_child, [(str(version), streams, device)], 1800)[0]
 
 
 # -- the server ------------------------------------------------------------------------------------------

@@ -100,33 +100,27 @@ async def run_http_load(host: str, port: int, requests: list[bytes], *, concurre
 def _load_process(host: str, port: int, requests: list[bytes], concurrency: int, gate, out) -> None:
     import uvloop
 
-    async def run() -> LoadResult:
-        gate.wait()  # every process connected and ready: they start together
-        return await run_http_load(host, port, requests, concurrency=concurrency, total=len(requests))
+    async def run() -> tuple[float, LoadResult, float]:
+        gate.wait(timeout=120)  # every process started: they send together
+        started = time.monotonic()
+        result = await run_http_load(host, port, requests, concurrency=concurrency, total=len(requests))
+        return started, result, time.monotonic()
 
-    result = uvloop.run(run())
-    out.send((result.requests, result.errors, result.seconds, result.latencies_ms.tobytes()))
+    started, result, ended = uvloop.run(run())
+    out.put((started, ended, result.requests, result.errors, result.latencies_ms.tobytes()))
 
 
-def run_http_processes(host: str, port: int, requests: list[bytes], *, processes: int, concurrency: int
-                       ) -> LoadResult:
+def run_http_processes(host: str, port: int, requests: list[bytes], *, processes: int, concurrency: int,
+                       timeout_s: float = 900.0) -> LoadResult:
     """run_http_load from `processes` processes of `concurrency` callers each, every request sent once
-    (each process its share); the run lasts from the common start to the last process's end."""
+    (each process its share); the run lasts from the first process's start to the last one's end."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
-    gate = ctx.Barrier(processes + 1)
-    pipes, procs = [], []
-    for i in range(processes):
-        receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_load_process, args=(host, port, requests[i::processes], concurrency, gate, send),
-                           daemon=True)
-        proc.start()
-        pipes.append(receive)
-        procs.append(proc)
-    gate.wait(timeout=120)
-    parts = [pipe.recv() for pipe in pipes]
-    for proc in procs:
-        proc.join(10)
-    latencies = np.concatenate([np.frombuffer(p[3], dtype=np.float64) for p in parts])
-    return LoadResult(sum(p[0] for p in parts), sum(p[1] for p in parts), max(p[2] for p in parts), latencies, {})
+    from bench.load import run_children
+
+    gate = multiprocessing.get_context("spawn").Barrier(processes)
+    parts = run_children(_load_process, [(host, port, requests[i::processes], concurrency, gate)
+                                         for i in range(processes)], timeout_s)
+    latencies = np.concatenate([np.frombuffer(p[4], dtype=np.float64) for p in parts])
+    return LoadResult(sum(p[2] for p in parts), sum(p[3] for p in parts),
+                      max(p[1] for p in parts) - min(p[0] for p in parts), latencies, {})

@@ -360,6 +360,32 @@ def run_each_once(address: str, requests: list[pb.InferRequest], *, concurrency:
     return LoadResult(len(latencies), errors, seconds, latencies, sources)
 
 
+def run_children(target, arguments: list[tuple], timeout_s: float) -> list:
+    """target(*args, out) in a spawned process for each args of `arguments`, each putting one result on
+    `out`; the results, in no set order. A child that dies without one, or a run past `timeout_s`, kills
+    the others and raises (a parent that only waited would wait forever)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, out), daemon=True) for args in arguments]
+    for proc in procs:
+        proc.start()
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"child processes failed (exit codes {dead}) or ran past {timeout_s:.0f} s")
+    for proc in procs:
+        proc.join(10)
+    return results
+
+
 def answered_sources(responses) -> tuple[int, dict[str, int]]:
     """(errors, answers by CacheInfo source) of serialized InferResponses, None for a failed call."""
     sources: dict[str, int] = {}

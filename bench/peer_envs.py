@@ -10,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,9 +30,10 @@ INFINITY = ("infinity-emb[server,torch]==0.0.78", "sentence-transformers==3.4.1"
             "numpy==1.26.4")
 
 
+@dataclass(frozen=True)
 class PeerEnv:
-    def __init__(self, python: Path, env: dict[str, str]) -> None:
-        self.python, self.env = python, env
+    python: Path          # the interpreter that runs the peer
+    env: dict[str, str]   # its environment
 
 
 class PeerServer:
@@ -62,14 +64,24 @@ class PeerServer:
         return [root.pid, *(p.pid for p in root.children(recursive=True))]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, self.stop_signal)
+        """The whole group, also where its leader is gone already (its children may not be)."""
+        try:
+            self._signal(self.stop_signal)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+                pass
+            time.sleep(0.5)  # the children's own exit, after the leader's
+            self._signal(signal.SIGKILL)
+            self.proc.wait(10)
+        finally:
+            self._log.close()
+
+    def _signal(self, number: int) -> None:
+        try:
+            os.killpg(self.proc.pid, number)
+        except ProcessLookupError:  # no process of the group is left
+            pass
 
 
 def triton_env() -> PeerEnv | str:

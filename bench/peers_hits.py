@@ -18,6 +18,7 @@ texts, each once, for each server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -84,18 +85,17 @@ def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) 
     native = [pb.InferRequest(model="minilm", text=t).SerializeToString() for t in chosen]
     kserve = [kserve_request(t) for t in chosen]
     batched = [kserve_request(t, batched=True) for t in chosen]  # Triton's batching model takes [1, 1]
-    started: list = []
-    cpp = None
     server = ServerProcess(workdir / "server", models, frontends=processes, engines_dir=workdir / "engines")
-    triton = None
-    try:
+    with contextlib.ExitStack() as cleanup:  # each stopped whatever else fails (the server last)
+        cleanup.callback(_stopped, server)
         triton = TritonPeer(env, workdir / "triton")
+        cleanup.callback(triton.stop)
         warm(server.address, [pb.InferRequest(model="minilm", text=t) for t in chosen])
         agreement = _warm_and_compare(triton.address, server.address, batched, chosen)
         with grpc.insecure_channel(server.address) as channel:
             hit = channel.unary_unary(MODEL_INFER, request_serializer=None, response_deserializer=None)(kserve[0], timeout=30)
         floor, procs = echo.start(processes, echo.raw_main, MODEL_INFER, hit)
-        started += procs
+        cleanup.callback(echo.stop, procs)
         ours = list(server_roles(server))
         targets = {"triton": (triton.address, MODEL_INFER, batched, triton.pids()),
                    "kserve_door": (server.address, MODEL_INFER, kserve, ours),
@@ -104,6 +104,7 @@ def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) 
         binary = native_binary("floor")
         if binary is not None:
             floor_cpp, cpp = start_floor(binary, hit, workdir / "floor")
+            cleanup.callback(lambda: (cpp.kill(), cpp.wait(10)))
             targets["floor_cpp"] = (floor_cpp, MODEL_INFER, kserve, [cpp.pid])
         plan = {1: 600 if quick else 3000, 32: 4000 if quick else 20000}
         runs: dict[str, dict[int, list[dict]]] = {name: {1: [], 32: []} for name in targets}
@@ -122,15 +123,13 @@ def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) 
         assert triton_hits == sent, f"Triton answered {triton_hits} of {sent} calls from its cache"
         check_hits(server.address, kserve)
         misses = _misses(triton, server, texts, rounds, 300 if quick else 2000)
-    finally:
-        echo.stop(started)
-        if cpp is not None:
-            cpp.kill()
-            cpp.wait(10)
-        if triton is not None:
-            triton.stop()
-        assert server.stop() == 0
     return _report(runs, plan, misses, agreement)
+
+
+def _stopped(server: ServerProcess) -> None:
+    code = server.stop()
+    if code != 0:
+        raise RuntimeError(f"infercache exited with {code}: {server.log_text()[-2000:]}")
 
 
 def _warm_and_compare(triton: str, ours: str, batched: list[bytes], texts: list[str]) -> dict:

@@ -95,7 +95,7 @@ def bench_prefix_cpu(workdir: Path, rounds: int, quick: bool) -> dict:
 # -- GPU: an 8B shape, random weights --------------------------------------------------------------------------
 
 PREFIX_TOKENS, SUFFIX_TOKENS, BLOCK = 4096, 64, 64
-TIERS_CONTEXT = 4352  # the tiers' model: a prefix, its suffix and the answer
+TIERS_CONTEXT, TIERS_STREAMS = 4352, 16  # the tiers' model: a prefix, its suffix and the answer; its streams
 PREFIX_MB = 1100  # device (and host) memory for two 4,096-token prefixes of the 8B shape (64 blocks of 8 MiB each)
 
 
@@ -167,7 +167,7 @@ def bench_tiers(root: Path, workdir: Path, rounds: int, vocab: int) -> dict:
             "worker_counters": {"first": _worker_figures(counters), "after_restart": _worker_figures(after)}}
 
 
-def _decoder_child(version: str, context: int, device: str, rounds: int, vocab: int, out) -> None:
+def _decoder_child(version: str, context: int, slots: int, device: str, rounds: int, vocab: int, out) -> None:
     """In a child process, the decoder alone (no server): the tiers' steps timed from launch to the first
     token, so that the server's own cost per request is the rest of its TTFT."""
     import torch
@@ -175,7 +175,7 @@ def _decoder_child(version: str, context: int, device: str, rounds: int, vocab: 
     from server.engines import torch_decoder
     from server.engines.decoding import Chunk, Keep, Restore, Step
 
-    decoder = torch_decoder.load(Path(version), 4, context, device)
+    decoder = torch_decoder.load(Path(version), slots, context, device)  # as the server's
     blocks = PREFIX_TOKENS // BLOCK
     decoder.open_blocks(BLOCK, blocks * decoder.block_bytes(BLOCK))
     rng = random.Random(9)
@@ -203,20 +203,14 @@ def _decoder_child(version: str, context: int, device: str, rounds: int, vocab: 
         host = [block for _, block in sorted(exported, key=lambda e: e[0])]
         out_ms["host"].append(timed(Step(restores=[Restore(2, i * BLOCK, host[i]) for i in range(blocks)],
                                          chunks=[Chunk(2, ids(SUFFIX_TOKENS), PREFIX_TOKENS, last=True)])))
-    out.send({tier: round(statistics.median(times[1:]), 2) for tier, times in out_ms.items()})
+    out.put({tier: round(statistics.median(times[1:]), 2) for tier, times in out_ms.items()})
 
 
-def decoder_alone(version: Path, context: int, device: str, rounds: int, vocab: int) -> dict:
+def decoder_alone(version: Path, context: int, slots: int, device: str, rounds: int, vocab: int) -> dict:
     """_decoder_child's figures: p50 ms by tier (computed, device, host)."""
-    import multiprocessing
+    from bench.load import run_children
 
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_decoder_child, args=(str(version), context, device, rounds, vocab, send))
-    child.start()
-    result = receive.recv()
-    child.join()
-    return result
+    return run_children(_decoder_child, [(str(version), context, slots, device, rounds, vocab)], 900)[0]
 
 
 def _worker_figures(counters: dict) -> dict:
@@ -316,7 +310,7 @@ def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, chec
     per_block = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2 * BLOCK  # bf16
     two = -(-2 * (PREFIX_TOKENS // BLOCK + 2) * per_block // 2**20)
     root = workdir / "models-tiers"
-    generate = (f"context_length: {TIERS_CONTEXT}, max_new_tokens: 64, max_streams: 16, max_waiting: 64, "
+    generate = (f"context_length: {TIERS_CONTEXT}, max_new_tokens: 64, max_streams: {TIERS_STREAMS}, max_waiting: 64, "
                 "prefill_tokens: 4096")
     version = write_random_model(root, arch_name, 16, device, generate=generate)
     (root / arch_name).rename(root / "host")
@@ -330,7 +324,7 @@ def bench_prefix_gpu(workdir: Path, rounds: int, quick: bool, report: dict, chec
                {"1": version})
     if "tiers" in parts:
         report["tiers"] = bench_tiers(root, workdir / "tiers", rounds, arch.vocab)
-        alone = decoder_alone(version, TIERS_CONTEXT, device, rounds, arch.vocab)
+        alone = decoder_alone(version, TIERS_CONTEXT, TIERS_STREAMS, device, rounds, arch.vocab)
         served = report["tiers"]["ttft_p50_ms"]
         report["tiers"]["decoder_alone_ms"] = alone  # the decoder's steps with no server around them
         report["tiers"]["server_adds_ms"] = {tier: round(served[tier] - alone[tier], 2) for tier in alone}

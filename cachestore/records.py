@@ -6,8 +6,9 @@
     B   flags (bit 0: payload sealed with AES-256-GCM, cachestore/sealing.py; bit 1: the checksum is
         xxh3_64's low 32 bits)
     H   key id of the sealing key (0 = not sealed)
-    I   checksum of the payload as stored: crc32, or for payloads of LARGE bytes and more (prefix
-        key/value blocks are megabytes) xxh3_64's low 32 bits, 8-10x faster to check
+    I   checksum of the payload as stored: crc32, or for payloads of XXH3_FROM_BYTES and more (prefix
+        key/value blocks are megabytes) xxh3_64's low 32 bits, 6-8x faster to check on one core here
+        (a build older than the flag reads such a record as corrupt: a miss)
     q   created, microseconds since the epoch
     q   expires, microseconds since the epoch (0 = never)
 
@@ -33,7 +34,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<BBHIqq")
 FLAG_ENCRYPTED = 0x01
 FLAG_XXH3 = 0x02
-LARGE = 64 << 10  # payloads from this size on are checked with xxh3
+XXH3_FROM_BYTES = 64 << 10  # payloads from this size on are checked with xxh3
 _TABLE = b"results\x00"  # associated data names the table: a semantic-log row cannot pass for a record
 
 
@@ -70,7 +71,7 @@ def _aad(key: bytes, flags: int, kid: int, created: int, expires: int) -> bytes:
 def encode(record: Record, key: bytes = b"", ring: KeyRing | None = None) -> bytes:
     """The stored form; with `ring`, the payload sealed and bound to `key` (the entry's LMDB key)."""
     payload, kid = record.payload, 0
-    flags = FLAG_XXH3 if len(payload) >= LARGE else 0
+    flags = FLAG_XXH3 if len(payload) >= XXH3_FROM_BYTES else 0
     if ring is not None:
         flags, kid = flags | FLAG_ENCRYPTED, ring.sealing_id
         payload = ring.seal(payload, _aad(key, flags, kid, record.created_us, record.expires_us))
@@ -79,7 +80,9 @@ def encode(record: Record, key: bytes = b"", ring: KeyRing | None = None) -> byt
 
 
 def _checksum(flags: int, payload) -> int:
-    return xxhash.xxh3_64_intdigest(payload) & 0xFFFFFFFF if flags & FLAG_XXH3 else zlib.crc32(payload)
+    # (xxhash's hasher object releases the GIL while it hashes; its one-shot xxh3_64_intdigest does not,
+    # and a prefix block's check would stall the worker's event loop)
+    return xxhash.xxh3_64(payload).intdigest() & 0xFFFFFFFF if flags & FLAG_XXH3 else zlib.crc32(payload)
 
 
 def decode_times(raw: bytes | memoryview) -> tuple[int, int]:

@@ -64,7 +64,7 @@ def test_record_roundtrip_and_corruption_detected():
 
 def test_large_records_are_checked_with_xxh3_and_any_changed_byte_is_found():
     """Payloads from 64 KiB on (prefix key/value blocks) carry xxh3's checksum, flagged; in clear and sealed."""
-    payload = os.urandom(records.LARGE)
+    payload = os.urandom(records.XXH3_FROM_BYTES)
     for ring in (None, KeyRing((b"k" * 32,))):
         raw = records.encode(records.Record(1, 2, payload), b"key", ring)
         flags = raw[1]
@@ -75,7 +75,7 @@ def test_large_records_are_checked_with_xxh3_and_any_changed_byte_is_found():
             damaged[at] ^= 0x01
             with pytest.raises(CorruptRecord, match="checksum"):
                 records.decode(bytes(damaged), b"key", ring)
-    small = records.encode(records.Record(1, 2, payload[:records.LARGE - 1]))
+    small = records.encode(records.Record(1, 2, payload[:records.XXH3_FROM_BYTES - 1]))
     assert not small[1] & records.FLAG_XXH3  # crc32, as before
 
 
