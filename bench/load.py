@@ -331,29 +331,14 @@ def run_each_once(address: str, requests: list[pb.InferRequest], *, concurrency:
     generator's protobuf work is not on the measured path). Sources are counted from the responses."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
     processes = max(1, min(processes, concurrency))
-    out, gate = ctx.Queue(), ctx.Barrier(processes)  # (after the clamp: a party short waits forever)
+    gate = multiprocessing.get_context("spawn").Barrier(processes)  # (after the clamp: a party short waits forever)
     payloads = [r.SerializeToString() for r in requests]
     callers = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-    procs = [ctx.Process(target=_each_once_process, daemon=True,
-                         args=((address, payloads[i::processes], callers[i], timeout, metadata, gate), out))
-             for i in range(processes)]
-    for proc in procs:
-        proc.start()
-    parts = []
-    deadline = time.monotonic() + START_GATE_S + timeout * len(payloads) / concurrency + 60
-    while len(parts) < len(procs):  # a load process that dies (an error outside gRPC's) fails the run
-        try:
-            parts.append(out.get(timeout=1.0))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for proc in procs:
-                    proc.kill()
-                raise RuntimeError(f"load processes failed (exit codes {dead}) or ran past their deadline")
-    for proc in procs:
-        proc.join(10)
+    # a load process that dies (an error outside gRPC's) fails the run
+    parts = run_children(_each_once_process, [((address, payloads[i::processes], callers[i], timeout, metadata,
+                                                gate),) for i in range(processes)],
+                         START_GATE_S + timeout * len(payloads) / concurrency + 60)
     errors, sources = answered_sources(r for part in parts for r in part[3])
     seconds = max(p[1] for p in parts) - min(p[0] for p in parts)
     latencies = np.concatenate([np.frombuffer(p[2], dtype=np.float64) for p in parts])
