@@ -20,9 +20,10 @@ rm -rf .whl && mkdir -p .whl
 echo "wheels for Python $PYVER ..."
 "$PY" -m pip download -q --disable-pip-version-check --dest .whl --only-binary=:all: --no-deps \
     --python-version "$PYVER" --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_5_x86_64 \
+    --platform manylinux1_x86_64 \
     lmdb==3.0.0 xxhash==3.6.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
-    cryptography==50.0.2 cffi pycparser pyyaml==6.0.4
+    cryptography==50.0.2 cffi pycparser pyyaml==6.0.4 httptools==0.9.0 orjson==3.13.0
 # (the sdist's metadata is prepared here without build isolation: with this venv's numpy and pybind11)
 "$PY" -m pip install -q --disable-pip-version-check pybind11
 "$PY" -m pip download -q --disable-pip-version-check --dest .whl --no-binary=:all: --no-deps --no-build-isolation \

@@ -262,6 +262,15 @@ def bench_reuse(root: Path, workdir: Path, rounds: int, vocab: int, quick: bool,
     server = ServerProcess(workdir / "three", root, frontends=frontends, wait=False)
     try:
         server.wait_ready(timeout=600)
+        channel, stub = server.stub()
+        with channel:
+            models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+        unloaded = [m.name for m in models if not m.engines]  # (no worker could load it: device memory)
+        if unloaded:
+            reason = (f"model(s) {', '.join(unloaded)} not loaded: two 8B models with 64 streams each beside "
+                      "a prefix cache need more device memory than this GPU has")
+            print(f"  reuse parts skipped: {reason}", flush=True)
+            return {"reuse_skipped": reason}
         waves: dict[str, list[dict]] = {"on": [], "off": []}
         _wave(server.address, "on", [_words(p) for p in _prompts(4, vocab, seed=7)])  # warm-up
         _wave(server.address, "off", [_words(p) for p in _prompts(4, vocab, seed=8)])
