@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import threading
 import time
 
 import lmdb
@@ -425,11 +426,15 @@ def test_commits_are_flushed_to_disk_together_once_the_sync_interval_has_passed(
     assert writer.counters["write_txns"] >= 3 and writer.counters["disk_flushes"] == 0
     assert 0 < writer.flush_due_in() <= 0.3
     time.sleep(0.35)
-    writer.drain()  # nothing queued: the flush that is due
+    flushed_on = []
+    flush = store.flush_to_disk
+    store.flush_to_disk = lambda: flushed_on.append(threading.current_thread().name) or flush()
+    writer.drain()  # nothing queued: the flush that is due, begun on the flusher thread (commits go on)
     assert writer.counters["disk_flushes"] == 1 and writer.flush_due_in() is None
     writer.put(entry_key(ns.ns_id, "last"), ns, records.Record(results.now_us(), 0, b"answer"))
-    writer.close()  # flushes what waits, without waiting for the interval
+    writer.close()  # flushes what waits, without waiting for the interval (in the caller's thread)
     assert writer.counters["disk_flushes"] == 2
+    assert len(flushed_on) == 2 and flushed_on[0].startswith("store-flush") and flushed_on[1] == threading.current_thread().name
     store.close()
     reopened = Store(settings, readonly=True)
     assert results.ResultCache(reopened).get(entry_key(ns.ns_id, "last"), results.now_us()).payload == b"answer"

@@ -53,7 +53,7 @@ from cachestore.writer import FENCE_S, GAUGES
 from infercache.v1 import writer_pb2
 from server.shared.errors import WorkerUnavailable
 from server.shared.framing import FrameProtocol
-from server.worker.writer_child import main as child_main
+from server.worker.writer_child import SOCKET_BUFFER, main as child_main
 
 log = logging.getLogger("infercache.writer_process")
 
@@ -170,6 +170,9 @@ class WriterProcess:
     async def _start_one(self) -> None:
         launch = self.launch
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):  # (writer_child.SOCKET_BUFFER says why)
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
         self.process = multiprocessing.get_context("spawn").Process(
             target=child_main, name=f"{launch.role}-writer",
             args=(launch.settings, launch.batch_max, launch.sweep_interval_s, launch.max_ttl_s, launch.group_commit_s,

@@ -24,6 +24,12 @@ from server.shared.framing import HEADER, complete_frames
 
 COUNTERS_EVERY_S = 1.0   # the process sends its counters at least this often while they change
 ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row is about 1.6 KB)
+# Bytes each side of the worker's socket buffers (server/worker/writer.py sets them), and the most one
+# read takes. With the kernel's default (about 200 KB, an eighth of a frame of 256 MiniLM puts) the two
+# processes took turns: the writer waited in select for the worker's loop to refill the socket, and on
+# the 2-core machine committed 15,800 puts/s where it commits 28,000 with 4 MiB (bench/write_path.py's
+# puts, no flushes). The kernel caps it at net.core.wmem_max / rmem_max (4 MiB on the machines here).
+SOCKET_BUFFER = 4 << 20
 
 
 class _Channel:
@@ -66,7 +72,7 @@ class _Channel:
         if not select.select([self.sock], [], [], timeout)[0]:
             return []
         try:
-            data = self.sock.recv(1 << 20)
+            data = self.sock.recv(SOCKET_BUFFER)
         except OSError:
             return None
         if not data:
