@@ -49,9 +49,10 @@ class StoreSettings:
     sync: bool = True
     keys: tuple[bytes, ...] = field(default=(), repr=False)  # encryption at rest: sealing key first; () = off
     # With sync: 0 = every commit is flushed to disk before it counts as done; > 0 = commits are not
-    # flushed, the writer flushes the file this many seconds after the first commit that is not (see
-    # cachestore/writer.py). Either way a commit is in the kernel's page cache once it returns, so the
-    # death of any process loses nothing committed; power loss may lose the unflushed window.
+    # flushed, the writer flushes the file this many seconds after the first commit that is not, beside
+    # the commits that follow (see cachestore/writer.py). Either way a commit is in the kernel's page cache
+    # once it returns, so the death of any process loses nothing committed; power loss may lose the
+    # unflushed window and the flush in progress.
     sync_interval_s: float = 0.0
 
 
