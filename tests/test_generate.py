@@ -295,3 +295,45 @@ def test_pii_is_redacted_before_the_prompt_is_keyed_or_run_and_no_store_keeps_no
         private = [client.generate("smollm2-nostore", f"My card 4111 1111 1111 1111: {tail}", max_new_tokens=8)
                    for _ in range(2)]
     assert first.source == "MISS" and [p.source for p in private] == ["MISS", "MISS"]
+
+
+def test_a_long_prompt_is_tokenized_beside_the_event_loop_a_short_one_on_it(tmp_path):
+    """Prompts of more than TOKENIZE_INLINE_CHARS characters are tokenized on a thread while the event loop
+    goes on (a ticker task runs meanwhile); shorter ones inline, without yielding. Either way the plan
+    holds the tokens the model's tokenizer gives."""
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    from server.frontend.prompts import TOKENIZE_INLINE_CHARS, Prompts
+    from server.shared.models import ModelRepository
+
+    link_model(tmp_path, "smollm2-long", GEN_CONFIG.replace("context_length: 2048", "context_length: 8192"),
+               {"1": GEN_VERSION_DIR})
+    prompts = Prompts(ModelRepository(tmp_path))
+    tokenizer = Tokenizer.from_file(str(GEN_VERSION_DIR / "tokenizer.json"))
+    rule = "Rule {}: card payments can be disputed within {} days of the payment.\n"
+    long = "".join(rule.format(i, 30 + i) for i in range(140))
+    short = long[:2000]
+    assert len(short) <= TOKENIZE_INLINE_CHARS < len(long)
+
+    async def planned(prompt: str):
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.get_running_loop().create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        plan = await prompts.plan(pb.GenerateRequest(model="smollm2-long", prompt=prompt))
+        task.cancel()
+        return plan, ticks - before
+
+    for prompt, yields in ((long, True), (short, False)):
+        plan, ticked = asyncio.run(planned(prompt))
+        assert plan.ids == tokenizer.encode(prompt, add_special_tokens=False).ids
+        assert (ticked > 0) == yields, (len(prompt), ticked)

@@ -56,8 +56,8 @@ class GenerateCalls:
         record = cache.get(plan.key, now, plan.max_age_us)
         return None if record is None else marked(record.payload, RESULT_EXACT, record.age_s(now))
 
-    def plan(self, request: pb.GenerateRequest | bytes) -> GeneratePlan:
-        return self.prompts.prepared(request) if isinstance(request, bytes) else self.prompts.plan(request)
+    async def plan(self, request: pb.GenerateRequest | bytes) -> GeneratePlan:
+        return await (self.prompts.prepared(request) if isinstance(request, bytes) else self.prompts.plan(request))
 
     def hit(self, plan: GeneratePlan) -> bytes | None:
         """The whole answer from L1 as the call's one message, or None (ONLY_IF_CACHED: NotCached)."""

@@ -429,7 +429,7 @@ class OpenAIDoor:
 
     async def _generation(self, call: _Generate, chat: bool) -> Response | Stream:
         calls = self.core.generation
-        plan = calls.plan(call.request)
+        plan = await calls.plan(call.request)
         hit = calls.hit(plan)
         messages = None
         if hit is None:

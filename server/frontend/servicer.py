@@ -78,7 +78,7 @@ class FrontendServicer(infercache_pb2_grpc.InferenceCacheServicer):
         """`request` arrives serialized, as Infer's (Prompts.prepared)."""
         request = self._admit_raw(request, context, GENERATE_REQUEST)
         calls = self.core.generation
-        plan = calls.plan(request)
+        plan = await calls.plan(request)
         if (hit := calls.hit(plan)) is not None:
             yield hit
             return
