@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import numpy as np
 import openai
 import pytest
