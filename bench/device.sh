@@ -25,7 +25,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 BENCH_RESULTS=$OUT \
     BENCH_COMMIT="${BENCH_COMMIT:-unknown (BENCH_COMMIT not set)}"
 # The command as run, with the settings of this script that change what it measures.
-settings=$(for name in DEVICE_TESTS DEVICE_MINILM TEST_LIMIT_S BENCH_LIMIT_S; do
+limits="TEST_LIMIT_S BENCH_LIMIT_S"
+[ "${DEVICE_TESTS:-1}" != 0 ] || limits=BENCH_LIMIT_S  # (no tests: their limit changed nothing)
+settings=$(for name in DEVICE_TESTS DEVICE_MINILM $limits; do
     [ -z "${!name:-}" ] || printf '%s=%q ' "$name" "${!name}"; done)
 export BENCH_COMMAND="${settings}bash bench/device.sh $*"
 # DEVICE_MINILM=random: MiniLM's shape with random fp16 weights (carried: .devcarry/minilm-shape), for runs
