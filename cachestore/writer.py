@@ -61,6 +61,9 @@ RUNWAY = 16 * 1024 * 1024
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
 GAUGES = ("budget_bytes", "held_bytes")  # counters that hold a value rather than count events
+# While a flush is in flight, the owner of a writer without a thread of its own looks this often whether
+# it has ended (the commits waiting for the next one would otherwise have it poll without pause).
+FLUSH_POLL_S = 0.005
 FAILURE_LOG_S = 10.0  # a failing write is logged (with its traceback) at most this often, with a count
 
 
@@ -179,10 +182,13 @@ class WriteBehind:
             self._flusher.shutdown(wait=True)
 
     def flush_due_in(self) -> float | None:
-        """Seconds until the commits not flushed to disk yet are due to be; None when none are waiting."""
+        """Seconds until the commits not flushed to disk yet are due to be (while a flush is in flight, at
+        least FLUSH_POLL_S: theirs waits for it to end); None when none are waiting."""
         if self._unflushed_since is None:
             return None
-        return max(0.0, self._unflushed_since + self._flush_every - time.monotonic())
+        due = max(0.0, self._unflushed_since + self._flush_every - time.monotonic())
+        flushing = self._flushing
+        return max(due, FLUSH_POLL_S) if flushing is not None and not flushing.done() else due
 
     def queued(self) -> int:
         """Operations waiting to be handled (approximate while a thread of its own takes them)."""

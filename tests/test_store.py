@@ -17,7 +17,7 @@ from cachestore.errors import CorruptRecord, StoreError, StoreFormatError
 from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
 from cachestore.keys import Selector
 from cachestore.sealing import KeyRing
-from cachestore.writer import RUNWAY, WriteBehind
+from cachestore.writer import FLUSH_POLL_S, RUNWAY, WriteBehind
 
 MB = 1 << 20
 
@@ -426,12 +426,22 @@ def test_commits_are_flushed_to_disk_together_once_the_sync_interval_has_passed(
     assert writer.counters["write_txns"] >= 3 and writer.counters["disk_flushes"] == 0
     assert 0 < writer.flush_due_in() <= 0.3
     time.sleep(0.35)
-    flushed_on = []
-    flush = store.flush_to_disk
-    store.flush_to_disk = lambda: flushed_on.append(threading.current_thread().name) or flush()
+    flushed_on, slow = [], threading.Event()
+
+    def observed_flush() -> None:  # (the disk's own fsync, seen from here; the first one slowed down)
+        flushed_on.append(threading.current_thread().name)
+        slow.wait(5.0)
+        flush()
+
+    flush, store.flush_to_disk = store.flush_to_disk, observed_flush
     writer.drain()  # nothing queued: the flush that is due, begun on the flusher thread (commits go on)
     assert writer.counters["disk_flushes"] == 1 and writer.flush_due_in() is None
     writer.put(entry_key(ns.ns_id, "last"), ns, records.Record(results.now_us(), 0, b"answer"))
+    writer.drain()  # committed while the flush runs; due at once, but it waits for the one in flight
+    time.sleep(0.35)
+    writer.drain()
+    assert writer.counters["disk_flushes"] == 1 and writer.flush_due_in() >= FLUSH_POLL_S  # (polled, not spun)
+    slow.set()
     writer.close()  # flushes what waits, without waiting for the interval (in the caller's thread)
     assert writer.counters["disk_flushes"] == 2
     assert len(flushed_on) == 2 and flushed_on[0].startswith("store-flush") and flushed_on[1] == threading.current_thread().name
