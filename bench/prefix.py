@@ -264,11 +264,15 @@ def bench_reuse(root: Path, workdir: Path, rounds: int, vocab: int, quick: bool,
         server.wait_ready(timeout=600)
         channel, stub = server.stub()
         with channel:
-            models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
-        unloaded = [m.name for m in models if not m.engines]  # (no worker could load it: device memory)
+            for _ in range(3):  # (a worker busy at that moment is left out of one answer)
+                models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+                unloaded = [m.name for m in models if not m.engines]
+                if not unloaded:
+                    break
+                time.sleep(5.0)
         if unloaded:
-            reason = (f"model(s) {', '.join(unloaded)} not loaded: two 8B models with 64 streams each beside "
-                      "a prefix cache need more device memory than this GPU has")
+            reason = (f"no worker reports an engine for model(s) {', '.join(unloaded)} (their log says why; on "
+                      "an 80 GB GPU two 8B models with 64 streams each beside a prefix cache do not fit)")
             print(f"  reuse parts skipped: {reason}", flush=True)
             return {"reuse_skipped": reason}
         waves: dict[str, list[dict]] = {"on": [], "off": []}

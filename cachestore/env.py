@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,8 @@ class StoreSettings:
     # flushed, the writer flushes the file this many seconds after the first commit that is not, beside
     # the commits that follow (see cachestore/writer.py). Either way a commit is in the kernel's page cache
     # once it returns, so the death of any process loses nothing committed; power loss may lose the
-    # unflushed window and the flush in progress.
+    # unflushed window and the flush in progress, or leave the store damaged where the file system
+    # reorders writes (LMDB's MDB_NOSYNC; a damaged store is set aside when met).
     sync_interval_s: float = 0.0
 
 
@@ -73,6 +75,7 @@ class Store:
         self.settings = settings
         self.readonly = readonly
         self._forks = _forks[0]
+        self._remap = threading.Lock()  # a flush (another thread's) never meets the map being remapped
         self.ring = KeyRing(settings.keys) if settings.keys else None  # seals and opens payloads
         self.env = self._open()
         if readonly:
@@ -174,7 +177,8 @@ class Store:
             return self.env.begin(None, None, write, buffers)  # (positional: keywords cost 0.2 us a read)
         except lmdb.MapResizedError:
             # Another process grew the map: adopt its size and retry once.
-            self.env.set_mapsize(0)
+            with self._remap:
+                self.env.set_mapsize(0)
             return self.env.begin(None, None, write, buffers)
 
     def used_bytes(self, txn: lmdb.Transaction) -> int:
@@ -203,8 +207,10 @@ class Store:
             return {bytes(k).decode(): int.from_bytes(v, "big") for k, v in cursor if int.from_bytes(v, "big")}
 
     def flush_to_disk(self) -> None:
-        """What the commits so far wrote, flushed from the page cache to the disk (fsync)."""
-        self.env.sync(True)
+        """What the commits so far wrote, flushed from the page cache to the disk (fsync). May run on a
+        thread beside the one that commits (cachestore/writer.py)."""
+        with self._remap:
+            self.env.sync(True)
 
     def close(self) -> None:
         self.env.close()

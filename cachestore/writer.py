@@ -178,8 +178,8 @@ class WriteBehind:
         else:
             self.drain()
             self.sync_to_disk(force=True)
-        if self._flusher is not None:
-            self._flusher.shutdown(wait=True)
+        if self._flusher is not None and (self._thread is None or not self._thread.is_alive()):
+            self._flusher.shutdown(wait=True)  # (a thread still running past the timeout may yet flush)
 
     def flush_due_in(self) -> float | None:
         """Seconds until the commits not flushed to disk yet are due to be (while a flush is in flight, at
@@ -255,10 +255,13 @@ class WriteBehind:
             return  # commits since it began wait for the next one
         self._unflushed_since = None
         self.counters["disk_flushes"] += 1  # (begun)
-        if force or self._flusher is None:
-            self._guarded(self.store.flush_to_disk)
-        else:
-            self._flushing = self._flusher.submit(self.store.flush_to_disk)
+        try:
+            if not force and self._flusher is not None:
+                self._flushing = self._flusher.submit(self.store.flush_to_disk)
+                return
+        except RuntimeError:  # the flusher is shut down (interpreter exit): flushed here instead
+            pass
+        self._guarded(self.store.flush_to_disk)
 
     def _flush_ended(self) -> None:
         """Waits for the flush in flight (if it has not ended); a failure is counted and logged."""

@@ -437,8 +437,10 @@ def test_commits_are_flushed_to_disk_together_once_the_sync_interval_has_passed(
     writer.drain()  # nothing queued: the flush that is due, begun on the flusher thread (commits go on)
     assert writer.counters["disk_flushes"] == 1 and writer.flush_due_in() is None
     writer.put(entry_key(ns.ns_id, "last"), ns, records.Record(results.now_us(), 0, b"answer"))
-    writer.drain()  # committed while the flush runs; due at once, but it waits for the one in flight
-    time.sleep(0.35)
+    began = time.monotonic()
+    writer.drain()  # committed while the flush runs (not waiting for it)
+    assert time.monotonic() - began < 1.0 and not slow.is_set()
+    time.sleep(0.35)  # due now, but it waits for the one in flight
     writer.drain()
     assert writer.counters["disk_flushes"] == 1 and writer.flush_due_in() >= FLUSH_POLL_S  # (polled, not spun)
     slow.set()
