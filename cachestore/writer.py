@@ -249,18 +249,17 @@ class WriteBehind:
         flushing = self._flushing
         if flushing is not None and (force or flushing.done()):
             self._flush_ended()
+        # (a flush still in flight keeps flush_due_in() above 0: the commits since it began wait for it)
         if self._unflushed_since is None or (not force and self.flush_due_in()):
             return
-        if self._flushing is not None:
-            return  # commits since it began wait for the next one
         self._unflushed_since = None
         self.counters["disk_flushes"] += 1  # (begun)
-        try:
-            if not force and self._flusher is not None:
+        if not force and self._flusher is not None:
+            try:
                 self._flushing = self._flusher.submit(self.store.flush_to_disk)
                 return
-        except RuntimeError:  # the flusher is shut down (interpreter exit): flushed here instead
-            pass
+            except RuntimeError:  # the flusher is shut down (interpreter exit): flushed here instead
+                pass
         self._guarded(self.store.flush_to_disk)
 
     def _flush_ended(self) -> None:
