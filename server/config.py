@@ -61,6 +61,10 @@ class ServerSection:
     hot_keys: int = 256                # hottest keys tracked per model and frontend (GetHotKeys); 0 = off
     http_port: int = 0                 # the OpenAI-compatible HTTP door on this port (server.host, its TLS and
                                        # tokens; server/frontend/openai_api.py); 0 = off
+    http_header_timeout_s: float = 10.0  # an HTTP request's headers must arrive within this of its first byte
+    http_request_timeout_s: float = 30.0  # and its whole body within this (past either: 408, connection closed)
+    http_max_client_connections: int = 256  # HTTP connections one client address holds open per frontend
+                                       # (more: 503); 0 = no bound
     kserve: bool = True                # the KServe v2 gRPC service (inference.GRPCInferenceService) on server.port
 
 
@@ -282,6 +286,12 @@ def validate(config: Config) -> None:
         raise ConfigError(f"server.http_port must be within 0..65535 (0 = off), got {config.server.http_port}")
     if config.server.http_port and config.server.http_port in (config.server.port, config.server.metrics_port):
         raise ConfigError("server.http_port must differ from server.port and server.metrics_port")
+    if not 0 < config.server.http_header_timeout_s <= config.server.http_request_timeout_s:
+        raise ConfigError("server.http_header_timeout_s must be positive and at most server.http_request_timeout_s, "
+                          f"got {config.server.http_header_timeout_s} and {config.server.http_request_timeout_s}")
+    if config.server.http_max_client_connections < 0:
+        raise ConfigError("server.http_max_client_connections must be 0 (no bound) or more, got "
+                          f"{config.server.http_max_client_connections}")
     if config.server.hot_keys < 0:
         raise ConfigError("server.hot_keys must be >= 0 (0 = off)")
     if config.server.frontends < 0:

@@ -30,6 +30,7 @@ import orjson
 from infercache.v1 import infercache_pb2 as pb
 from server.frontend.core import TOKENIZE_INLINE_MAX, FrontendCore
 from server.frontend.http1 import Request, Response, Stream
+from server.frontend.parameters import whole_seconds
 from server.frontend.plan import keep
 from server.frontend.tally import NO_TALLY, measured
 from server.shared.auth import CLIENT, Gate, Grant, bind_tenant
@@ -44,6 +45,10 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Parameters of OpenAI's API this server cannot honour: refused, never silently ignored.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "audio", "modalities", "prediction", "echo", "suffix", "best_of")
+# Headers whose repetition would make a call ambiguous (which token, which tenant): refused (400), as gRPC
+# refuses a repeated authorization (server/shared/auth.py).
+SINGLE_HEADERS = frozenset({b"authorization", b"x-infercache-tenant", b"x-infercache-mode", b"x-infercache-max-age",
+                            b"content-type"})
 KEPT = 4096  # request bodies whose worked-out call is kept (per route); past it, start over
 KEPT_MAX_BYTES = 4096  # longer bodies are worked out each time
 RENDERED_KEPT = 1024  # exact hits' embedding objects kept (see OpenAIDoor._exact_hit); past it, start over
@@ -116,9 +121,7 @@ def _policy(headers: dict[bytes, bytes]) -> pb.CachePolicy | None:
                                   f"{quoted(mode.decode(errors='replace'))}")
         policy.mode = found
     if max_age is not None:
-        if not max_age.strip().isdigit() or int(max_age) >= 1 << 32:
-            raise InvalidArgument("x-infercache-max-age must be a whole number of seconds")
-        policy.max_age_s = int(max_age)
+        policy.max_age_s = whole_seconds(max_age, "x-infercache-max-age")
     return policy
 
 
@@ -223,7 +226,11 @@ class OpenAIDoor:
 
     # --- embeddings -----------------------------------------------------------------------------------
     def _tenant(self, grant: Grant, headers: dict[bytes, bytes]) -> str:
-        holder = pb.InferRequest(tenant=headers.get(b"x-infercache-tenant", b"").decode("utf-8", "replace"))
+        try:  # (strict: tenants of invalid UTF-8 would all be one tenant, U+FFFD)
+            tenant = headers.get(b"x-infercache-tenant", b"").decode()
+        except UnicodeDecodeError:
+            raise InvalidArgument("x-infercache-tenant must be UTF-8 text") from None
+        holder = pb.InferRequest(tenant=tenant)
         bind_tenant(grant, holder)
         return holder.tenant
 
@@ -527,7 +534,8 @@ def _messages(messages) -> list[pb.ChatMessage]:
     for n, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidArgument(f"messages[{n}] must be an object with role and content")
-        role = ROLES.get(message.get("role"))
+        role = message.get("role")
+        role = ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise InvalidArgument(f"messages[{n}].role must be one of {', '.join(ROLES)}, got "
                                   f"{quoted(str(message.get('role')))}")

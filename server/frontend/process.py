@@ -130,9 +130,12 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     http = None
     if config.server.http_port:  # httptools and orjson are imported only then
         from server.frontend import http1
-        from server.frontend.openai_api import OpenAIDoor
+        from server.frontend.openai_api import SINGLE_HEADERS, OpenAIDoor
 
-        http = http1.HttpServer(OpenAIDoor(core, gate).handle, config.server.max_request_bytes)
+        limits = http1.Limits(config.server.max_request_bytes, config.server.http_header_timeout_s,
+                              config.server.http_request_timeout_s, config.server.http_max_client_connections,
+                              SINGLE_HEADERS)
+        http = http1.HttpServer(OpenAIDoor(core, gate).handle, limits)
         doors.append(http)
     if tokens_path is not None:
         loop, reloads = asyncio.get_running_loop(), set()  # tasks referenced until done
