@@ -314,8 +314,9 @@ def test_generation_errors(door):
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
-    with pytest.raises(openai.BadRequestError, match="role"):
-        client.chat.completions.create(model="smollm2", messages=[{"role": "tool", "content": "hi"}])
+    for role in ("tool", ["user"], {"user": 1}, 5):  # (a role of another type was a 500)
+        with pytest.raises(openai.BadRequestError, match="role"):
+            client.chat.completions.create(model="smollm2", messages=[{"role": role, "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="at most 64"):
         client.chat.completions.create(model="smollm2-one", messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=65)
@@ -417,6 +418,24 @@ def test_kserve_cache_parameters_and_errors(door):
         assert code.strip() in str(failed.value.status()), (code, failed.value)
 
 
+def test_kserve_parameters_of_the_wrong_type_are_invalid_argument(door):
+    client = door.triton()
+    text = unique("kserve typed parameters")
+    client.infer("minilm", [_texts([text], [1])], parameters={"tenant": "42"})
+    with door.server.client() as native:
+        wait_cached(native, "minilm", text, tenant="42")
+    for parameters in ({"tenant": 42}, {"tenant": 43}, {"tenant": True}, {"cache_mode": 1},
+                       {"max_age_s": "9" * 5000}, {"max_age_s": "\u0663"}, {"max_age_s": 1.5},
+                       {"max_age_s": -1}, {"max_age_s": float("inf")}):
+        with pytest.raises(InferenceServerException) as refused:  # never read as a default (tenant "")
+            client.infer("minilm", [_texts([text], [1])], parameters=parameters)
+        assert "INVALID_ARGUMENT" in str(refused.value.status()), (parameters, refused.value)
+    for max_age in (60.0, 60, "60"):  # tritonclient sends 60.0 as a double: a whole one is seconds
+        hit = client.infer("minilm", [_texts([text], [1])], parameters={"tenant": "42", "max_age_s": max_age})
+        assert hit.get_response().parameters["cache_source"].string_param == "RESULT_EXACT"
+    assert "Traceback" not in door.server.log_text()
+
+
 # ---- tokens, tenants and TLS through both doors -------------------------------------------------------------
 
 def test_tokens_and_tenants_through_the_http_door(secured):
@@ -453,6 +472,22 @@ def test_tokens_and_tenants_through_the_kserve_door(secured):
     with pytest.raises(InferenceServerException) as other:
         client.infer("minilm", [_texts([text], [1])], headers=acme, parameters={"tenant": "other"})
     assert "PERMISSION_DENIED" in str(other.value.status())
+
+
+def test_a_repeated_token_is_refused_on_both_doors(secured):
+    """Which of two tokens acts is ambiguous: both doors refuse the call rather than pick one."""
+    import grpc
+
+    channel = grpc.secure_channel(secured.server.address, grpc.ssl_channel_credentials(secured.ca_path.read_bytes()))
+    stub = channel.unary_unary("/infercache.v1.InferenceCache/ListModels",
+                               request_serializer=pb.ListModelsRequest.SerializeToString,
+                               response_deserializer=pb.ListModelsResponse.FromString)
+    one = ("authorization", f"Bearer {TOKENS['client']}")
+    assert stub(pb.ListModelsRequest(), metadata=[one], timeout=10).models
+    with pytest.raises(grpc.RpcError) as refused:
+        stub(pb.ListModelsRequest(), metadata=[one, ("authorization", f"Bearer {TOKENS['acme']}")], timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
 
 
 def test_a_worker_down_answers_503_with_retry_after(start_server):

@@ -6,8 +6,9 @@ ModelInfer takes one BYTES input of texts (any name; shape [N] or [N, 1], the ba
 answers the model's outputs as typed tensors with the batch dimension first (an embedding model's
 `embedding` FP32 [N, D]; a classifier's `scores` FP32 [N, C], `label` BYTES [N], `probability` FP32 [N]).
 One text goes through Infer's path, several through InferBatch's: the same tokens, tenants, admission,
-tiers and /metrics. Request parameters: `tenant`, `cache_mode` (DEFAULT, BYPASS, NO_STORE, ONLY_IF_CACHED),
-`max_age_s`. Response parameters, one value per text, comma-separated: `cache_source`, `cache_age_s`,
+tiers and /metrics. Request parameters: `tenant` (a string), `cache_mode` (a string: DEFAULT, BYPASS,
+NO_STORE, ONLY_IF_CACHED), `max_age_s` (a whole number of seconds: an integer, a whole double or digits); one of
+another type is INVALID_ARGUMENT. Response parameters, one value per text, comma-separated: `cache_source`, `cache_age_s`,
 `cache_key`, and `cache_similarity` where a text was answered semantically. Errors are the native
 status codes (server/shared/errors.py)."""
 
@@ -23,6 +24,7 @@ import numpy as np
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
 from server.frontend.core import FrontendCore
+from server.frontend.parameters import whole_seconds
 from server.frontend.plan import keep
 from server.frontend.tally import measured
 from server.shared.auth import CLIENT, Gate, bind_tenant
@@ -68,24 +70,32 @@ def texts_of(request: kpb.ModelInferRequest) -> list[str]:
         raise InvalidArgument(f"input {tensor.name!r}: an element is not UTF-8 text ({exc.reason})") from None
 
 
+def _string(parameters, name: str) -> str | None:
+    """A string parameter's value (None: absent); one of another type is INVALID_ARGUMENT, never a default."""
+    if name not in parameters:
+        return None
+    parameter = parameters[name]
+    if parameter.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidArgument(f"parameter {name} must be a string, got {parameter.WhichOneof('parameter_choice')}")
+    return parameter.string_param
+
+
 def _policy(parameters) -> pb.CachePolicy | None:
-    mode, max_age = parameters.get("cache_mode"), parameters.get("max_age_s")
+    mode = _string(parameters, "cache_mode")
+    max_age = parameters["max_age_s"] if "max_age_s" in parameters else None
     if mode is None and max_age is None:
         return None
     policy = pb.CachePolicy()
     if mode is not None:
-        name = mode.string_param.upper()
+        name = mode.upper()
         if name not in Mode.keys():
             raise InvalidArgument(f"parameter cache_mode must be one of {', '.join(Mode.keys())} (a string)")
         policy.mode = Mode.Value(name)
-    if max_age is not None:
+    if max_age is not None:  # a string, a whole number or a whole double (tritonclient's 60.0)
         kind = max_age.WhichOneof("parameter_choice")
-        value = max_age.string_param if kind == "string_param" else getattr(max_age, kind or "int64_param")
-        if isinstance(value, str):
-            value = int(value) if value.isdigit() else -1
-        if isinstance(value, bool) or not 0 <= value < 1 << 32:
-            raise InvalidArgument("parameter max_age_s must be a whole number of seconds")
-        policy.max_age_s = value
+        value = getattr(max_age, kind) if kind in ("string_param", "int64_param", "uint64_param", "double_param") \
+            else None
+        policy.max_age_s = whole_seconds(value, "parameter max_age_s")
     return policy
 
 
@@ -150,7 +160,7 @@ class KServeServicer:
             raise InvalidArgument(f"model {spec.name!r} generates text: use Generate or the OpenAI door's "
                                   "/v1/chat/completions; ModelInfer serves embedding and classification models")
         texts = texts_of(request)
-        tenant = request.parameters["tenant"].string_param if "tenant" in request.parameters else ""
+        tenant = _string(request.parameters, "tenant") or ""
         policy = _policy(request.parameters)
         if len(texts) == 1:
             one = pb.InferRequest(model=request.model_name, version=request.model_version, tenant=tenant,

@@ -99,10 +99,10 @@ class Gate:
         ANONYMOUS, without reading the metadata (the hit path pays nothing)."""
         if self.tokens is None:
             return ANONYMOUS
-        for name, value in context.invocation_metadata() or ():
-            if name == "authorization":
-                return self.admit_bearer(value, role)
-        return self.admit_bearer(None, role)
+        found = [value for name, value in context.invocation_metadata() or () if name == "authorization"]
+        if len(found) > 1:  # (which one is meant is ambiguous: the HTTP door refuses a repeated header too)
+            raise Unauthenticated("send one authorization, not several")
+        return self.admit_bearer(found[0] if found else None, role)
 
     def admit_bearer(self, value: str | None, role: str) -> Grant:
         """The grant of a call whose `authorization` value (gRPC metadata, HTTP header; None: absent) is
