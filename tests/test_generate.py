@@ -337,3 +337,29 @@ def test_a_long_prompt_is_tokenized_beside_the_event_loop_a_short_one_on_it(tmp_
         plan, ticked = asyncio.run(planned(prompt))
         assert plan.ids == tokenizer.encode(prompt, add_special_tokens=False).ids
         assert (ticked > 0) == yields, (len(prompt), ticked)
+
+
+def test_the_callers_deadline_bounds_a_generation_not_the_servers_default(tmp_path, engines_dir):
+    """server.worker_timeout_s bounds only calls that carry no deadline: a generation whose caller allows
+    longer runs to its end; one whose caller sets none ends at worker_timeout_s."""
+    from tests.servers import ServerProcess
+
+    models = tmp_path / "models"
+    link_model(models, "smollm2-small", SMALL, {"1": GEN_VERSION_DIR})
+    default_s = 0.2
+    srv = ServerProcess(tmp_path, models, frontends=1, engines_dir=engines_dir,
+                        settings=(f"server.worker_timeout_s={default_s}",))
+    try:
+        with srv.client(timeout_s=120) as client:
+            started = time.monotonic()
+            answer = client.generate("smollm2-small", unique("Write a long story about a bank."), max_new_tokens=64)
+            took = time.monotonic() - started
+        assert answer.finish_reason in ("LENGTH", "STOP") and answer.source == "MISS"
+        assert took > default_s, f"the generation took {took:.2f} s: too short to tell (the premise of this test)"
+        with srv.client(timeout_s=None) as client:
+            with pytest.raises(grpc.RpcError) as cut:
+                client.generate("smollm2-small", unique("Write another long story about a bank."), max_new_tokens=64)
+        # (refused at once where the queue implies a longer wait, or cut at the default)
+        assert cut.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    finally:
+        srv.stop()

@@ -256,8 +256,8 @@ class WorkerPool:
     def admit(self, model: str, version: str, routes, time_remaining: float | None) -> None:
         """Admission control: Overloaded, before anything is sent, when a worker these routes go to told
         that new items of this model version would wait longer than allowed (with the worker's own
-        headroom: admission.admits): the budget the items carry (the caller's deadline, at most
-        worker_timeout_s) or server.max_queue_wait_s. What the worker tells is held at its last refusal's
+        headroom: admission.admits): the budget the items carry (the caller's deadline, or worker_timeout_s
+        where it set none) or server.max_queue_wait_s. What the worker tells is held at its last refusal's
         wait while work remains (Batcher.told_wait), so a burst is refused here, not sent to be refused
         there. The worker checks again when the items arrive (its queue may have grown)."""
         bound = wait_bound(self.max_queue_wait_s, self._budget(time_remaining))
@@ -271,8 +271,8 @@ class WorkerPool:
                                  f"{over(bound)}; retry later")
 
     def _budget(self, time_remaining: float | None) -> float:
-        """Seconds a call to the workers may take: the caller's deadline, at most worker_timeout_s."""
-        return self.default_timeout_s if time_remaining is None else min(time_remaining, self.default_timeout_s)
+        """Seconds a call to the workers may take: the caller's deadline, or worker_timeout_s where it set none."""
+        return self.default_timeout_s if time_remaining is None else time_remaining
 
     async def compute(self, items: list[tuple[int, object]], time_remaining: float | None) -> list:
         """ComputeResults of items [(route, fill)], in order; fails with the first item's error. Items
