@@ -15,7 +15,7 @@ from server.shared.devices import GPU_RUNTIMES
 from server.engines.artifacts import artifact_key, engine_versions, get_runtime, prepare
 from server.engines.base import EngineBuildError, RuntimeUnavailable
 from server.shared.errors import ModelNotFound
-from server.shared.models import ModelRepository
+from server.shared.models import ModelConfigError, ModelRepository
 
 
 def _say(text: str) -> None:
@@ -37,8 +37,8 @@ def build(config: Config, *, model: str | None, force: bool) -> int:
         return 2
     jobs = [(spec, version) for spec in specs for version in engine_versions(spec)]
     if not jobs:
-        _say("infercache: no model files to build (run `infercache prepare-model`)")
-        return 2
+        _say(f"infercache: {_nothing_to_build(specs, model)}")
+        return 0 if model and specs[0].versions else 2
     failures = 0
     for n, (spec, version) in enumerate(jobs, 1):
         key = artifact_key(runtime, spec, version, config.engines.precision)
@@ -55,6 +55,27 @@ def build(config: Config, *, model: str | None, force: bool) -> int:
         what = f"built in {loaded.manifest.build_seconds:.1f} s" if loaded.built else "already in the store, verified"
         _say(f"    {what} ({loaded.manifest.size_bytes / 1e6:.1f} MB, {time.monotonic() - started:.1f} s)")
     return 1 if failures else 0
+
+
+def _nothing_to_build(specs, model: str | None) -> str:
+    """Why no engine is built: what the model named runs on, or that the repository has no model files."""
+    if not model:
+        return "no model files to build (run `infercache prepare-model`)"
+    spec = specs[0]
+    if not spec.versions:
+        return f"{spec.name} has no version folder with model files (run `infercache prepare-model` for the defaults)"
+    if spec.task == "generate":
+        return f"{spec.name} generates text: its decoder is loaded from its model files as they are, no engine to build"
+    encoder = "its encoder"
+    for version in spec.versions:
+        try:
+            head = spec.head(version)
+        except ModelConfigError as exc:
+            return f"{spec.name} version {version} is not served: {exc}"
+        if head is not None:
+            encoder = head.encoder
+    return f"{spec.name} is a head on {encoder}: it runs on that model's engine (`infercache engines build --model " \
+           f"{encoder}`)"
 
 
 def list_(config: Config) -> int:
