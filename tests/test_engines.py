@@ -156,6 +156,11 @@ def test_engines_cli_list_verify_prune(tmp_path):
     assert built.returncode == 0 and "[1/2] minilm 1" in built.stdout and "[2/2] retired 1" in built.stdout
     unknown = cli("build", "--model", "no-such-model")
     assert unknown.returncode == 2 and "unknown model 'no-such-model'" in unknown.stdout
+    link_model(models, "chat", (REPO / "models" / "smollm2" / "config.yaml").read_text(),
+               {"1": REPO / "models" / "smollm2" / "1"})
+    nothing = cli("build", "--model", "chat")  # (not 'run prepare-model', which changes nothing)
+    assert nothing.returncode == 0 and "generates text" in nothing.stdout and "prepare-model" not in nothing.stdout
+    shutil.rmtree(models / "chat")
     listed = cli("list").stdout
     assert "minilm_1_cpu-" in listed and "retired_1_cpu-" in listed
     assert cli("verify").returncode == 0

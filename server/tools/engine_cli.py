@@ -23,7 +23,11 @@ def _say(text: str) -> None:
 
 
 def build(config: Config, *, model: str | None, force: bool) -> int:
-    repository = ModelRepository(Path(config.server.models_dir))
+    try:
+        repository = ModelRepository(Path(config.server.models_dir))
+    except ModelConfigError as exc:
+        _say(f"infercache: {exc}")
+        return 2
     store = EngineStore(Path(config.engines.dir))
     try:
         runtime = get_runtime(config.engines.runtime)
