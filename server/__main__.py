@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -67,6 +68,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"infercache: no model files for {', '.join(missing) or 'any model'} in {repository.root}; "
               "run `infercache prepare-model` (or `make model`)", file=sys.stderr)
         return 2
+    for spec in repository.models.values():
+        if spec.semantic_off:
+            print(f"infercache: {spec.name}: its semantic: section is off (no `enabled: true`): exact answers only",
+                  file=sys.stderr)
     return run(config)
 
 
@@ -178,9 +183,20 @@ def _synonyms(args: argparse.Namespace) -> int:
     return check(Path(args.file))
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one (not None, False or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if action.default not in (None, False, [], "", argparse.SUPPRESS) and "%(default)" not in help_ \
+                and action.option_strings:
+            help_ += " (default: %(default)s)"
+        return help_
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (default: $INFERCACHE_CONFIG)")
-    parser.add_argument("--models-dir")
+    parser.add_argument("--models-dir", help="the model repository (server.models_dir; default: models)")
     parser.add_argument("--engines-dir", help="L3 engine store (engines.dir)")
     parser.add_argument("--runtime", help="engines.runtime: onnxruntime or tensorrt")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -236,16 +252,17 @@ def _eval_semantic(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infercache", description="Inference cache sidecar")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser = functools.partial(commands.add_parser, formatter_class=_DefaultsShown)
 
     serve = commands.add_parser("serve", help="run the server (supervisor, frontends, worker)")
     _add_config_options(serve)
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    serve.add_argument("--host", help="the address to serve on (server.host; default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="the gRPC port (server.port; default: 50051)")
     serve.add_argument("--frontends", type=int, help="frontend processes (0 = one per CPU)")
-    serve.add_argument("--cache-dir")
+    serve.add_argument("--cache-dir", help="the result store's folder (cache.dir; default: var/cache)")
     serve.add_argument("--metrics-port", type=int,
                        help="serve Prometheus metrics on GET /metrics at this port (server.metrics_port; 0 = off)")
     serve.set_defaults(func=_serve)
@@ -260,8 +277,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     generate = commands.add_parser("generate", help="stream a generative model's answer from a running server")
     generate.add_argument("prompt", help="the user's message")
-    generate.add_argument("--model", default=DEFAULT_GENERATIVE_MODEL)
-    generate.add_argument("--address", default="127.0.0.1:50051")
+    generate.add_argument("--model", default=DEFAULT_GENERATIVE_MODEL, help="a generative model of the server")
+    generate.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address")
     generate.add_argument("--system", help="a system message before it")
     generate.add_argument("--max-new-tokens", type=int, default=0, help="0: the model's default")
     generate.add_argument("--temperature", type=float, help="unset: the model's default (0: greedy)")
@@ -270,7 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     generate.set_defaults(func=_generate)
 
     prepare = commands.add_parser("prepare-model", help="export the default models to the model repository")
-    prepare.add_argument("--models-dir", default="models")
+    prepare.add_argument("--models-dir", default="models", help="the model repository to write to")
     prepare.add_argument("--force", action="store_true", help="export even if the files exist")
     prepare.set_defaults(func=_prepare_model)
 
@@ -280,7 +297,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cache.add_argument("cache_command", choices=("stats", "readers", "warm", "hot"))
     cache.add_argument("file", nargs="?", help="warm: texts, one per line, or a CSV file (see --column)")
     _add_config_options(cache)
-    cache.add_argument("--cache-dir")
+    cache.add_argument("--cache-dir", help="stats, readers: the result store's folder (cache.dir)")
     cache.add_argument("--model", help="warm, hot: the model")
     cache.add_argument("--address", default="127.0.0.1:50051", help="warm, hot: the server")
     cache.add_argument("--column", help="warm: the CSV column of the texts (default: text)")
@@ -300,12 +317,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     head = commands.add_parser("train-head", help="train a classification head on an encoder from a labelled CSV")
     head.add_argument("csv", help="CSV file with a header row")
     head.add_argument("--name", required=True, help="model name to write (models/<name>/<version>)")
-    head.add_argument("--text-column", default="text")
-    head.add_argument("--label-column", default="label")
+    head.add_argument("--text-column", default="text", help="the CSV column of the texts")
+    head.add_argument("--label-column", default="label", help="the CSV column of the labels")
     head.add_argument("--encoder", default=DEFAULT_MODEL, help="encoder model in the repository")
     head.add_argument("--version", help="version to write (default: the next integer)")
-    head.add_argument("--models-dir", default="models")
-    head.add_argument("--epochs", type=int, default=300)
+    head.add_argument("--models-dir", default="models", help="the model repository (the encoder's and the head's)")
+    head.add_argument("--epochs", type=int, default=300, help="training passes over the rows")
     head.add_argument("--limit", type=int, help="use only the first N rows")
     head.add_argument("--whole-graph", action="store_true",
                       help="write one ONNX graph of encoder + head (the format before the feature tier; its "
@@ -313,11 +330,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     head.set_defaults(func=_train_head)
 
     evaluate = commands.add_parser("eval-semantic", help="measure semantic hits and fidelity on a labelled CSV")
-    evaluate.add_argument("csv")
-    evaluate.add_argument("--model", required=True)
-    evaluate.add_argument("--address", default="127.0.0.1:50051")
-    evaluate.add_argument("--text-column", default="text")
-    evaluate.add_argument("--label-column", default="label")
+    evaluate.add_argument("csv", help="labelled CSV file with a header row")
+    evaluate.add_argument("--model", required=True, help="the classification model to measure (a running server's)")
+    evaluate.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address")
+    evaluate.add_argument("--text-column", default="text", help="the CSV column of the texts")
+    evaluate.add_argument("--label-column", default="label", help="the CSV column of the labels")
     evaluate.add_argument("--holdout", type=int, default=5, help="replay every Nth row, warm with the rest")
     evaluate.add_argument("--replay", metavar="CSV",
                           help="instead of --holdout: every row of the first file warms the cache, this file's are replayed")
@@ -332,7 +349,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     evaluate.add_argument("--out", help="JSON report (default: a new eval-semantic-MODEL-TIME.json here)")
     evaluate.add_argument("--png", help="with --folds: the hits-vs-fidelity plot (default: beside --out)")
     evaluate.set_defaults(func=_eval_semantic)
+    return parser
 
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     bad = [item for item in getattr(args, "set", []) if "=" not in item or "." not in item.split("=", 1)[0]]
     if bad:

@@ -294,3 +294,18 @@ def test_the_server_refuses_to_start_on_a_model_config_typo(tmp_path):
                           text=True, timeout=120)
     assert done.returncode != 0
     assert "unknown key 'batching.max_queue_delay'" in done.stderr + done.stdout, done.stderr[-2000:]
+
+
+def test_every_cli_option_says_what_it_is_and_operations_lists_every_command():
+    import argparse
+
+    from server.__main__ import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [f"{name} {action.option_strings}" for name, sub in commands.choices.items() for action in sub._actions
+              if action.option_strings and not action.help]
+    assert not silent, silent
+    assert "(default: 127.0.0.1:50051)" in commands.choices["generate"].format_help()
+    operations = (REPO / "docs" / "operations.md").read_text()
+    missing = [name for name in commands.choices if name not in operations.split("subcommands (", 1)[1].split(")")[0]]
+    assert not missing, missing

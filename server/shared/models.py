@@ -70,6 +70,7 @@ class ModelSpec:
     synonyms: Synonyms | None = None  # normalize.synonyms: the model's dictionary (server/shared/synonyms.py)
     # task generate with a `semantic:` section: semantic answers (server/shared/answer_match.py)
     answer_match: AnswerMatchPolicy | None = None
+    semantic_off: bool = False        # a `semantic:` section is there without `enabled: true` (said at start)
 
     @property
     def key_variant(self) -> str:
@@ -224,6 +225,7 @@ def load_model(root: Path) -> ModelSpec:
             precision=str((data.get("engine") or {}).get("precision", "")),
             semantic=None if task == "generate" else policy_from_config(data.get("semantic")),
             answer_match=answer_match_from_config(data.get("semantic")) if task == "generate" else None,
+            semantic_off=bool(data.get("semantic")) and not data["semantic"].get("enabled", False),
             pii=str((data.get("privacy") or {}).get("pii", "off")),
             share_features=bool((data.get("l2") or {}).get("share_across_tenants", False)),
             hot_key_text=bool((data.get("hot_keys") or {}).get("keep_text", False)),
