@@ -199,6 +199,24 @@ def test_full_queue_answers_resource_exhausted_at_once(start_server):
     assert counters["batcher.minilm.1.rejected_full"] == codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+def test_a_batch_whose_last_texts_are_refused_is_refused_before_its_first_are_computed(start_server):
+    """The worker admits a long batch's first texts and refuses the rest (its queue would take longer than
+    allowed): the call is refused at once, not once the texts admitted ahead of the refused one are
+    computed (which took up to 20 s): well within the wait the refusal itself names."""
+    server = start_server(frontends=1, settings=("server.max_queue_wait_s=10",))
+    texts = [unique(f"{i} " + " ".join(["a customer asks about a delayed refund"] * 30)) for i in range(256)]
+    channel, stub = server.stub()
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        started = time.monotonic()
+        try:
+            stub.InferBatch(pb.InferBatchRequest(model=MODEL, texts=texts), timeout=120)
+        finally:
+            took = time.monotonic() - started
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    wait = float(refused.value.details().split("in about ", 1)[1].split(" s", 1)[0])
+    assert took < wait / 2, (took, refused.value.details())
+
+
 def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
     """Waves of 400 concurrent misses against a queue that may hold 0.3 s of work: every call is
     answered OK or RESOURCE_EXHAUSTED (refused by the expected wait, not by a full queue), never a

@@ -53,6 +53,29 @@ def _deadline_passed() -> DeadlineExceeded:
     return DeadlineExceeded("deadline passed while the worker computed")
 
 
+async def _first_refusal(sent: dict):
+    """Waits until every item sent is answered, or one is answered with an error, which it returns (None
+    otherwise): a call of many texts whose last ones the worker refused at once (its queue too long) is
+    refused then, not after the texts before them were computed."""
+    loop = asyncio.get_running_loop()
+    refused = loop.create_future()
+    futures = [future for _, _, future in sent.values()]
+
+    def on_answer(future: asyncio.Future) -> None:
+        if not refused.done() and not future.cancelled() and future.exception() is None and future.result().code:
+            refused.set_result(future.result())
+
+    for future in futures:
+        future.add_done_callback(on_answer)
+    every = asyncio.gather(*futures, return_exceptions=True)
+    try:
+        await asyncio.wait((every, refused), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in futures:
+            future.remove_done_callback(on_answer)
+    return refused.result() if refused.done() else None
+
+
 def _expire(sent: dict, expired: list) -> None:
     """At a compute's deadline: its items in flight fail (their awaiter raises DeadlineExceeded), and
     `expired` says so to items sent later (asyncio may run a timer a clock tick early)."""
@@ -309,6 +332,8 @@ class WorkerPool:
                         lost.append(i)
                 if expired or loop.time() >= deadline:  # (passed while a link was awaited: nothing to fail then)
                     raise _deadline_passed()
+                if len(sent) > 1 and (refusal := await _first_refusal(sent)) is not None:
+                    raise from_wire(refusal.code, refusal.error)
                 for i, (_, _, future) in sent.items():
                     try:
                         result = await future
