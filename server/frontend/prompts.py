@@ -1,8 +1,9 @@
 """A Generate call's plan in a frontend: the model version (a generative one), its prompt rendered with the
-model's chat template and tokenized (with `privacy.pii: redact`, PII replaced by placeholders first, as for
-Infer; with `no_store`, a prompt holding PII is answered but never looked up or stored), the generation settings with the model's defaults filled in, and the
-cache key, which covers the namespace, the prompt as the model sees it and every setting that changes
-the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
+model's chat template and tokenized with the caller's text kept data (server/frontend/prompt_ids.py; with
+`privacy.pii: redact`, PII replaced by placeholders first, as for Infer; with `no_store`, a prompt holding
+PII is answered but never looked up or stored), the generation settings with the model's defaults filled
+in, and the cache key, which covers the namespace, the prompt as the model sees it and every setting
+that changes the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
 are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split keys, and the
 model answers the normalized question, so an answer is a function of its key alone). For a model with
 semantic answers (server/shared/answer_match.py), the plan also holds the request's question: its last user
@@ -24,6 +25,7 @@ from cachestore.keys import Namespace, entry_key, namespace_id
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.frontend.plan import check_identifiers, keep, key_route
+from server.frontend.prompt_ids import PromptRenderer, Rendered
 from server.shared import pii
 from server.shared import question_guards as guards
 from server.shared.answer_match import namespace_material
@@ -54,8 +56,7 @@ class GenerativeModel:
 
     spec: ModelSpec
     version: str
-    tokenizer: Tokenizer
-    template: object            # the compiled chat template
+    renderer: PromptRenderer    # its chat template and tokenizer
     normalize: Normalizer | None  # each turn's text before rendering (generate.normalize, privacy.pii)
     public: dict[str, list[int]]  # a public system prompt's text (as normalized) -> its tokens rendered alone
     # semantic answers (spec.answer_match): the question's normalizer and the embedder's tokenizer
@@ -121,13 +122,13 @@ class Prompts:
                 normalize = Normalizer.of(spec)
             else:  # as sent, but PII replaced by placeholders where the model says redact
                 normalize = Normalizer(REDACTING_ONLY) if redact else None
+            renderer = PromptRenderer(tokenizer, template, spec.name)
             public = {}
             for _, text in spec.prefix.public_prompts:
                 text = normalize(text) if normalize else text
-                rendered = template.render(messages=[{"role": "system", "content": text}], add_generation_prompt=False)
-                public[text] = tokenizer.encode(rendered, add_special_tokens=False).ids
-            found = self._models[(spec.name, version)] = GenerativeModel(spec, version, tokenizer, template, normalize,
-                                                                         public, *self._question_tools(spec))
+                public[text] = renderer.ids(renderer.chat([{"role": "system", "content": text}], False))
+            found = self._models[(spec.name, version)] = GenerativeModel(spec, version, renderer, normalize, public,
+                                                                         *self._question_tools(spec))
         return found
 
     def _question_tools(self, spec: ModelSpec) -> tuple[Normalizer | None, TextEncoder | None]:
@@ -181,13 +182,12 @@ class Prompts:
         version = spec.resolve_version(request.version)
         model = self.model(spec, version)
         generation = spec.generation
-        text, turns = self._prompt(model, request)
+        rendered, turns = self._prompt(model, request)
+        text = rendered.text
         if len(text) > spec.max_text_chars:
             raise InvalidArgument(f"the prompt has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
-        # (the batch call without offsets: a 4,096-token prompt tokenizes in 0.7x the time of encode's)
-        tokenize = model.tokenizer.encode_batch_fast
-        ids = (tokenize([text], add_special_tokens=False) if len(text) <= TOKENIZE_INLINE_CHARS else
-               await asyncio.to_thread(tokenize, [text], add_special_tokens=False))[0].ids
+        ids = (model.renderer.ids(rendered) if len(text) <= TOKENIZE_INLINE_CHARS else
+               await asyncio.to_thread(model.renderer.ids, rendered))
         if not ids:
             raise InvalidArgument("the prompt is empty; send messages or a prompt")
         if len(ids) >= generation.context_length:
@@ -208,7 +208,7 @@ class Prompts:
         return GeneratePlan(
             model=model, tenant=request.tenant, ids=ids, params=params,
             key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant),
-                          _canonical(text, params)),
+                          _canonical(ids if rendered.holds_control else text, params)),
             question=_question(model, request, turns, params) if cached_ok or store else None,
             cached_ok=cached_ok, store=store,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
@@ -220,14 +220,15 @@ class Prompts:
         return holds_pii(request.prompt) or any(holds_pii(m.content) for m in request.messages)
 
     @staticmethod
-    def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> tuple[str, list[dict] | None]:
-        """The prompt as the model sees it: the messages rendered with its chat template, or the raw one;
-        and the turns it was rendered from (None for a raw prompt)."""
+    def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> tuple[Rendered, list[dict] | None]:
+        """The prompt as the model sees it: the messages rendered with its chat template, or the raw one
+        (caller text throughout: a control token's text in it is text); and the turns it was rendered
+        from (None for a raw prompt)."""
         if bool(request.messages) == bool(request.prompt):
             raise InvalidArgument("set exactly one of messages and prompt")
         normalize = model.normalize or (lambda text: text)
         if request.prompt:
-            return normalize(request.prompt), None
+            return model.renderer.raw(normalize(request.prompt)), None
         if len(request.messages) > MAX_MESSAGES:
             raise InvalidArgument(f"messages has {len(request.messages)} turns; at most {MAX_MESSAGES}")
         turns = []
@@ -237,7 +238,7 @@ class Prompts:
             turns.append({"role": message.role, "content": normalize(message.content)})
         if turns[-1]["role"] == "assistant":
             raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
-        return model.template.render(messages=turns, add_generation_prompt=True), turns
+        return model.renderer.chat(turns), turns
 
 
 def _question(model: GenerativeModel, request: pb.GenerateRequest, turns: list[dict] | None,
@@ -303,6 +304,9 @@ def _settings(params: worker_pb2.GenerateParams) -> list:
             params.top_k, params.seed if params.HasField("seed") else None]
 
 
-def _canonical(prompt: str, params: worker_pb2.GenerateParams) -> str:
-    """What the key hashes beside the namespace: the prompt and every setting that changes the answer."""
+def _canonical(prompt: str | list[int], params: worker_pb2.GenerateParams) -> str:
+    """What the key hashes beside the namespace: the prompt and every setting that changes the answer.
+    The prompt is its text, or its token ids where the caller's text holds a control token's text (the
+    text alone would not tell that from the template's own control tokens, a list of ids cannot be
+    mistaken for a text)."""
     return json.dumps([prompt, *_settings(params)], ensure_ascii=False, separators=(",", ":"))
