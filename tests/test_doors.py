@@ -331,8 +331,11 @@ def test_control_tokens_a_caller_writes_are_text_at_every_door(door):
     with door.server.client(timeout_s=120) as native:
         real = native.generate("smollm2", messages=genuine, max_new_tokens=NEW_TOKENS)
         assert real.prompt_tokens == len(tokenizer.encode(text).ids) < as_data
-        wait_for(lambda: native.generate("smollm2", messages=genuine, max_new_tokens=NEW_TOKENS).source == "RESULT_EXACT",
-                 10, "the conversation's answer stored")
+
+        def stored() -> bool:
+            return native.generate("smollm2", messages=genuine, max_new_tokens=NEW_TOKENS).source == "RESULT_EXACT"
+
+        wait_for(stored, 10, "the conversation's answer stored")
         grpc_forged = native.generate("smollm2", messages=forged, max_new_tokens=NEW_TOKENS)
     assert (grpc_forged.source, grpc_forged.prompt_tokens) == ("MISS", as_data) and grpc_forged.key != real.key
     client = door.openai()
@@ -343,7 +346,8 @@ def test_control_tokens_a_caller_writes_are_text_at_every_door(door):
     assert completion.headers["x-infercache-key"] not in (real.key, grpc_forged.key)
     channel, stub = door.server.stub()
     with channel:
-        raw = list(stub.Generate(pb.GenerateRequest(model="smollm2", prompt=text, max_new_tokens=NEW_TOKENS), timeout=120))
+        request = pb.GenerateRequest(model="smollm2", prompt=text, max_new_tokens=NEW_TOKENS)
+        raw = list(stub.Generate(request, timeout=120))
     assert raw[-1].end.prompt_tokens == completion.parse().usage.prompt_tokens
     assert raw[-1].end.cache.key == completion.headers["x-infercache-key"]
 

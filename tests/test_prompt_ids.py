@@ -53,7 +53,8 @@ def as_text() -> Tokenizer:
 def prompts(tmp_path_factory) -> Prompts:
     root = tmp_path_factory.mktemp("prompt-models")
     # (a context for the 9,000-character message tokenized on a thread)
-    link_model(root, "smollm2", GEN_CONFIG.replace("context_length: 2048", "context_length: 8192"), {"1": GEN_VERSION_DIR})
+    long_context = GEN_CONFIG.replace("context_length: 2048", "context_length: 8192")
+    link_model(root, "smollm2", long_context, {"1": GEN_VERSION_DIR})
     link_model(root, "smollm2-public", GEN_CONFIG + f"prefix_cache: {{public_prompts: {{bank: {PUBLIC!r}}}}}\n",
                {"1": GEN_VERSION_DIR})
     return Prompts(ModelRepository(root))
@@ -109,8 +110,8 @@ def test_a_raw_prompt_is_caller_text(prompts, tokenizer, as_text):
     assert chat.ids == tokenizer.encode(prompt).ids and raw.key != chat.key
 
 
-@pytest.mark.parametrize("content", ["How do I get a refund?", "  spaces around  ", "\n\nnewlines first\n\n",
-                                     "<|im_end", "im_end|>", "<|not_a_token|>", "Ünïcödé – “quotes” ✓", "a" * 9000])
+@pytest.mark.parametrize("content", ["How do I get a refund?", "  spaces around  ", "\n\nnewlines first\n\n", "<|im_end",
+                                     "im_end|>", "<|not_a_token|>", "Ünïcödé – “quotes” ✓", "a" * 9000])
 def test_ordinary_prompts_keep_the_ids_of_the_whole_rendered_text(prompts, tokenizer, content):
     """The tokenizer splits a text at its special tokens and tokenizes each stretch alone: the template's
     text beside a message's tokenizes with it as before, boundaries included (and on a thread for a

@@ -45,8 +45,8 @@ class Rendered:
 
 
 class PromptRenderer:
-    """One generative model version's chat template and tokenizer. render: event loop only; ids: any
-    thread (the tokenizer's settings are fixed here, before it is shared)."""
+    """One generative model version's chat template and tokenizer. chat and raw: event loop only (chat
+    remembers layouts); ids: any thread (the tokenizer's settings are fixed here, before it is shared)."""
 
     def __init__(self, tokenizer: Tokenizer, template, name: str = "") -> None:
         self.template = template
@@ -59,13 +59,14 @@ class PromptRenderer:
         self._pattern = re.compile("|".join(map(re.escape, sorted(self.control, key=len, reverse=True)))
                                    if self.control else r"(?!)")
         self._marker = f"\x00{secrets.token_hex(8)}:"
-        self._layouts: dict[tuple, tuple[list[str], list[list[str | int]]] | None] = {}
+        self._layouts: dict[tuple, tuple[list[str], list[list]] | None] = {}  # see _layout
         sample = self.chat(_SAMPLE)
         expected = tokenizer.encode(sample.text, add_special_tokens=False).ids  # special tokens parsed
         tokenizer.encode_special_tokens = True  # every later call: special tokens' text is text
         if self.ids(sample) != expected:
-            log.warning("%s: a sample conversation's ids with its content kept text differ from its tokenizer's "
-                        "for the rendered text; prompts keep their content text all the same", name)
+            log.warning("%s: a sample conversation's ids differ from those its tokenizer gives the rendered text "
+                        "(its special tokens match in a way not reproduced here); content is kept text all the same",
+                        name)
 
     def chat(self, turns: list[dict], add_generation_prompt: bool = True) -> Rendered:
         """`turns` ({role, content}) rendered with the template; the template's control tokens as ids."""
@@ -89,6 +90,7 @@ class PromptRenderer:
         return Rendered(prompt, [prompt], self._pattern.search(prompt) is not None)
 
     def ids(self, rendered: Rendered) -> list[int]:
+        """The prompt's token ids: its control ids, and its texts tokenized with special-token parsing off."""
         texts = [piece for piece in rendered.pieces if isinstance(piece, str)]
         # (the batch call without offsets: a 4,096-token prompt tokenizes in 0.7x the time of encode's)
         encoded = iter(self.tokenizer.encode_batch_fast(texts, add_special_tokens=False))
@@ -100,15 +102,15 @@ class PromptRenderer:
                 out += next(encoded).ids
         return out
 
-    def _layout(self, roles: tuple[str, ...], generation_prompt: bool) -> tuple[list[str], list[list[str | int]]] | None:
+    def _layout(self, roles: tuple[str, ...], generation_prompt: bool) -> tuple[list[str], list[list]] | None:
         """The template's text around each turn's content (len(roles) + 1 stretches, as they are and split
         at its control tokens), or None where a placeholder is not rendered exactly once, in its place."""
         key = (roles, generation_prompt)
         if key in self._layouts:
             return self._layouts[key]
         markers = [f"{self._marker}{n}\x00" for n in range(len(roles))]
-        rest = self.template.render(messages=[{"role": role, "content": marker} for role, marker in zip(roles, markers)],
-                                    add_generation_prompt=generation_prompt)
+        turns = [{"role": role, "content": marker} for role, marker in zip(roles, markers)]
+        rest = self.template.render(messages=turns, add_generation_prompt=generation_prompt)
         stretches: list[str] = []
         for marker in markers:
             before, *after = rest.split(marker)

@@ -3,12 +3,12 @@ model's chat template and tokenized with the caller's text kept data (server/fro
 `privacy.pii: redact`, PII replaced by placeholders first, as for Infer; with `no_store`, a prompt holding
 PII is answered but never looked up or stored), the generation settings with the model's defaults filled
 in, and the cache key, which covers the namespace, the prompt as the model sees it and every setting
-that changes the answer. With the model's `generate.normalize: text`, each turn's text is normalized as Infer's texts
-are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split keys, and the
-model answers the normalized question, so an answer is a function of its key alone). For a model with
-semantic answers (server/shared/answer_match.py), the plan also holds the request's question: its last user
-turn, keyed in the namespace of everything else that shapes the answer, its ids for the embedder and its
-guard marks.
+that changes the answer. With the model's `generate.normalize: text`, each turn's text is normalized as
+Infer's texts are before it is rendered (FAQ-style traffic: case, punctuation and spacing do not split
+keys, and the model answers the normalized question, so an answer is a function of its key alone). For a
+model with semantic answers (server/shared/answer_match.py), the plan also holds the request's question:
+its last user turn, keyed in the namespace of everything else that shapes the answer, its ids for the
+embedder and its guard marks.
 """
 
 from __future__ import annotations
