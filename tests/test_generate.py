@@ -264,6 +264,22 @@ def test_infer_on_a_generative_model_and_generate_on_an_encoder_say_which_call_t
             assert "call Generate" in raised.value.details() or "use Infer" in raised.value.details()
 
 
+def test_the_doors_agree_on_roles_and_refuse_an_infinite_temperature(server):
+    """gRPC takes OpenAI's "developer" role as the HTTP door does (as "system"), and refuses a temperature
+    of inf, which it used to take."""
+    question = unique("What is a chargeback?")
+    with server.client(timeout_s=120) as client:
+        as_developer = client.generate("smollm2", messages=[{"role": "developer", "content": "Be brief."},
+                                                            {"role": "user", "content": question}], max_new_tokens=4)
+        as_system = client.generate("smollm2", messages=[{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": question}], max_new_tokens=4)
+        assert as_developer.key == as_system.key and as_developer.prompt_tokens == as_system.prompt_tokens
+        for temperature in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate("smollm2", question, temperature=temperature, max_new_tokens=4)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, temperature
+
+
 def test_a_killed_worker_fails_its_streams_with_unavailable_never_a_hang(gen_models, tmp_path, engines_dir):
     from tests.servers import ServerProcess
 

@@ -32,6 +32,7 @@ from server.frontend.core import TOKENIZE_INLINE_MAX, FrontendCore
 from server.frontend.http1 import Request, Response, Stream
 from server.frontend.parameters import whole_seconds
 from server.frontend.plan import keep
+from server.frontend.prompts import ROLES
 from server.frontend.tally import NO_TALLY, measured
 from server.shared.auth import CLIENT, Gate, Grant, bind_tenant
 from server.shared.errors import InvalidArgument, http_status_of, quoted, status_of
@@ -41,7 +42,6 @@ MODES = {b"default": Mode.DEFAULT, b"bypass": Mode.BYPASS, b"no-store": Mode.NO_
          b"only-if-cached": Mode.ONLY_IF_CACHED}
 SOURCES = {value: name.encode() for name, value in pb.CacheInfo.Source.items()}
 FINISH = {pb.GenerationEnd.STOP: "stop", pb.GenerationEnd.LENGTH: "length"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters of OpenAI's API this server cannot honour: refused, never silently ignored.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "audio", "modalities", "prediction", "echo", "suffix", "best_of")

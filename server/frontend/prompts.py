@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from dataclasses import dataclass
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -38,7 +39,9 @@ from server.shared.tokenization import TextEncoder
 log = logging.getLogger("infercache.prompts")
 
 Mode = pb.CachePolicy.Mode
-ROLES = ("system", "user", "assistant")
+# A turn's role as the caller names it -> as the template knows it: OpenAI's "developer" is its newer name of
+# "system" (every door takes it: openai_api reads its roles from here).
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS, MAX_STOP_CHARS = 4, 64
 MAX_MESSAGES = 256
 PREPARED_KEPT = 1024        # serialized requests whose plan is kept (see Prompts.prepared); past it, start over
@@ -233,9 +236,10 @@ class Prompts:
             raise InvalidArgument(f"messages has {len(request.messages)} turns; at most {MAX_MESSAGES}")
         turns = []
         for n, message in enumerate(request.messages):
-            if message.role not in ROLES:
+            role = ROLES.get(message.role)
+            if role is None:
                 raise InvalidArgument(f"messages[{n}].role must be one of {', '.join(ROLES)}, got {message.role!r}")
-            turns.append({"role": message.role, "content": normalize(message.content)})
+            turns.append({"role": role, "content": normalize(message.content)})
         if turns[-1]["role"] == "assistant":
             raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
         return model.renderer.chat(turns), turns
@@ -287,8 +291,8 @@ def _params(request: pb.GenerateRequest, generation) -> worker_pb2.GenerateParam
     temperature = request.temperature if request.HasField("temperature") else generation.temperature
     top_p = request.top_p if request.HasField("top_p") else generation.top_p
     top_k = request.top_k if request.HasField("top_k") else generation.top_k
-    if not (temperature >= 0 and 0 < top_p <= 1):
-        raise InvalidArgument("temperature must be >= 0 and top_p within (0, 1]")
+    if not (0 <= temperature < math.inf and 0 < top_p <= 1):
+        raise InvalidArgument("temperature must be a finite number >= 0 and top_p within (0, 1]")
     params = worker_pb2.GenerateParams(max_new_tokens=request.max_new_tokens or generation.max_new_tokens,
                                        stop=list(request.stop), temperature=temperature)
     if temperature > 0:  # greedy: the rest does not change the answer, so it does not split keys
