@@ -22,7 +22,7 @@ from cachestore import records, semantic_log, wire
 from cachestore.env import DB_CLASSES, DB_EXPIRY, DB_NAMESPACES, DB_RESULTS, DB_STORED, Store
 from cachestore.errors import CorruptRecord, Unsealable, corrupted
 from cachestore.log_limit import RateLimitedLog
-from cachestore.keys import NS_ID_BYTES, Namespace
+from cachestore.keys import NS_ID_BYTES, Namespace, Selector
 from infercache.v1 import infercache_pb2 as pb
 
 log = logging.getLogger("infercache.store")
@@ -229,6 +229,20 @@ def delete_namespace(store: Store, txn: lmdb.Transaction, ns_id: bytes, removed:
     count = sum(delete(store, txn, key, removed) for key in keys)
     txn.delete(ns_id, db=store.dbs[DB_NAMESPACES])
     return count
+
+
+def delete_selected(store: Store, txn: lmdb.Transaction, selector: Selector, removed: list | None = None) -> int:
+    """Invalidate: deletes the entries `selector` names (the namespaces it matches, or its one key);
+    how many went."""
+    spaces = namespaces(store, txn)
+    if selector.key is not None:
+        ns = dict(spaces).get(selector.key[:NS_ID_BYTES])
+        if ns is None or not selector.matches(ns):
+            return 0
+        deleted = delete(store, txn, selector.key, removed)
+        drop_namespace_if_empty(store, txn, selector.key[:NS_ID_BYTES])
+        return int(deleted)
+    return sum(delete_namespace(store, txn, ns_id, removed) for ns_id, ns in spaces if selector.matches(ns))
 
 
 def namespaces(store: Store, txn: lmdb.Transaction) -> list[tuple[bytes, Namespace]]:

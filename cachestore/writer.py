@@ -27,7 +27,7 @@ from cachestore.errors import CORRUPTION, corrupted
 from cachestore.log_limit import RateLimitedLog
 from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.env import Store
-from cachestore.keys import NS_ID_BYTES, Namespace, Selector
+from cachestore.keys import Namespace, Selector
 
 log = logging.getLogger("infercache.writer")
 
@@ -392,16 +392,7 @@ class WriteBehind:
                 log.exception("semantic index notification failed (the log in LMDB is still complete)")
 
     def _invalidate(self, txn: lmdb.Transaction, selector: Selector, removed: list) -> int:
-        spaces = results.namespaces(self.store, txn)
-        if selector.key is not None:
-            ns = dict(spaces).get(selector.key[:NS_ID_BYTES])
-            if ns is None or not selector.matches(ns):
-                return 0
-            deleted = results.delete(self.store, txn, selector.key, removed)
-            results.drop_namespace_if_empty(self.store, txn, selector.key[:NS_ID_BYTES])
-            return int(deleted)
-        return sum(results.delete_namespace(self.store, txn, ns_id, removed)
-                   for ns_id, ns in spaces if selector.matches(ns))
+        return results.delete_selected(self.store, txn, selector, removed)
 
     def _check_disk(self) -> None:
         """Sets the effective budget and the commit size from the disk (see DISK_SHARE) and holds blocks

@@ -1,6 +1,7 @@
 """The prefix key/value cache through a real server, with SmolLM2's real weights on the CPU: answers are
 token-identical with and without it, tenants stay walled off (but for a public system prompt), blocks
-move from memory to disk and come back, survive a restart, and a damaged block is recomputed."""
+move from memory to disk and come back, survive a restart, a damaged block is recomputed, and Invalidate
+erases a tenant's or a model's blocks from every tier."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from collections import Counter
 import lmdb
 import pytest
 
-from cachestore.env import DB_RESULTS
+from cachestore.env import DB_NAMESPACES, DB_RESULTS
+from cachestore.keys import namespace_id
 from cachestore.records import checked
 from tests.helpers import link_model, wait_for
 from tests.servers import REPO, ServerProcess
@@ -62,6 +64,14 @@ def _prefix(server, model) -> Counter:
     """The worker's prefix cache figures of `model` (GetStats), 0 for those not counted yet."""
     counters = server.stats().worker.counters
     return Counter({k.split(".", 3)[3]: v for k, v in counters.items() if k.startswith(f"prefix.{model}.")})
+
+
+def _reused(server, model, question, tenant="") -> int:
+    """Prompt tokens the question's generation reused from any tier."""
+    before = _prefix(server, model)
+    _ask(server, model, question, tenant=tenant)
+    after = _prefix(server, model)
+    return sum(after[f"prefix_tokens_{tier}"] - before[f"prefix_tokens_{tier}"] for tier in ("memory", "host", "disk"))
 
 
 @pytest.mark.parametrize("model", ["cached", "small", "torch"])
@@ -144,6 +154,36 @@ def test_blocks_on_disk_survive_a_restart_and_a_damaged_one_is_recomputed(models
         assert server.stats().worker.counters.get("kv.unreadable", 0) >= 1
 
 
+def test_invalidate_erases_a_tenants_and_a_models_prefix_blocks_from_every_tier(models, tmp_path):
+    cache = tmp_path / "cache"
+    mine, theirs = "Which documents do I need to open an account?", "How do I close my savings account?"
+    (tmp_path / "one").mkdir()
+    with ServerProcess(tmp_path / "one", models, frontends=1, cache_dir=cache) as server:
+        _ask(server, "small", mine, tenant="tenant-a")
+        _ask(server, "small", theirs, tenant="tenant-b")
+        reused = _reused(server, "small", mine, tenant="tenant-a")
+        assert reused >= 16 * 4 and _prefix(server, "small")["prefix_tokens_disk"] > 0  # from memory and disk
+        with server.client() as client:
+            removed = client.invalidate(tenant="tenant-a")
+            assert removed >= reused // 16  # the blocks it reused, and those it kept since (memory and disk)
+            assert _reused(server, "small", mine, tenant="tenant-a") == 0
+            assert client.invalidate(tenant="tenant-a") > 0  # (what that computed again)
+        assert _reused(server, "small", theirs, tenant="tenant-b") >= 16 * 2  # another tenant's stay
+    mine_ns, theirs_ns = (namespace_id(t, "small", "1") for t in ("tenant-a", "tenant-b"))
+    stored = _records(cache)
+    assert not any(key.startswith(mine_ns) for key in stored) and any(key.startswith(theirs_ns) for key in stored)
+    assert mine_ns not in _records(cache, DB_NAMESPACES)
+    (tmp_path / "two").mkdir()
+    with ServerProcess(tmp_path / "two", models, frontends=1, cache_dir=cache) as server:
+        assert _reused(server, "small", mine, tenant="tenant-a") == 0  # nothing of it came back from disk
+        assert _reused(server, "small", theirs, tenant="tenant-b") >= 16  # read back from disk
+        with server.client() as client:
+            assert client.invalidate(model="small") > 0
+            assert _reused(server, "small", theirs, tenant="tenant-b") == 0
+            assert client.invalidate(model="small") > 0
+    assert not _records(cache) and not _records(cache, DB_NAMESPACES)
+
+
 def test_a_worker_killed_while_it_writes_blocks_leaves_only_whole_records(models, tmp_path):
     cache = tmp_path / "cache"
     (tmp_path / "one").mkdir()
@@ -155,11 +195,12 @@ def test_a_worker_killed_while_it_writes_blocks_leaves_only_whole_records(models
     assert records and all(checked(v) for v in records.values())
 
 
-def _records(cache) -> dict[bytes, bytes]:
-    """The block store's records, read with LMDB itself (no server running)."""
+def _records(cache, db: bytes = DB_RESULTS) -> dict[bytes, bytes]:
+    """The block store's records (or the rows of another of its databases), read with LMDB itself (no
+    server running)."""
     env = lmdb.open(str(cache / "kv"), max_dbs=16, readonly=True, lock=False)
     try:
-        with env.begin(db=env.open_db(DB_RESULTS, create=False)) as txn:
+        with env.begin(db=env.open_db(db, create=False)) as txn:
             return {bytes(k): bytes(v) for k, v in txn.cursor()}
     finally:
         env.close()

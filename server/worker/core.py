@@ -312,12 +312,16 @@ class WorkerCore:
     # ---- the rest of the API -----------------------------------------------------------------------
 
     async def invalidate(self, request: pb.InvalidateRequest) -> int:
+        """Entries removed from L1 (with their semantic rows) and prefix blocks removed from this worker's
+        memory and host memory and from the host's block store; the fleet tier's go too."""
         if request.features:
             return await self._invalidate_features(request)
-        if self.writer is None:
-            raise WorkerUnavailable("the result store is unavailable on this host; nothing to invalidate")
         selector = _selector(request)
-        removed = await asyncio.wrap_future(self.writer.invalidate(selector))
+        blocks = await self._invalidate_prefixes(selector)
+        if self.writer is None:
+            raise WorkerUnavailable(f"removed {blocks} prefix blocks, but the result store is unavailable on this "
+                                    "host: its entries were not removed; retry")
+        removed = blocks + await asyncio.wrap_future(self.writer.invalidate(selector))
         if self.fleet is not None:
             from server.fleet.link import FleetUnavailable  # only with a fleet tier: redis-py is loaded then
 
@@ -327,6 +331,18 @@ class WorkerCore:
                 raise WorkerUnavailable(
                     f"removed {removed} entries on this host, but the fleet tier (Redis) did not answer ({exc}): "
                     "other pods may serve them until it does; retry") from None
+        return removed
+
+    async def _invalidate_prefixes(self, selector: Selector) -> int:
+        """Prefix blocks: from every generative model version's memory tiers, then from the host's block
+        store (after the blocks this worker queued for it; the first worker to get there counts them)."""
+        removed = self.generations.erase(selector) if self.generations is not None else 0
+        if self.kv_store is not None:
+            try:
+                removed += await asyncio.wrap_future(self.kv_store.erase(selector))
+            except Exception as exc:  # noqa: BLE001 (the store's failure, whatever LMDB raised)
+                raise WorkerUnavailable(f"removed {removed} prefix blocks from memory, but the prefix block store "
+                                        f"did not erase its blocks ({exc}); retry") from None
         return removed
 
     async def _invalidate_features(self, request: pb.InvalidateRequest) -> int:

@@ -51,7 +51,7 @@ class Generation:
     __slots__ = ("key", "item", "model", "listeners", "text", "sampler", "sent", "answer", "dropped", "deadline",
                  "created_us", "store", "prompt", "limit", "slot", "fed", "planned", "received", "next_token",
                  "awaiting", "last_step", "looked_up", "loading", "loaded", "block_keys", "kept", "reused_from",
-                 "seated_at", "companion", "background")
+                 "erasures", "seated_at", "companion", "background")
 
     def __init__(self, item: worker_pb2.ComputeItem, model: "GenerativeRuntime", deadline: float | None) -> None:
         params = item.generate
@@ -83,13 +83,15 @@ class Generation:
         self.awaiting = False
         self.last_step = 0
         # The prefix cache's (server/worker/prefix_cache.py): whether its prompt was looked up, blocks being
-        # read from disk for it and those read, its block keys, blocks kept so far, the tier it reused from.
+        # read from disk for it and those read, its block keys, blocks kept so far, the tier it reused from,
+        # the cache's erasures when it was looked up.
         self.looked_up = False
         self.loading = False
         self.loaded: dict | None = None
         self.block_keys: list[bytes] = []
         self.kept = 0
         self.reused_from = "none"
+        self.erasures = 0
         self.seated_at = 0.0
         # Semantic answers (server/worker/answer_matching.py): the question's entry, stored beside the answer.
         self.companion = None
@@ -380,6 +382,8 @@ class Scheduler:
             self._leave(generation)
         self._pending = None
         self._finishing.clear()
+        if self.prefix is not None:
+            self.prefix.steps_lost()
         self._collected = self._launched  # what the failed steps launched is never read
         for generation in self._releasing:
             generation.last_step = min(generation.last_step, self._collected)
@@ -507,6 +511,11 @@ class Generations:
         flight.background = asyncio.get_running_loop().create_future()
         self._schedulers[(item.model, item.version)].admit(flight)
         return flight.background
+
+    def erase(self, selector) -> int:
+        """Invalidate: the prefix blocks `selector` names, dropped from every model version's memory and
+        host memory (server/worker/prefix_cache.py erase); how many went."""
+        return sum(runtime.prefix.erase(selector) for runtime in self.runtimes.values() if runtime.prefix is not None)
 
     def background(self, coroutine) -> asyncio.Task:
         """A task of this worker's generations (cancelled at close)."""

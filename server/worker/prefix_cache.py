@@ -5,7 +5,9 @@ Index. A prompt is cut into blocks of `prefix_cache.block_tokens` tokens; block 
 block i-1's key, the block's token ids and a namespace: the model, version, the decoder's key/value form
 (runtime and precision), the block size, and the request's tenant. Tenants never reach each other's
 blocks, except the blocks within a system prompt that the model's config makes public (the frontend
-says how many leading tokens that is: ComputeItem.public_prefix), whose namespace names no tenant. A
+says how many leading tokens that is: ComputeItem.public_prefix), whose namespace names no tenant. The
+hash follows the store's namespace id of (tenant, model, version) (public blocks: the tenant ""), as L1's
+keys do, so Invalidate finds a tenant's, a model's or a version's blocks in every tier (erase). A
 request reuses its longest run of cached blocks from its first token, at most all but its last token
 (the step that reads the rest gives the first answer token), and the scheduler reads only the rest.
 Blocks of what a generation computed (its prompt once read, then prompt and answer once it ended:
@@ -19,8 +21,9 @@ Tiers, each bounded, each a miss on failure:
   back by a pool of threads, checked (the store's checksums, sealing when encryption is on): shared by
   the host's workers, kept across restarts, bounded by `kv.budget_mb`. A request whose prefix continues
   on disk waits while those blocks are read into host memory, then restores them.
-The scheduler (server/worker/generation.py) is the only caller, on the event loop; the decoder's copies
-run in its steps (server/engines/decoding.py).
+The scheduler (server/worker/generation.py) is the only caller, on the event loop, but for erase (the
+worker's Invalidate, on the event loop too); the decoder's copies run in its steps
+(server/engines/decoding.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from collections import Counter, OrderedDict
 from functools import partial
 
-from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, namespace_id
+from cachestore.keys import KEY_BYTES, NS_ID_BYTES, Namespace, Selector, namespace
 from server.engines.decoding import Decoder, Keep, Restore, Step
 from server.shared.generation_spec import PrefixSpec
 
@@ -60,11 +63,12 @@ class PrefixCache:
         self.free = list(range(self.capacity))
         self.host: OrderedDict[bytes, object] = OrderedDict()  # key -> host block
         self.writing: dict[bytes, object] = {}                 # handed to the disk tier, not committed yet
+        self.exporting: set[bytes] = set()                     # evicted from memory, copied out by a step
         self.disk = disk if spec.disk else None
         self.counters: Counter[str] = Counter()  # (the scheduler's task is the only writer)
-        self._disk_ns = Namespace("", model, version)
-        self._namespaces: dict[str, bytes] = {}
-        self._store_ns = namespace_id("", model, version)
+        self._namespaces: dict[str | None, tuple[bytes, bytes]] = {}  # tenant -> (hash namespace, store ns id)
+        self._spaces: dict[bytes, Namespace] = {}                      # store ns id -> its namespace
+        self.erasures = 0  # erase calls that named this version: a generation looked up before one keeps nothing
         self._kept_now: set[bytes] = set()  # keys the step being planned keeps (see planning)
         decoder.reserve_host(self.host_capacity + 2 * MAX_DISK_READS)  # and what exports and disk reads hold
         log.info("%s version %s: prefix blocks of %d tokens (%.1f MiB each): %d in %s memory, %d in host memory%s",
@@ -73,12 +77,16 @@ class PrefixCache:
 
     # -- keys ----------------------------------------------------------------------------------------------
 
-    def _namespace(self, tenant: str | None) -> bytes:
+    def _namespace(self, tenant: str | None) -> tuple[bytes, bytes]:
+        """(the hash's namespace, the store's namespace id) of a tenant's blocks (None: public blocks)."""
         found = self._namespaces.get(tenant)
         if found is None:
             parts = [self.model, self.version, self.kv_form, str(self.block), "public" if tenant is None else "tenant",
                      tenant or ""]
-            found = self._namespaces[tenant] = hashlib.blake2b("\0".join(parts).encode(), digest_size=16).digest()
+            ns = namespace(tenant or "", self.model, self.version)
+            found = self._namespaces[tenant] = (hashlib.blake2b("\0".join(parts).encode(), digest_size=16).digest(),
+                                                ns.ns_id)
+            self._spaces[ns.ns_id] = ns
         return found
 
     def keys(self, generation, tokens: list[int], count: int) -> list[bytes]:
@@ -88,10 +96,11 @@ class PrefixCache:
         for i in range(len(keys), count):
             ids = tokens[i * self.block:(i + 1) * self.block]
             tenant = None if (i + 1) * self.block <= public else generation.item.tenant
-            digest = hashlib.blake2b(self._namespace(tenant), digest_size=KEY_BYTES - NS_ID_BYTES)
+            hashed, ns_id = self._namespace(tenant)
+            digest = hashlib.blake2b(hashed, digest_size=KEY_BYTES - NS_ID_BYTES)
             digest.update(keys[i - 1] if i else b"")
             digest.update(struct.pack(f"<{len(ids)}i", *ids))
-            keys.append(self._store_ns + digest.digest())  # (the store's namespace: Invalidate by model drops them)
+            keys.append(ns_id + digest.digest())
         return keys[:count]
 
     # -- reuse ---------------------------------------------------------------------------------------------
@@ -101,6 +110,10 @@ class PrefixCache:
         or None while blocks it needs are read from disk (wake() is called once they are; look up again)."""
         if generation.loading:
             return None
+        if generation.loaded is None:
+            generation.erasures = self.erasures
+        elif generation.erasures != self.erasures:
+            generation.loaded = {}  # read before an erasure: not restored
         prompt = generation.prompt
         count = (len(prompt) - 1) // self.block
         keys = self.keys(generation, prompt, count)
@@ -171,6 +184,8 @@ class PrefixCache:
     def keep(self, generation, tokens: list[int], upto: int, step: Step) -> None:
         """Blocks of `tokens` (what the generation's slot holds) within its first `upto` positions that no
         tier holds yet, kept from its slot in `step` (after the step computes), evicting what must go."""
+        if generation.erasures != self.erasures:
+            return  # looked up before an erasure: what it holds may be what was erased
         count = min(upto, len(tokens)) // self.block
         keys = self.keys(generation, tokens, count)
         for i in range(generation.kept, count):
@@ -197,13 +212,15 @@ class PrefixCache:
         self.counters["prefix_evicted_memory"] += 1
         if self.host_capacity or self.disk is not None:
             step.exports.append((index, key))  # copied out before the step overwrites it
+            self.exporting.add(key)
         return index
 
     def exported(self, exports: list[tuple[bytes, object]]) -> None:
         """Blocks a step copied out of memory: into host memory, or on to disk."""
         for key, block in exports:
-            if key in self.memory:
-                continue  # kept again meanwhile
+            if key not in self.exporting or key in self.memory:
+                continue  # erased, or kept again, meanwhile
+            self.exporting.discard(key)
             if self.host_capacity:
                 self.host[key] = block
                 self.counters["prefix_demoted_host"] += 1
@@ -226,7 +243,38 @@ class PrefixCache:
                 loop.call_soon_threadsafe(self.writing.pop, key, None)
             except RuntimeError:  # the loop has closed: the worker is gone
                 pass
-        self.disk.write(key, self._disk_ns, self.decoder.host_bytes(block), written)
+        self.disk.write(key, self._spaces[key[:NS_ID_BYTES]], self.decoder.host_bytes(block), written)
+
+    # -- erasure -------------------------------------------------------------------------------------------
+
+    def erase(self, selector: Selector) -> int:
+        """Invalidate: drops the blocks `selector` names from memory and host memory, and those waiting
+        for the disk tier (its own erase, which the caller asks for after this, deletes them on disk); how
+        many went. Generations looked up before it keep no blocks from then on, and restore none read from
+        disk before it (what they hold may be what was erased)."""
+        if selector.model not in (None, self.model) or selector.version not in (None, self.version):
+            return 0
+        self.erasures += 1
+        spaces = {ns_id for ns_id, ns in self._spaces.items() if selector.matches(ns)}
+
+        def named(key: bytes) -> bool:
+            return key[:NS_ID_BYTES] in spaces and selector.key in (None, key)
+        removed = 0
+        for key in [k for k in self.memory if named(k)]:
+            self.free.append(self.memory.pop(key))
+            removed += 1
+        for key in [k for k in self.host if named(k)]:
+            del self.host[key]
+            removed += 1
+        for key in [k for k in self.writing if named(k)]:
+            del self.writing[key]  # (counted by the disk tier's erase, which deletes it once it is written)
+        self.exporting = {key for key in self.exporting if not named(key)}
+        self.counters["prefix_erased"] += removed
+        return removed
+
+    def steps_lost(self) -> None:
+        """The steps in flight were dropped (a decoder failure): their exports never come."""
+        self.exporting.clear()
 
     # -- figures -------------------------------------------------------------------------------------------
 

@@ -11,6 +11,11 @@ blocks demoted at once (4,096 tokens of a Llama-3-8B shape are 512 MiB); past th
 (counted). Reads run in a pool of threads, each block checked (checksum, and sealing when encryption is
 on) and copied once, from the map into a host block. Any failure is a miss: a block not written, or not
 read, is computed again.
+
+A block's key starts with the namespace id of its (tenant, model, version) (a public system prompt's
+blocks: the tenant ""), and the store's namespaces table names each id, as L1's does: Invalidate deletes a
+tenant's, a model's or a version's blocks as it deletes their answers (erase), on the writer thread, after
+every block queued before it.
 """
 
 from __future__ import annotations
@@ -19,18 +24,26 @@ import logging
 import queue
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from cachestore.env import DB_RESULTS, Store, StoreSettings
-from cachestore.keys import Namespace
+from cachestore.keys import Namespace, Selector
 from cachestore.records import FLAG_ENCRYPTED, Record, checked, opened
-from cachestore.results import evict_oldest, now_us, put, sweep_expired
+from cachestore.results import delete_selected, evict_oldest, now_us, put, sweep_expired
 
 log = logging.getLogger("infercache.prefix")
 
 READERS = 16                  # threads reading blocks back (LMDB reads, checksums and copies release the GIL)
 WRITE_TXN_BYTES = 64 << 20    # blocks per write transaction, at most
 SWEEP_EVERY = 64              # write transactions between sweeps of expired blocks
+_STOP = object()
+
+
+@dataclass
+class _Erase:
+    selector: Selector
+    done: Future
 
 
 class BlockStore:
@@ -86,8 +99,8 @@ class BlockStore:
     # -- writes --------------------------------------------------------------------------------------------
 
     def write(self, key: bytes, ns: Namespace, payload, done) -> None:
-        """Queues a block (payload: a bytes-like view that stays valid until done() is called, from the
-        writer thread, once it is committed or dropped)."""
+        """Queues a block of namespace `ns` (its key starts with ns's id; payload: a bytes-like view that
+        stays valid until done() is called, from the writer thread, once it is committed or dropped)."""
         size = len(payload)
         with self._lock:
             if self._queued + size > self.queue_bytes:
@@ -98,20 +111,31 @@ class BlockStore:
             self._waiting += 1
         self._queue.put((key, ns, payload, done))
 
+    def erase(self, selector: Selector) -> Future:
+        """Future of the number of blocks Invalidate's `selector` names deleted from the store, after every
+        block queued before it (the first of the host's workers to get there counts what the store held)."""
+        done: Future = Future()
+        self._queue.put(_Erase(selector, done))
+        return done
+
     def _write_loop(self) -> None:
         txns = 0
+        held = None  # what ended the last batch: the next to handle
         while True:
-            first = self._queue.get()
-            if first is None:
+            first, held = (held if held is not None else self._queue.get()), None
+            if first is _STOP:
                 return
+            if isinstance(first, _Erase):
+                self._erase(first)
+                continue
             batch, size = [first], len(first[2])
             while size < WRITE_TXN_BYTES:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    self._queue.put(None)
+                if not isinstance(more, tuple):  # stop, or an erasure: after this batch
+                    held = more
                     break
                 batch.append(more)
                 size += len(more[2])
@@ -127,6 +151,19 @@ class BlockStore:
                 self._waiting -= len(batch)
             for *_, done in batch:
                 done()
+
+    def _erase(self, op: _Erase) -> None:
+        """An erasure, in a transaction of its own."""
+        try:
+            with self.store.begin(write=True) as txn:
+                count = delete_selected(self.store, txn, op.selector)
+        except Exception as exc:  # noqa: BLE001 (the thread goes on; the erasure's caller hears)
+            self._counts["write_errors"] += 1
+            log.warning("prefix block store: erasure failed: %s", exc)
+            op.done.set_exception(exc)
+            return
+        self._counts["invalidated"] += count
+        op.done.set_result(count)
 
     def _commit(self, batch, sweep: bool) -> None:
         store = self.store
@@ -146,14 +183,15 @@ class BlockStore:
     @property
     def counters(self) -> Counter[str]:
         """As a store writer's (server/worker/metrics.py reads both): written, evicted, swept, dropped_backlog
-        (blocks dropped while the queue was full), unreadable, write_errors, and backlog (blocks queued)."""
+        (blocks dropped while the queue was full), unreadable, invalidated, write_errors, and backlog (blocks
+        queued)."""
         counters = self._counts.copy()
         with self._lock:
             counters["backlog"] = self._waiting
         return counters
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._queue.put(_STOP)
         self._writer.join(timeout=30)
         self._readers.shutdown(wait=False, cancel_futures=True)
         self.store.close()
