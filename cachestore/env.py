@@ -68,6 +68,15 @@ def restrict(path: Path) -> None:
         log.warning("made %d path(s) under %s private to this user (they were readable by others)", len(loose), path)
 
 
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a file, None when it is not there: a store set aside and replaced has a new one."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 class Store:
     """One process's handle on the environment and its named databases."""
 
@@ -108,14 +117,7 @@ class Store:
 
     def _files(self) -> tuple:
         """(device, inode) of the data file and of the lock file (None for one that is not there)."""
-        out = []
-        for name in (DATA_FILE, LOCK_FILE):
-            try:
-                stat = os.stat(self.settings.path / name)
-                out.append((stat.st_dev, stat.st_ino))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return tuple(file_identity(self.settings.path / name) for name in (DATA_FILE, LOCK_FILE))
 
     def _check_pair(self) -> None:
         """A reader opens the lock file, then the data file: a writer that set the store aside between the

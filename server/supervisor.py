@@ -23,7 +23,7 @@ from cachestore.env import DIR_MODE
 from server.shared import devices, process
 from server import children, mps
 from server.shared.auth import TokenFileError, read_tokens, write_in_force
-from server.config import Config, feature_store_settings
+from server.config import Config, feature_store_settings, kv_store_settings
 from server.socket_dir import SocketDir, SocketDirBusy
 
 log = logging.getLogger("infercache.supervisor")
@@ -89,7 +89,7 @@ class Supervisor:
         ]
         # This process's figures for /metrics: written by the main thread, read by the metrics thread.
         self.restarts = {"worker": 0, "frontend": 0}
-        self.replaced = {"results": 0, "features": 0}  # damaged stores set aside at start (workers count theirs)
+        self.replaced = {"results": 0, "features": 0, "kv": 0}  # damaged stores set aside at start (workers count theirs)
         self.live = {"worker": 0, "frontend": 0}
         self._metrics_server = None
         self._stopping = False
@@ -142,7 +142,8 @@ class Supervisor:
         set aside. A store folder that is a file stops the start: there is nothing to set aside, and the
         workers could only serve without a store, every request a miss."""
         stores = (("cache.dir", Path(self.config.cache.dir), "result store", "results"),
-                  ("l2.dir", feature_store_settings(self.config).path, "feature store", "features"))
+                  ("l2.dir", feature_store_settings(self.config).path, "feature store", "features"),
+                  ("kv.dir", kv_store_settings(self.config).path, "prefix block store", "kv"))
         for setting, path, what, label in stores:
             try:
                 if integrity.quarantine_if_damaged(path, what) is not None:

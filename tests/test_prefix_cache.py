@@ -1,12 +1,14 @@
 """The prefix key/value cache through a real server, with SmolLM2's real weights on the CPU: answers are
 token-identical with and without it, tenants stay walled off (but for a public system prompt), blocks
-move from memory to disk and come back, survive a restart, a damaged block is recomputed, and Invalidate
-erases a tenant's or a model's blocks from every tier."""
+move from memory to disk and come back, survive a restart, a damaged block is recomputed and deleted,
+Invalidate erases a tenant's or a model's blocks from every tier, and a block store with damaged pages is
+set aside for a fresh one."""
 
 from __future__ import annotations
 
 import os
 import signal
+import struct
 from collections import Counter
 
 import lmdb
@@ -29,12 +31,12 @@ pytestmark = pytest.mark.skipif(not (GEN_VERSION_DIR / "decoder.onnx").is_file()
                                 reason="the generative model is not prepared: run `make model` (make test does)")
 
 
-def _models(root):
+def _models(root, small_mb: int = 2):
     link_model(root, "plain", CONFIG + "prefix_cache: {enabled: false}\n", {"1": GEN_VERSION_DIR})
     link_model(root, "cached", CONFIG + f"prefix_cache: {{block_tokens: 16, public_prompts: {{bank: {PUBLIC!r}}}}}\n",
                {"1": GEN_VERSION_DIR})
     # 2 blocks of memory: the rest is demoted to disk and read back from there
-    link_model(root, "small", CONFIG + "prefix_cache: {block_tokens: 16, host_mb: 2}\n", {"1": GEN_VERSION_DIR})
+    link_model(root, "small", CONFIG + f"prefix_cache: {{block_tokens: 16, host_mb: {small_mb}}}\n", {"1": GEN_VERSION_DIR})
     link_model(root, "torch", CONFIG.replace("generate:\n", "generate:\n  runtime: torch\n")
                + "prefix_cache: {block_tokens: 16}\n", {"1": GEN_VERSION_DIR})
     return root
@@ -72,6 +74,11 @@ def _reused(server, model, question, tenant="") -> int:
     _ask(server, model, question, tenant=tenant)
     after = _prefix(server, model)
     return sum(after[f"prefix_tokens_{tier}"] - before[f"prefix_tokens_{tier}"] for tier in ("memory", "host", "disk"))
+
+
+def _kv(server) -> Counter:
+    """The worker's block store figures (GetStats kv.*)."""
+    return Counter({k[3:]: v for k, v in server.stats().worker.counters.items() if k.startswith("kv.")})
 
 
 @pytest.mark.parametrize("model", ["cached", "small", "torch"])
@@ -147,11 +154,20 @@ def test_blocks_on_disk_survive_a_restart_and_a_damaged_one_is_recomputed(models
         for key, value in stored.items():
             txn.put(key, value[:-8] + bytes(b ^ 0xFF for b in value[-8:]))
     env.close()
+    # Memory enough for every block: what is computed again stays there, and what is on disk is what the
+    # damage left, less what the server deleted.
+    roomy = _models(tmp_path / "roomy", small_mb=64)
     (tmp_path / "three").mkdir()
-    with ServerProcess(tmp_path / "three", models, frontends=1, cache_dir=cache) as server:
+    with ServerProcess(tmp_path / "three", roomy, frontends=1, cache_dir=cache) as server:
         assert _ask(server, "small", question).token_ids == expected
         assert _prefix(server, "small")["prefix_tokens_disk"] == 0
-        assert server.stats().worker.counters.get("kv.unreadable", 0) >= 1
+        wait_for(lambda: _kv(server)["unreadable_deleted"] == _kv(server)["unreadable"] >= 1, 30,
+                 "the unreadable blocks deleted")
+        deleted = _kv(server)["unreadable_deleted"]
+        log = server.log_text()
+    assert log.count("not reused, deleting it") == deleted  # each read (and warned about) once
+    left = _records(cache)
+    assert len(left) == len(stored) - deleted and set(left) < set(stored)
 
 
 def test_invalidate_erases_a_tenants_and_a_models_prefix_blocks_from_every_tier(models, tmp_path):
@@ -184,6 +200,28 @@ def test_invalidate_erases_a_tenants_and_a_models_prefix_blocks_from_every_tier(
     assert not _records(cache) and not _records(cache, DB_NAMESPACES)
 
 
+def test_a_block_store_with_damaged_pages_is_set_aside_and_blocks_go_to_a_fresh_one(models, tmp_path):
+    cache = tmp_path / "cache"
+    question, other = "Can I open a joint account with my partner?", "Something else, to push the first out of memory?"
+    (tmp_path / "one").mkdir()
+    with ServerProcess(tmp_path / "one", models, frontends=1, cache_dir=cache) as server:
+        expected = _ask(server, "small", question).token_ids
+        _ask(server, "small", other)
+    assert _records(cache)
+    _damage_main_root(cache / "kv" / "data.mdb")
+    (tmp_path / "two").mkdir()
+    with ServerProcess(tmp_path / "two", models, frontends=1, cache_dir=cache) as server:
+        assert _ask(server, "small", question).token_ids == expected
+        _ask(server, "small", other)
+        wait_for(lambda: _kv(server)["written"] > 0, 30, "blocks written to the fresh store")
+        assert _kv(server)["replaced"] == 1
+        log = server.log_text()
+    assert log.count("prefix block store damaged") == 1
+    aside = list(cache.glob("kv.damaged-*"))
+    assert len(aside) == 1 and (aside[0] / "data.mdb").is_file()
+    assert _records(cache)  # the fresh store keeps blocks across restarts again
+
+
 def test_a_worker_killed_while_it_writes_blocks_leaves_only_whole_records(models, tmp_path):
     cache = tmp_path / "cache"
     (tmp_path / "one").mkdir()
@@ -204,3 +242,19 @@ def _records(cache, db: bytes = DB_RESULTS) -> dict[bytes, bytes]:
             return {bytes(k): bytes(v) for k, v in txn.cursor()}
     finally:
         env.close()
+
+
+def _damage_main_root(data_file) -> None:
+    """Zeros over the page the newest meta page names as the main tree's root (the index of the store's
+    databases), as a torn write or a bad disk leaves it (cachestore/integrity.py: the meta page layout).
+    (Garbage that reads as a page with entries can send LMDB's search past the end of the file, a SIGBUS
+    no process survives: no store can be set aside from there.)"""
+    raw = bytearray(data_file.read_bytes())
+    metas = []
+    for offset in (0, struct.unpack_from("<I", raw, 40)[0]):
+        page_size, = struct.unpack_from("<I", raw, offset + 40)
+        root, txn_id = struct.unpack_from("<Q", raw, offset + 128)[0], struct.unpack_from("<Q", raw, offset + 144)[0]
+        metas.append((txn_id, page_size, root))
+    _, page_size, root = max(metas)
+    raw[root * page_size:(root + 1) * page_size] = bytes(page_size)
+    data_file.write_bytes(bytes(raw))
