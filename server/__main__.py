@@ -68,6 +68,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"infercache: no model files for {', '.join(missing) or 'any model'} in {repository.root}; "
               "run `infercache prepare-model` (or `make model`)", file=sys.stderr)
         return 2
+    from server.worker.upstream.credentials import read_credential
+
+    for spec in repository.servable():  # (each worker reads them again; a bad one is said here, once)
+        if spec.upstream is not None:
+            try:
+                read_credential(spec.name, spec.upstream)
+            except ModelConfigError as exc:
+                print(f"infercache: {exc}", file=sys.stderr)
+                return 2
     for spec in repository.models.values():
         if spec.semantic_off:
             print(f"infercache: {spec.name}: its semantic: section is off (no `enabled: true`): exact answers only",

@@ -34,12 +34,13 @@ class ServerProcess:
 
     def __init__(self, workdir: Path, models_dir: Path, *, frontends: int = 2, settings: tuple[str, ...] = (),
                  cache_dir: Path | None = None, engines_dir: Path | None = None, wait: bool = True,
-                 client_options: dict | None = None) -> None:
-        """client_options: what `client()` passes to Client (a token, TLS material) for a secured server."""
+                 client_options: dict | None = None, port: int | None = None) -> None:
+        """client_options: what `client()` passes to Client (a token, TLS material) for a secured server;
+        port: the one to listen on (default a free one)."""
         self.workdir = workdir
         self.frontends = frontends
         self.client_options = client_options or {}
-        self.port = free_port()
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.cache_dir = cache_dir or workdir / "cache"
         self.engines_dir = engines_dir or workdir / "engines"

@@ -88,6 +88,7 @@ def _model_defaults() -> dict[str, object]:
                  "hot_keys": {"keep_text": True}})
     attribute = {"engine.precision": "precision", "privacy.pii": "pii", "l2.share_across_tenants": "share_features",
                  "hot_keys.keep_text": "hot_key_text", "normalize.synonyms": "key_variant",
+                 "runtime": lambda spec: "upstream" if spec.upstream is not None else "local",
                  # (unset: one class, named "default", of cache.ttl_s)
                  "cache.classes": lambda spec: "" if spec.ttl_classes.names == ("default",) else spec.ttl_classes.pairs,
                  "cache.default_class": lambda spec: "" if spec.ttl_classes.names == ("default",) else spec.ttl_classes.default}
@@ -104,6 +105,18 @@ def _model_defaults() -> dict[str, object]:
                     (Path(tmp) / "m").mkdir()
                     (Path(tmp) / "m" / "config.yaml").write_text(yaml.safe_dump(config))
                     out[f"generate.{leaf}"] = getattr(load_model(Path(tmp) / "m").generation, leaf)
+            continue
+        if key == "upstream":  # an upstream model's section: kind and urls required, the rest its UpstreamSpec's
+            from server.shared.upstream_spec import UpstreamSpec, upstream_from_config
+
+            config = {"kind": "openai", "urls": ["http://127.0.0.1:1/v1"]}
+            for leaf in sorted(inner):
+                if leaf in config:
+                    with pytest.raises(ValueError):
+                        upstream_from_config({k: v for k, v in config.items() if k != leaf}).check("embedding")
+                    out[f"upstream.{leaf}"] = "required"
+                else:
+                    out[f"upstream.{leaf}"] = getattr(UpstreamSpec(), leaf)
             continue
         if key == "prefix_cache":  # a generative model's too: its PrefixSpec's defaults
             with tempfile.TemporaryDirectory() as tmp:

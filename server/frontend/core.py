@@ -154,19 +154,25 @@ class FrontendCore:
 
     def _items(self, plan: Plan, keyed: list[Keyed], fleet_looked: bool = False,
                lengths: list | None = None) -> list[tuple[int, object]]:
-        """(route, fill) for each missed keyed text: token ids here, in this process. With `lengths`,
-        each text's token count is appended to it."""
+        """(route, fill) for each missed keyed text: token ids here, in this process (an upstream model's:
+        its text). With `lengths`, each text's token count is appended to it."""
         served = plan.served
         texts = [one.text for one in keyed]
-        ids = served.encoder.encode_batch(texts) if len(texts) > 1 else [served.encoder.encode(texts[0])]
-        if lengths is not None:
-            lengths.extend(len(one) for one in ids)
+        if served.encoder is None:  # computed upstream: the text itself goes
+            ids = None
+        else:
+            ids = served.encoder.encode_batch(texts) if len(texts) > 1 else [served.encoder.encode(texts[0])]
+            if lengths is not None:
+                lengths.extend(len(one) for one in ids)
         embed_ids = served.embed_encoder.encode_batch(texts) if served.embed_encoder is not None else None
         spec, version, source = served.spec, served.version, served.feature_source
 
         def fill(item, n: int, key: bytes, private: bool) -> None:
             item.model, item.version, item.tenant, item.key = spec.name, version, plan.tenant, key
-            item.ids = np.asarray(ids[n], dtype="<i4").tobytes()
+            if ids is None:
+                item.text = texts[n]
+            else:
+                item.ids = np.asarray(ids[n], dtype="<i4").tobytes()
             if embed_ids is not None:
                 item.embed_ids = np.asarray(embed_ids[n], dtype="<i4").tobytes()
             item.store, item.cached_ok = plan.store and not private, plan.cached_ok and not private

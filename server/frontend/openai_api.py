@@ -287,17 +287,21 @@ class OpenAIDoor:
 
     async def _prompt_tokens(self, call: _Embed) -> int:
         """What the texts of `call` are to the model, in tokens (usage), counted once: a hit never
-        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are."""
+        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are. A
+        model computed upstream counts none: this server has not its tokenizer."""
         if len(call.requests) <= TOKENIZE_INLINE_MAX:
             return self._tokens_inline(call)
         texts, encoder = self._texts(call)
+        if encoder is None:
+            call.prompt_tokens = 0
+            return 0
         call.prompt_tokens = sum(map(len, await asyncio.to_thread(encoder.encode_batch, texts)))
         return call.prompt_tokens
 
     def _tokens_inline(self, call: _Embed) -> int:
         """_prompt_tokens of a call of a few texts (one input's), on the event loop: nothing awaited."""
         texts, encoder = self._texts(call)
-        call.prompt_tokens = sum(len(encoder.encode(text)) for text in texts)
+        call.prompt_tokens = 0 if encoder is None else sum(len(encoder.encode(text)) for text in texts)
         return call.prompt_tokens
 
     async def embeddings(self, request: Request, grant: Grant) -> Response:

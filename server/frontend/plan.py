@@ -95,7 +95,7 @@ class Served:
 
     spec: ModelSpec
     version: str
-    encoder: TextEncoder
+    encoder: TextEncoder | None        # None: a model computed upstream (its misses are sent as text)
     embed_encoder: TextEncoder | None  # the semantic embedder's, when its ids differ from the model's
     by_namespace: bool                 # semantic models: a namespace's index lives in one worker
     normalize: Normalizer              # with the PII redaction step when the model's privacy.pii says redact
@@ -167,7 +167,7 @@ class Planner:
     def served(self, spec: ModelSpec, version: str) -> Served:
         found = self._served.get((spec.name, version))
         if found is None:
-            encoder = self._encoder(spec, version)
+            encoder = self._encoder(spec, version) if spec.upstream is None else None
             embed_encoder = embedded_by = None
             if spec.semantic is not None and spec.semantic.embedder in self.repository.models:
                 embedder = self.repository.get(spec.semantic.embedder)  # an embedding model: no recursion

@@ -52,6 +52,11 @@ class DeadlineExceeded(InferCacheError):
     pass
 
 
+class UpstreamFailed(InferCacheError):
+    """The server that computes an upstream model's misses failed, answered malformed or cannot be reached
+    (server/worker/upstream/); its reason is in the message, never its credential."""
+
+
 class Unauthenticated(InferCacheError):
     """No token, or one the server does not know (server/shared/auth.py)."""
 
@@ -68,6 +73,7 @@ STATUS_CODES: dict[type[InferCacheError], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    UpstreamFailed: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
@@ -89,7 +95,8 @@ HTTP_STATUS: dict[type[InferCacheError], tuple[int, str]] = {
 RETRY_AFTER_S = {Overloaded: 1, WorkerUnavailable: 1}  # HTTP answers that say when to try again
 
 # Codes the worker may return that the frontend passes to its client unchanged.
-_FROM_CODE = {code: cls for cls, code in STATUS_CODES.items()}
+# (UpstreamFailed arrives as UNAVAILABLE, its reason in the message: a frontend answers it as WorkerUnavailable.)
+_FROM_CODE = {code: cls for cls, code in STATUS_CODES.items() if cls is not UpstreamFailed}
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -27,6 +27,7 @@ from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_fro
 from server.shared import synonyms as synonym_files, ttl_classes
 from server.shared.synonyms import Synonyms
 from server.shared.ttl_classes import TtlClasses
+from server.shared.upstream_spec import UPSTREAM_KEYS, UpstreamSpec, upstream_from_config
 
 MODEL_FILE = "model.onnx"
 TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch_bert.py): its architecture
@@ -71,6 +72,7 @@ class ModelSpec:
     # task generate with a `semantic:` section: semantic answers (server/shared/answer_match.py)
     answer_match: AnswerMatchPolicy | None = None
     semantic_off: bool = False        # a `semantic:` section is there without `enabled: true` (said at start)
+    upstream: UpstreamSpec | None = None  # runtime: upstream: the server that computes its misses
 
     @property
     def key_variant(self) -> str:
@@ -122,7 +124,7 @@ def _is_version(path: Path) -> bool:
 # Every key a config.yaml may hold: a section's own keys, or None for a value (semantic: its rule checks
 # its keys, server/shared/match_policy.py). Anything else is an error, so that a typo never does nothing.
 KNOWN_KEYS: dict[str, frozenset[str] | None] = {
-    "task": None, "serving_version": None, "outputs": None, "semantic": None,
+    "task": None, "serving_version": None, "outputs": None, "semantic": None, "runtime": None,
     "input": frozenset({"max_text_chars", "max_tokens"}),
     "batching": frozenset({"buckets", "max_batch_size", "max_queue_delay_ms"}),
     "cache": frozenset({"ttl_s", "classes", "default_class"}),
@@ -133,7 +135,9 @@ KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "normalize": frozenset({"synonyms"}),
     "generate": GENERATION_KEYS,
     "prefix_cache": PREFIX_KEYS,
+    "upstream": UPSTREAM_KEYS,
 }
+RUNTIMES = ("local", "upstream")  # where a model's misses are computed: here, or by the server upstream: names
 
 
 def check_keys(data: dict) -> None:
@@ -195,8 +199,24 @@ def load_model(root: Path) -> ModelSpec:
         task = _get(data, "task", str)
         if task not in TASKS:
             raise ModelConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-        generation = prefix = None
-        if task == "generate":  # no batching, input or outputs: the generate section says it all
+        generation = prefix = upstream = None
+        runtime = _get(data, "runtime", str, "local")
+        if runtime not in RUNTIMES:
+            raise ModelConfigError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        if (runtime == "upstream") != ("upstream" in data):
+            raise ModelConfigError("runtime: upstream and an upstream: section go together")
+        if runtime == "upstream":  # no tokenizer, engine or buckets here: texts go to the upstream as they are keyed
+            upstream = upstream_from_config(data["upstream"])
+            upstream.check(task)
+            if stray := [k for k in ("batching", "engine", "generate", "prefix_cache") if k in data] + \
+                    (["input.max_tokens"] if "max_tokens" in (data.get("input") or {}) else []):
+                raise ModelConfigError(f"{', '.join(stray)}: not settings of an upstream model (its batches are "
+                                       "upstream.max_batch_texts and max_delay_ms)")
+            chars = _get(data, "input.max_text_chars", int, 8192)
+            shape = {"outputs": tuple(_get(data, "outputs", list, ["embedding"])), "max_tokens": chars,
+                     "max_text_chars": chars, "buckets": (chars,), "max_batch_size": upstream.max_batch_texts,
+                     "max_queue_delay_ms": upstream.max_delay_ms}
+        elif task == "generate":  # no batching, input or outputs: the generate section says it all
             generation = generation_from_config(data.get("generate"))
             prefix = prefix_from_config(data.get("prefix_cache"))
             shape = {"outputs": ("text",), "max_tokens": generation.context_length,
@@ -218,7 +238,8 @@ def load_model(root: Path) -> ModelSpec:
             root=root,
             task=task,
             serving_version=str(_get(data, "serving_version", str)),
-            versions=tuple(sorted(p.name for p in root.iterdir() if _is_version(p))),
+            versions=tuple(sorted({p.name for p in root.iterdir() if _is_version(p)}
+                                  | ({str(data.get("serving_version"))} if upstream is not None else set()))),
             ttl_s=lifetimes.ttl_s(lifetimes.default),
             ttl_classes=lifetimes,
             synonyms=_synonyms(root, data, generation),
@@ -231,6 +252,7 @@ def load_model(root: Path) -> ModelSpec:
             hot_key_text=bool((data.get("hot_keys") or {}).get("keep_text", False)),
             generation=generation,
             prefix=prefix,
+            upstream=upstream,
             **shape,
         )
     except (ModelConfigError, ValueError) as exc:  # (a TtlClassError is a ValueError)

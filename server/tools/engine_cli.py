@@ -68,6 +68,8 @@ def _nothing_to_build(specs, model: str | None) -> str:
     spec = specs[0]
     if not spec.versions:
         return f"{spec.name} has no version folder with model files (run `infercache prepare-model` for the defaults)"
+    if spec.upstream is not None:
+        return f"{spec.name} is computed upstream ({spec.upstream.kind}): no engine to build here"
     if spec.task == "generate":
         return f"{spec.name} generates text: its decoder is loaded from its model files as they are, no engine to build"
     encoder = "its encoder"

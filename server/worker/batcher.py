@@ -49,7 +49,7 @@ from server.shared.process import nicer_executor
 
 log = logging.getLogger("infercache.batcher")
 
-RunBatch = Callable[[list], list[Any]]  # token id sequences (lists or int32 arrays) -> one result each
+RunBatch = Callable[[list], list[Any]]  # sequences (token ids, or texts) -> one result (or Exception) each
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
@@ -387,9 +387,12 @@ class Batcher:
             # ran slow, and after every batch under the row model (its speed moves a little each batch).
             if took > SLOWDOWN * expected or self.row_s:
                 self._shed(loop.time())
-            for request, result in zip(batch, results, strict=True):
+            for request, result in zip(batch, results, strict=True):  # (a row's error fails that row alone)
                 if not request.future.done():
-                    request.future.set_result(result)
+                    if isinstance(result, Exception):
+                        request.future.set_exception(result)
+                    else:
+                        request.future.set_result(result)
             self.counters["batches"] += 1
             self.counters["batched_requests"] += len(batch)
             self.sizes[len(batch)] += 1

@@ -209,7 +209,7 @@ class WorkerCore:
     def _compute(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> asyncio.Future:
         if isinstance(runtime, HeadRuntime) or (runtime.spec.semantic is not None and self.semantic is not None):
             return asyncio.get_running_loop().create_task(self.matching.answer(runtime, item, deadline))
-        return runtime.batcher.enqueue(token_ids(item.ids), deadline)  # Overloaded when full
+        return runtime.batcher.enqueue(runtime.input_of(item), deadline)  # Overloaded when full
 
     async def _through_fleet(self, flight: Flight, deadline: float | None):
         """The fleet's record of the flight's key, another pod's result once it lands, or a computation."""

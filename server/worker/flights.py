@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -14,7 +14,9 @@ from cachestore import records
 from cachestore.results import now_us
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.worker.model_runtime import ModelRuntime
+
+if TYPE_CHECKING:  # (model_runtime reads items' token ids from here)
+    from server.worker.model_runtime import ModelRuntime
 
 Source = pb.CacheInfo.Source
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from infercache.v1 import infercache_pb2 as pb
 from server.worker.batcher import Batcher, length_groups
+from server.worker.flights import token_ids
 from server.config import Config
 from server.shared.answers import Answers
 from server.engines.artifacts import LoadedEngine, model_profiles
@@ -48,6 +49,10 @@ class ModelRuntime:
         to the device, the first batch), the worker's warmup batches, and the engine's own (the CUDA
         graphs' capture once done). A build has its own figure (built_s)."""
         return {"load": self.load_s, "warmup": self.warmup_s, **self.engine.warm_phases()}
+
+    def input_of(self, item) -> np.ndarray:
+        """What the batcher takes of a ComputeItem: its token ids."""
+        return token_ids(item.ids)
 
     def _run_batch(self, sequences: list) -> list[dict[str, np.ndarray]]:
         outputs = self.engine.run(pad_batch(sequences, max(len(s) for s in sequences)))

@@ -368,6 +368,26 @@ async def _at_full_speed(startup: StartupProfile, encoders: list[ModelRuntime]) 
     log.info("at full speed %.2f s after its start (%s)", startup.mark("warm", at), _phases_text(encoders))
 
 
+def _upstreams(config: Config, repository: ModelRepository) -> dict[tuple[str, str], ModelRuntime]:
+    """A runtime for every servable version of a model computed upstream (its credential read now, once);
+    one whose credential cannot be read is logged and left out (the supervisor checks them at start)."""
+    from server.worker.upstream.credentials import read_credential
+    from server.worker.upstream.runtime import UpstreamRuntime
+
+    found = {}
+    for spec in repository.servable():
+        if spec.upstream is None:
+            continue
+        try:
+            credential = read_credential(spec.name, spec.upstream)
+        except ModelConfigError as exc:
+            log.error("%s not served: %s", spec.name, exc)
+            continue
+        for version in spec.versions:
+            found[(spec.name, version)] = UpstreamRuntime(spec, version, config, credential)
+    return found
+
+
 async def _warm(runtime: ModelRuntime) -> None:
     started = time.monotonic()
     await asyncio.to_thread(runtime.warmup)
@@ -417,6 +437,7 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await _warm(runtime)
         runtime.engine.warm_behind_traffic()  # CUDA graphs captured while the worker starts and serves
     encoders = list(runtimes.values())
+    runtimes.update(_upstreams(config, repository))
     writer = await writer_started
     heads, features = await _heads(config, repository, runtimes, placement, lose_writer)  # runs the warm encoders
     for runtime in heads.values():

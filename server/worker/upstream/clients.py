@@ -1,0 +1,165 @@
+"""One upstream server of a model, by kind: each embeds a list of texts in one call and answers one float32
+vector per text, or raises Failure. They run in the batcher's threads (blocking calls, never on the event
+loop).
+
+- openai: POST {url}/embeddings (OpenAI's API; url as OpenAI clients take it, e.g. http://host:8000/v1);
+- infercache: InferBatch of another infercache's native gRPC API (url http://host:port), the caller's tenant
+  passed on, so the upstream's tiers keep tenants apart too;
+- kserve: KServe v2 ModelInfer over gRPC (Triton, KServe; url http://host:port): one BYTES input of the texts,
+  shape [N, 1], the embedding an FP32 [N, D] output."""
+
+from __future__ import annotations
+
+import struct
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import grpc
+import numpy as np
+
+from infercache.kserve import grpc_service_pb2 as kpb
+from infercache.v1 import infercache_pb2 as pb
+from server.shared.upstream_spec import UpstreamSpec
+from server.worker.upstream.credentials import Credential
+from server.worker.upstream.errors import Failure
+from server.worker.upstream.http import JsonEndpoint
+
+_LENGTH = struct.Struct("<I")
+# gRPC status codes an upstream answers, as the HTTP statuses Failure knows (retries, breaker, domain error)
+_GRPC_AS_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAUTHENTICATED: 401,
+                 grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.UNAVAILABLE: 503,
+                 grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNKNOWN: 500,
+                 grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNIMPLEMENTED: 501}
+
+
+class Client(Protocol):
+    url: str
+
+    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+        """One vector per text, in order; Failure otherwise."""
+
+    def close(self) -> None: ...
+
+
+def _vectors(rows, count: int) -> list[np.ndarray]:
+    """float32 vectors of one dimension from `rows` (lists of numbers), `count` of them; Failure otherwise."""
+    if len(rows) != count:
+        raise Failure("malformed", f"answered {len(rows)} embeddings for {count} texts")
+    try:
+        matrix = np.asarray(rows, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise Failure("malformed", "answered embeddings that are not lists of numbers of one length") from None
+    if matrix.ndim != 2 or matrix.shape[1] == 0 or not np.isfinite(matrix).all():
+        raise Failure("malformed", f"answered embeddings of shape {matrix.shape}, or not finite")
+    return list(matrix)
+
+
+class OpenAIClient:
+    def __init__(self, url: str, model: str, credential: Credential | None, timeout_s: float) -> None:
+        self.url = url
+        self.model = model
+        headers = {"authorization": credential.header()} if credential is not None else {}
+        self.endpoint = JsonEndpoint(url, headers, timeout_s)
+
+    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+        answer = self.endpoint.post("/embeddings", {"model": self.model, "input": texts, "encoding_format": "float"},
+                                    timeout_s)
+        data = answer.get("data")
+        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+            raise Failure("malformed", "answered no data list")
+        try:
+            ordered = sorted(data, key=lambda d: d.get("index", 0))
+            return _vectors([d["embedding"] for d in ordered], len(texts))
+        except (KeyError, TypeError):
+            raise Failure("malformed", "answered data items without an embedding") from None
+
+    def close(self) -> None:
+        pass
+
+
+class _GrpcClient:
+    """A channel to host:port (TLS for https://), the credential as call metadata."""
+
+    def __init__(self, url: str, model: str, credential: Credential | None) -> None:
+        parts = urlsplit(url)
+        self.url = url
+        self.model = model
+        target = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(), options)
+                        if parts.scheme == "https" else grpc.insecure_channel(target, options))
+        self.metadata = (("authorization", credential.header()),) if credential is not None else ()
+
+    def _call(self, method, request, timeout_s: float):
+        try:
+            return method(request, timeout=timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Failure("timeout", f"no answer within {timeout_s:.1f} s") from None
+            if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+                raise Failure("connect", f"cannot reach it: {exc.details()[:200]}") from None
+            raise Failure.of_status(_GRPC_AS_HTTP.get(code, 500), f"{code.name}: {(exc.details() or '')[:300]}") \
+                from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class InfercacheClient(_GrpcClient):
+    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
+        super().__init__(url, model, credential)
+        self.output = output
+        self.infer_batch = self.channel.unary_unary(
+            "/infercache.v1.InferenceCache/InferBatch", request_serializer=pb.InferBatchRequest.SerializeToString,
+            response_deserializer=pb.InferBatchResponse.FromString)
+
+    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+        answer = self._call(self.infer_batch, pb.InferBatchRequest(model=self.model, tenant=tenant, texts=texts),
+                            timeout_s)
+        rows = []
+        for result in answer.results:
+            tensor = next((t for t in result.outputs if t.name == self.output), None)
+            if tensor is None or tensor.dtype != "float32":
+                raise Failure("malformed", f"answered no float32 output {self.output!r}")
+            rows.append(np.frombuffer(tensor.data, dtype="<f4"))
+        return _vectors(rows, len(texts))
+
+
+class KServeClient(_GrpcClient):
+    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
+        super().__init__(url, model, credential)
+        self.output = output
+        self.model_infer = self.channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", request_serializer=kpb.ModelInferRequest.SerializeToString,
+            response_deserializer=kpb.ModelInferResponse.FromString)
+
+    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+        request = kpb.ModelInferRequest(model_name=self.model)
+        request.inputs.add(name="text", datatype="BYTES", shape=[len(texts), 1])
+        request.raw_input_contents.append(b"".join(_LENGTH.pack(len(t)) + t for t in (x.encode() for x in texts)))
+        answer = self._call(self.model_infer, request, timeout_s)
+        names = [o.name for o in answer.outputs]
+        at = names.index(self.output) if self.output in names else (0 if names and not self.output else -1)
+        if at < 0:
+            raise Failure("malformed", f"answered no output {self.output!r} (outputs: {', '.join(names)})")
+        tensor = answer.outputs[at]
+        if tensor.datatype != "FP32" or len(tensor.shape) != 2 or tensor.shape[0] != len(texts):
+            raise Failure("malformed", f"output {tensor.name!r} is {tensor.datatype} {list(tensor.shape)}, not "
+                                       f"FP32 [{len(texts)}, D]")
+        if len(answer.raw_output_contents) > at:
+            data = np.frombuffer(answer.raw_output_contents[at], dtype="<f4")
+        else:
+            data = np.asarray(tensor.contents.fp32_contents, dtype=np.float32)
+        if data.size != len(texts) * tensor.shape[1]:
+            raise Failure("malformed", f"output {tensor.name!r} holds {data.size} values for shape {list(tensor.shape)}")
+        return _vectors(data.reshape(len(texts), tensor.shape[1]), len(texts))
+
+
+def client_for(spec: UpstreamSpec, url: str, model: str, output: str, credential: Credential | None) -> Client:
+    if spec.kind == "openai":
+        return OpenAIClient(url, spec.upstream_model(model), credential, spec.timeout_s)
+    if spec.kind == "infercache":
+        return InfercacheClient(url, spec.upstream_model(model), spec.output or output, credential)
+    return KServeClient(url, spec.upstream_model(model), spec.output, credential)

@@ -1,0 +1,100 @@
+"""HTTP/1.1 JSON calls to one upstream server, from the batcher's threads: a kept-alive connection per
+thread (http.client), opened again when the server closed it. Blocking by design: it runs off the event
+loop, in the threads that run an engine's batches for a local model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import threading
+from urllib.parse import urlsplit
+
+from server.worker.upstream.errors import Failure
+
+
+class JsonEndpoint:
+    """POSTs JSON to paths under one base URL (its path included: "http://host:8000/v1")."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], timeout_s: float) -> None:
+        parts = urlsplit(base_url)
+        self.url = base_url
+        self.secure = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port or (443 if self.secure else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.headers = {"content-type": "application/json", "accept": "application/json", **headers}
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._tls = ssl.create_default_context() if self.secure else None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            if self.secure:
+                connection = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s,
+                                                         context=self._tls)
+            else:
+                connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            self._local.connection = connection
+        return connection
+
+    def _drop(self) -> None:
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            connection.close()
+            self._local.connection = None
+
+    def post(self, path: str, body: dict, timeout_s: float) -> dict:
+        """The JSON object the upstream answered; Failure (with its kind) otherwise."""
+        payload = json.dumps(body).encode()
+        for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more, on a new one
+            connection = self._connection()
+            reused = connection.sock is not None
+            connection.timeout = timeout_s
+            if connection.sock is not None:
+                connection.sock.settimeout(timeout_s)
+            try:
+                connection.request("POST", self.prefix + path, payload, self.headers)
+                response = connection.getresponse()
+                data = response.read()
+            except TimeoutError:
+                self._drop()
+                raise Failure("timeout", f"no answer within {timeout_s:.1f} s") from None
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self._drop()
+                if attempt == 0 and reused:
+                    continue
+                raise Failure("connect", f"connection lost: {type(exc).__name__}") from None
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                raise Failure("connect", f"cannot reach it: {exc.strerror or type(exc).__name__}"
+                              if isinstance(exc, OSError) else f"{type(exc).__name__}") from None
+            if response.will_close:
+                self._drop()
+            return _decoded(response.status, data)
+        raise Failure("connect", "connection lost")  # (not reached: the loop returns or raises)
+
+
+def _decoded(status: int, data: bytes) -> dict:
+    if status >= 400:
+        raise Failure.of_status(status, _message(data))
+    try:
+        found = json.loads(data)
+    except ValueError:
+        raise Failure("malformed", f"answered {len(data)} bytes that are not JSON") from None
+    if not isinstance(found, dict):
+        raise Failure("malformed", "answered JSON that is not an object")
+    return found
+
+
+def _message(data: bytes) -> str:
+    """The upstream's own reason (OpenAI's error.message, or the body's start), cut short."""
+    try:
+        found = json.loads(data)
+        error = found.get("error") if isinstance(found, dict) else None
+        message = error.get("message") if isinstance(error, dict) else (error if isinstance(error, str) else None)
+        if isinstance(message, str):
+            return message[:300]
+    except ValueError:
+        pass
+    return data[:300].decode("utf-8", "replace")

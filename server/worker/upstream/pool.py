@@ -1,0 +1,178 @@
+"""A model's upstream servers: which one computes a text, retries, and a circuit breaker per server.
+
+A text goes to the first of the servers ranked by rendezvous hashing of its cache key (highest
+hash(key, url) first) whose breaker is closed: a key keeps its server while the set of healthy servers
+holds it (what that server caches for it stays useful), and a failing server's keys spread over the
+others, coming back when it recovers. A call that fails for a reason worth retrying (Failure.retryable)
+is tried again, on the next server of its ranking, after a jittered backoff, within the model's
+upstream.timeout_s; a server whose calls fail breaker_failures times in a row is skipped for
+breaker_open_s, then tried by one call. When every server's breaker is open, calls fail at once.
+
+Called from the batcher's threads: the breakers' state is under one lock."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.shared.errors import InferCacheError, UpstreamFailed
+from server.shared.upstream_spec import UpstreamSpec
+from server.worker.upstream.clients import Client
+from server.worker.upstream.errors import Failure
+
+log = logging.getLogger("infercache.upstream")
+
+
+@dataclass(eq=False)
+class Server:
+    client: Client
+    failures: int = 0           # failed calls in a row (those that count against it)
+    open_until: float = 0.0     # time.monotonic() until which its breaker is open (0: closed)
+    trial: bool = False         # a call is trying it after its breaker opened
+    seed: bytes = field(default=b"")
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+class Row(str):
+    """A text to compute, with what routes it (its cache key) and whom it is for (its tenant)."""
+
+    key: bytes = b""
+    tenant: str = ""
+
+    @classmethod
+    def of(cls, text: str, key: bytes, tenant: str) -> "Row":
+        row = cls(text)
+        row.key, row.tenant = key, tenant
+        return row
+
+
+class UpstreamPool:
+    def __init__(self, name: str, spec: UpstreamSpec, clients: list[Client]) -> None:
+        self.name = name
+        self.spec = spec
+        self.servers = [Server(c, seed=hashlib.blake2b(c.url.encode(), digest_size=8).digest()) for c in clients]
+        self.counters: Counter[str] = Counter()  # written under the lock
+        self._lock = threading.Lock()
+
+    def _ranked(self, key: bytes) -> list[Server]:
+        if len(self.servers) == 1:
+            return self.servers
+        return sorted(self.servers, key=lambda s: hashlib.blake2b(key, digest_size=8, key=s.seed).digest(),
+                      reverse=True)
+
+    def _usable(self, server: Server, now: float) -> bool:
+        """Closed, or open past its time with no call trying it yet (this call becomes the trial)."""
+        if not server.open_until:
+            return True
+        if now >= server.open_until and not server.trial:
+            server.trial = True
+            return True
+        return False
+
+    def _choose(self, ranked: list[Server], tried: set[Server]) -> Server | None:
+        now = time.monotonic()
+        with self._lock:
+            for server in ranked:
+                if server not in tried and self._usable(server, now):
+                    return server
+        return None
+
+    def _succeeded(self, server: Server, seconds: float, texts: int) -> None:
+        with self._lock:
+            if server.open_until:
+                log.warning("%s: upstream %s answers again", self.name, server.url)
+            server.failures, server.open_until, server.trial = 0, 0.0, False
+            self.counters["calls"] += 1
+            self.counters["texts"] += texts
+            self.counters["call_us"] += int(seconds * 1e6)
+
+    def _failed(self, server: Server, failure: Failure) -> None:
+        with self._lock:
+            self.counters["calls"] += 1
+            self.counters[f"errors_{failure.kind if failure.kind != 'status' else failure.status}"] += 1
+            if not failure.counts_against:
+                server.trial = False
+                return
+            server.failures += 1
+            if server.trial or server.failures >= self.spec.breaker_failures:
+                if not server.open_until or server.trial:
+                    log.warning("%s: upstream %s taken out of rotation for %.1f s after %d failed call(s): %s",
+                                self.name, server.url, self.spec.breaker_open_s, server.failures, failure)
+                    self.counters["breaker_opened"] += 1
+                server.open_until = time.monotonic() + self.spec.breaker_open_s
+            server.trial = False
+
+    def embed(self, rows: list[Row]) -> list[np.ndarray | InferCacheError]:
+        """A vector, or the error its caller gets, for each row: rows go to their key's first usable
+        server, each server's share in one call (per tenant), tried again as the module says."""
+        groups: dict[tuple[int, str], list[int]] = {}
+        for n, row in enumerate(rows):
+            ranked = self._ranked(row.key)
+            groups.setdefault((self.servers.index(ranked[0]), row.tenant), []).append(n)
+        out: list[np.ndarray | InferCacheError | None] = [None] * len(rows)
+        for (_, tenant), members in groups.items():
+            texts = [str(rows[n]) for n in members]
+            try:
+                vectors = self._call(self._ranked(rows[members[0]].key), texts, tenant)
+            except InferCacheError as exc:
+                vectors = [exc] * len(members)
+            for n, vector in zip(members, vectors):
+                out[n] = vector
+        return out
+
+    def _call(self, ranked: list[Server], texts: list[str], tenant: str) -> list[np.ndarray]:
+        spec = self.spec
+        deadline = time.monotonic() + spec.timeout_s
+        tried: set[Server] = set()
+        last: tuple[Server, Failure] | None = None
+        for attempt in range(spec.retries + 1):
+            server = self._choose(ranked, tried) or (self._choose(ranked, set()) if last is not None else None)
+            if server is None:
+                if last is not None:
+                    break
+                raise UpstreamFailed(f"{self.name}: every upstream ({', '.join(s.url for s in self.servers)}) is out "
+                                     f"of rotation after failing (tried again in {self._reopens_in():.1f} s)")
+            tried.add(server)
+            if attempt:
+                with self._lock:
+                    self.counters["retries"] += 1
+                pause = random.uniform(0, spec.retry_backoff_ms / 1000 * (1 << (attempt - 1)))
+                if time.monotonic() + pause >= deadline:
+                    break
+                time.sleep(pause)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            started = time.monotonic()
+            try:
+                vectors = server.client.embed(texts, tenant, remaining)
+            except Failure as failure:
+                self._failed(server, failure)
+                last = (server, failure)
+                if not failure.retryable:
+                    break
+                continue
+            self._succeeded(server, time.monotonic() - started, len(texts))
+            return vectors
+        if last is None:
+            raise UpstreamFailed(f"{self.name}: no upstream answered within upstream.timeout_s ({spec.timeout_s} s)")
+        server, failure = last
+        raise failure.domain(server.url)
+
+    def _reopens_in(self) -> float:
+        with self._lock:
+            return max(0.0, min(s.open_until for s in self.servers) - time.monotonic())
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.client.close()

@@ -1,0 +1,189 @@
+"""Models computed by another server (`runtime: upstream`), through real servers on both sides: a second
+infercache serving MiniLM is the upstream, called through its native API (kind infercache), its
+OpenAI-compatible door (kind openai) and its KServe v2 door (kind kserve), with a token. The front server
+has no MiniLM files: every miss it answers was computed upstream."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+from tests.helpers import link_model, unique, wait_cached, wait_for
+from tests.servers import ServerProcess, free_port
+
+TOKEN = f"upstream-{os.urandom(16).hex()}"
+KINDS = ("infercache", "openai", "kserve")
+
+
+def _front_config(kind: str, grpc_port: int, http_port: int, **extra) -> str:
+    url = f"http://127.0.0.1:{http_port}/v1" if kind == "openai" else f"http://127.0.0.1:{grpc_port}"
+    upstream = {"kind": kind, "urls": [url], "model": "minilm", "credential_file": "TOKEN_FILE",
+                "timeout_s": 10, "retries": 1, "retry_backoff_ms": 20, "breaker_failures": 2,
+                "breaker_open_s": 1.0, **extra}
+    return yaml.safe_dump({"task": "embedding", "serving_version": "1", "runtime": "upstream",
+                           "upstream": upstream, "cache": {"ttl_s": 600}})
+
+
+class Upstream:
+    """The upstream infercache (MiniLM, tokens on), stoppable and startable again on the same ports."""
+
+    def __init__(self, workdir, models, engines_dir) -> None:
+        self.workdir, self.models, self.engines_dir = workdir, models, engines_dir
+        self.grpc_port, self.http_port = free_port(), free_port()
+        tokens = workdir / "tokens.yaml"
+        tokens.write_text(yaml.safe_dump([{"token": TOKEN, "role": "client"}, {"token": TOKEN + "-admin", "role": "admin"}]))
+        self.settings = (f"security.tokens_file={tokens}", f"server.http_port={self.http_port}")
+        self.server: ServerProcess | None = None
+        self.starts = 0
+
+    def start(self) -> ServerProcess:
+        self.starts += 1
+        workdir = self.workdir / f"run{self.starts}"
+        workdir.mkdir()
+        self.server = ServerProcess(workdir, self.models, engines_dir=self.engines_dir, frontends=1,
+                                    cache_dir=self.workdir / "cache", settings=self.settings,
+                                    client_options={"token": TOKEN + "-admin"}, port=self.grpc_port)
+        return self.server
+
+    def texts_seen(self) -> int:
+        """Texts the upstream has been asked (exact hits and misses of its one frontend)."""
+        counters = self.server.stats().frontend.counters
+        return counters["frontend.hit_exact"] + counters["frontend.forwarded"]
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory, engines_dir):
+    models = tmp_path_factory.mktemp("upstream-models")
+    link_model(models, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    found = Upstream(tmp_path_factory.mktemp("upstream"), models, engines_dir)
+    found.start()
+    yield found
+    if found.server is not None:
+        found.server.stop()
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory, upstream, engines_dir):
+    """An infercache with one model per kind, all computed by `upstream`; no model files of its own."""
+    work = tmp_path_factory.mktemp("front")
+    token_file = work / "upstream.token"
+    token_file.write_text(TOKEN + "\n")
+    models = work / "models"
+    for kind in KINDS:
+        config = _front_config(kind, upstream.grpc_port, upstream.http_port).replace("TOKEN_FILE", str(token_file))
+        (models / f"up-{kind}").mkdir(parents=True)
+        (models / f"up-{kind}" / "config.yaml").write_text(config)
+    server = ServerProcess(work, models, engines_dir=engines_dir, frontends=1)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_answers_equal_the_upstreams_and_a_repeat_is_a_hit(front, upstream, kind):
+    text = unique(f"How do I return an item ({kind})?")
+    with upstream.server.client() as direct:
+        expected = direct.infer("minilm", text).outputs["embedding"]
+    with front.client() as client:
+        first = client.infer(f"up-{kind}", text)
+        assert first.source == "MISS"
+        np.testing.assert_allclose(first.outputs["embedding"], expected, rtol=1e-5, atol=1e-6)
+        wait_cached(client, f"up-{kind}", text)
+        again = client.infer(f"up-{kind}", text)
+        assert again.source == "RESULT_EXACT"
+        np.testing.assert_array_equal(again.outputs["embedding"], first.outputs["embedding"])
+        batch = client.infer_batch(f"up-{kind}", [unique("first of a batch"), text, unique("third of a batch")])
+        assert [r.source for r in batch] == ["MISS", "RESULT_EXACT", "MISS"]
+    assert f"upstream-{kind}" in {e.runtime for e in front.stats().worker.engines}
+
+
+@pytest.mark.parametrize("kind", ("infercache", "openai"))
+def test_identical_concurrent_calls_make_one_upstream_call(front, upstream, kind):
+    text = unique(f"thirty-two callers at once ({kind})")
+    before = upstream.texts_seen()
+    with front.client(timeout_s=30) as client, ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda _: client.infer(f"up-{kind}", text), range(32)))
+    assert {a.source for a in answers} <= {"MISS", "COALESCED", "RESULT_EXACT"}
+    assert upstream.texts_seen() - before == 1
+
+
+def test_tenants_never_share_and_the_upstream_keeps_them_apart(front, upstream):
+    text = unique("a tenant's own question")
+    with front.client() as client:
+        client.infer("up-infercache", text, tenant="acme")
+        wait_cached(client, "up-infercache", text, tenant="acme")
+        assert client.infer("up-infercache", text, tenant="acme").source == "RESULT_EXACT"
+        assert client.infer("up-infercache", text, tenant="globex").source == "MISS"
+    with upstream.server.client() as direct:  # the upstream stored it under each tenant too
+        wait_cached(direct, "minilm", text, tenant="acme")
+        wait_cached(direct, "minilm", text, tenant="globex")
+
+
+def test_the_upstream_down_cached_answers_still_served_misses_refused_fast_then_recovery(front, upstream):
+    cached = unique("asked before the upstream went down")
+    with front.client(timeout_s=30) as client:
+        client.infer("up-infercache", cached)
+        wait_cached(client, "up-infercache", cached)
+        assert upstream.server.stop() == 0
+        assert client.infer("up-infercache", cached).source == "RESULT_EXACT"
+        refusals = []
+        for n in range(4):
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                client.infer("up-infercache", unique(f"a miss while it is down {n}"))
+            refusals.append(time.monotonic() - started)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"127.0.0.1:{upstream.grpc_port}" in refused.value.details()
+        assert "out of rotation" in refused.value.details()  # the breaker answers without calling
+        upstream.start()
+        wait_for(lambda: _answers(client, "up-infercache"), 30, "a miss answered once the upstream is back")
+
+
+def _answers(client, model: str) -> bool:
+    try:
+        return client.infer(model, unique("after the upstream came back")).source == "MISS"
+    except grpc.RpcError:
+        return False
+
+
+def test_a_wrong_credential_is_a_clear_error_and_no_credential_is_logged_or_stored(tmp_path, upstream, engines_dir):
+    models = tmp_path / "models"
+    (models / "up-wrong").mkdir(parents=True)
+    (tmp_path / "wrong.token").write_text("not-the-token")
+    (models / "up-wrong" / "config.yaml").write_text(
+        _front_config("openai", upstream.grpc_port, upstream.http_port).replace("TOKEN_FILE", str(tmp_path / "wrong.token")))
+    server = ServerProcess(tmp_path, models, engines_dir=engines_dir, frontends=1)
+    try:
+        with server.client() as client, pytest.raises(grpc.RpcError) as refused:
+            client.infer("up-wrong", unique("with the wrong token"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "credential" in refused.value.details() and "not-the-token" not in refused.value.details()
+    finally:
+        server.stop()
+    assert "not-the-token" not in server.log_text()
+    for path in (tmp_path / "cache").rglob("*"):
+        if path.is_file():
+            assert b"not-the-token" not in path.read_bytes(), path
+
+
+def test_an_unreadable_credential_stops_the_start_with_one_line(tmp_path, engines_dir):
+    import subprocess
+    import sys
+
+    from tests.servers import REPO
+
+    models = tmp_path / "models"
+    (models / "up").mkdir(parents=True)
+    config = _front_config("openai", 1, 2).replace('credential_file: TOKEN_FILE', "credential_env: INFERCACHE_TEST_UNSET")
+    (models / "up" / "config.yaml").write_text(config)
+    env = {k: v for k, v in os.environ.items() if k != "INFERCACHE_TEST_UNSET"}
+    done = subprocess.run([sys.executable, "-m", "server", "serve", "--models-dir", str(models), "--port", str(free_port())],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "$INFERCACHE_TEST_UNSET" in done.stderr and "Traceback" not in done.stderr
