@@ -37,7 +37,7 @@ from server.shared.errors import InferCacheError, ModelNotFound, WorkerUnavailab
 from server.shared.models import ModelRepository
 from server.shared.telemetry import Recorder
 from server.worker.features import FeatureTier, feature_selector
-from server.worker.flights import Flight, Outcome, Replies, Source, may_join, token_ids
+from server.worker.flights import Flight, Outcome, Replies, Source, may_join
 from server.worker.answer_matching import AnswerMatching
 from server.worker.generation import Generation, Generations
 from server.worker.heads import HeadRuntime
