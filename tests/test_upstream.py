@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -81,9 +82,19 @@ def front(tmp_path_factory, upstream, engines_dir):
         config = _front_config(kind, upstream.grpc_port, upstream.http_port).replace("TOKEN_FILE", str(token_file))
         (models / f"up-{kind}").mkdir(parents=True)
         (models / f"up-{kind}" / "config.yaml").write_text(config)
-    server = ServerProcess(work, models, engines_dir=engines_dir, frontends=1)
+    metrics_port = free_port()
+    server = ServerProcess(work, models, engines_dir=engines_dir, frontends=1,
+                           settings=(f"server.metrics_port={metrics_port}",))
+    server.metrics_port = metrics_port
     yield server
     server.stop()
+
+
+def _metric(server, line_start: str) -> float:
+    """The sum of /metrics samples whose line starts with `line_start` (series name and labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(line_start))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -102,6 +113,10 @@ def test_answers_equal_the_upstreams_and_a_repeat_is_a_hit(front, upstream, kind
         batch = client.infer_batch(f"up-{kind}", [unique("first of a batch"), text, unique("third of a batch")])
         assert [r.source for r in batch] == ["MISS", "RESULT_EXACT", "MISS"]
     assert f"upstream-{kind}" in {e.runtime for e in front.stats().worker.engines}
+    model = f'model="up-{kind}"'
+    wait_for(lambda: _metric(front, 'infercache_upstream_calls_total{' + model) >= 2, 10, "the calls in /metrics")
+    assert _metric(front, 'infercache_upstream_call_seconds_count{' + model) >= 2
+    assert _metric(front, 'infercache_upstream_in_rotation{' + model) == 1
 
 
 @pytest.mark.parametrize("kind", ("infercache", "openai"))
@@ -142,6 +157,10 @@ def test_the_upstream_down_cached_answers_still_served_misses_refused_fast_then_
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert f"127.0.0.1:{upstream.grpc_port}" in refused.value.details()
         assert "out of rotation" in refused.value.details()  # the breaker answers without calling
+        wait_for(lambda: _metric(front, 'infercache_upstream_in_rotation{model="up-infercache"') == 0, 10,
+                 "the server out of rotation in /metrics")
+        assert _metric(front, 'infercache_upstream_calls_total{model="up-infercache"') > \
+            _metric(front, 'infercache_upstream_calls_total{model="up-infercache",outcome="ok"')
         upstream.start()
         wait_for(lambda: _answers(client, "up-infercache"), 30, "a miss answered once the upstream is back")
 

@@ -125,6 +125,16 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "gauge", "Where a worker's start went: imports, runtime_import (torch), device_init (CUDA) in seconds; "
         "ready and warm (every engine at full speed) in seconds since the process started.",
         ("worker", "phase"), ()),
+    "infercache_upstream_calls_total": (
+        "counter", "Calls to an upstream model's servers (runtime: upstream), by server and outcome: ok, or "
+        "why it failed (connect, timeout, malformed, or the HTTP status it answered).",
+        ("model", "upstream", "outcome"), ()),
+    "infercache_upstream_call_seconds": (
+        "histogram", "Duration of an upstream model's calls that its servers answered, by server.",
+        ("model", "upstream"), LATENCY_BOUNDS),
+    "infercache_upstream_in_rotation": (
+        "gauge", "1 while an upstream server takes calls, 0 while its circuit breaker has it out of rotation.",
+        ("model", "upstream", "worker"), ()),
     "infercache_process_restarts_total": ("counter", "Child processes the supervisor restarted.", ("role",), ()),
     "infercache_processes": ("gauge", "Live child processes.", ("role",), ()),
 }

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from server.shared.errors import InferCacheError, UpstreamFailed
+from server.shared.telemetry import Recorder
 from server.shared.upstream_spec import UpstreamSpec
 from server.worker.upstream.clients import Client
 from server.worker.upstream.errors import Failure
@@ -57,12 +58,23 @@ class Row(str):
 
 
 class UpstreamPool:
-    def __init__(self, name: str, spec: UpstreamSpec, clients: list[Client]) -> None:
-        self.name = name
+    def __init__(self, model: str, version: str, spec: UpstreamSpec, clients: list[Client]) -> None:
+        self.model = model
+        self.name = f"{model}-{version}"
         self.spec = spec
         self.servers = [Server(c, seed=hashlib.blake2b(c.url.encode(), digest_size=8).digest()) for c in clients]
-        self.counters: Counter[str] = Counter()  # written under the lock
+        self.counters: Counter[str] = Counter()  # GetStats' figures; written under the lock
+        self._figures = Recorder()               # /metrics' (figures()); written under the lock
         self._lock = threading.Lock()
+
+    def figures(self) -> Recorder:
+        """A copy of the calls' /metrics figures."""
+        with self._lock:
+            return Recorder().plus(self._figures)
+
+    def in_rotation(self) -> dict[str, bool]:
+        with self._lock:
+            return {server.url: not server.open_until for server in self.servers}
 
     def _ranked(self, key: bytes) -> list[Server]:
         if len(self.servers) == 1:
@@ -92,14 +104,18 @@ class UpstreamPool:
             if server.open_until:
                 log.warning("%s: upstream %s answers again", self.name, server.url)
             server.failures, server.open_until, server.trial = 0, 0.0, False
+            self._figures.inc(("infercache_upstream_calls_total", self.model, server.url, "ok"))
+            self._figures.observe(("infercache_upstream_call_seconds", self.model, server.url), seconds)
             self.counters["calls"] += 1
             self.counters["texts"] += texts
             self.counters["call_us"] += int(seconds * 1e6)
 
     def _failed(self, server: Server, failure: Failure) -> None:
+        outcome = failure.kind if failure.kind != "status" else str(failure.status)
         with self._lock:
+            self._figures.inc(("infercache_upstream_calls_total", self.model, server.url, outcome))
             self.counters["calls"] += 1
-            self.counters[f"errors_{failure.kind if failure.kind != 'status' else failure.status}"] += 1
+            self.counters[f"errors_{outcome}"] += 1
             if not failure.counts_against:
                 server.trial = False
                 return

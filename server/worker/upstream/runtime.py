@@ -43,7 +43,7 @@ class UpstreamRuntime(ModelRuntime):
         self.spec = spec
         self.version = version
         self.nice = 0
-        self.pool = UpstreamPool(f"{spec.name}-{version}", upstream,
+        self.pool = UpstreamPool(spec.name, version, upstream,
                                  [client_for(upstream, url, spec.name, spec.outputs[0], credential)
                                   for url in upstream.urls])
         self.engine = _UpstreamEngine(self.pool, upstream.max_in_flight)
