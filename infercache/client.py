@@ -31,6 +31,7 @@ class Result:
     label: str = ""      # classification models: the answer ...
     probability: float = 0.0  # ... and its probability
     similarity: float = 0.0   # RESULT_SEMANTIC: similarity of the matched request
+    stale: bool = False       # an expired entry answered because the model could not (cache.stale_if_error_s)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def to_result(response: pb.InferResponse) -> Result:
     info = response.cache
     return Result(decode_outputs(response), pb.CacheInfo.Source.Name(info.source), info.age_s,
                   info.model_version, info.key, response.classification.label,
-                  response.classification.probability, info.similarity)
+                  response.classification.probability, info.similarity, info.stale)
 
 
 def channel(target: str, *, ca: bytes | None = None, cert: bytes | None = None, key: bytes | None = None,

@@ -89,6 +89,7 @@ def _model_defaults() -> dict[str, object]:
     attribute = {"engine.precision": "precision", "privacy.pii": "pii", "l2.share_across_tenants": "share_features",
                  "hot_keys.keep_text": "hot_key_text", "normalize.synonyms": "key_variant",
                  "runtime": lambda spec: "upstream" if spec.upstream is not None else "local",
+                 "cache.stale_if_error_s": "stale_if_error_s",
                  # (unset: one class, named "default", of cache.ttl_s)
                  "cache.classes": lambda spec: "" if spec.ttl_classes.names == ("default",) else spec.ttl_classes.pairs,
                  "cache.default_class": lambda spec: "" if spec.ttl_classes.names == ("default",) else spec.ttl_classes.default}

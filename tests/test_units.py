@@ -268,7 +268,7 @@ def test_pad_batch_pads_each_row_to_the_length():
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c.replace("cache:\n  ttl_s:", "cache:\n  ttl_sec:"), r"unknown key 'cache.ttl_sec' \(known in cache: classes, default_class, ttl_s\)"),
+    (lambda c: c.replace("cache:\n  ttl_s:", "cache:\n  ttl_sec:"), r"unknown key 'cache.ttl_sec' \(known in cache: classes, default_class, stale_if_error_s, ttl_s\)"),
     (lambda c: c + "batchng: {max_batch_size: 4}\n", r"unknown key 'batchng' \(known: task, serving_version, outputs"),
     (lambda c: c + "semantic: {enabled: false, max_eror: 0.01}\n", r"semantic: max_eror not settings of either rule"),
     (lambda c: c + "privacy: redact\n", r"'privacy' must be a mapping of pii"),
@@ -309,3 +309,22 @@ def test_every_cli_option_says_what_it_is_and_operations_lists_every_command():
     operations = (REPO / "docs" / "operations.md").read_text()
     missing = [name for name in commands.choices if name not in operations.split("subcommands (", 1)[1].split(")")[0]]
     assert not missing, missing
+
+
+def test_stale_if_error_keeps_entries_within_retention_and_is_refused_where_it_cannot_apply(tmp_path):
+    from server.shared.answers import answer_record
+    from server.shared.models import ModelConfigError, ModelRepository
+
+    config = (REPO / "models" / "minilm" / "config.yaml").read_text().replace("ttl_s:", "stale_if_error_s: 500\n  ttl_s:")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.yaml").write_text(config)
+    spec = ModelRepository(tmp_path).get("m")
+    assert spec.stale_if_error_s == 500
+    record = answer_record(spec, 1_000_000, b"answer")
+    assert record.expires_us == 1_000_000 + (spec.ttl_s + 500) * 1_000_000  # (no jitter: cache.ttl_jitter is 0)
+    capped = ModelRepository(tmp_path, max_ttl_s=spec.ttl_s + 100).get("m")  # retention: the window shrinks
+    assert capped.stale_if_error_s == 100
+    generative = (REPO / "models" / "smollm2" / "config.yaml").read_text()
+    (tmp_path / "m" / "config.yaml").write_text(generative.replace("ttl_s:", "stale_if_error_s: 5\n  ttl_s:", 1))
+    with pytest.raises(ModelConfigError, match="stale_if_error_s"):
+        ModelRepository(tmp_path)

@@ -22,15 +22,16 @@ from tests.servers import ServerProcess, free_port
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
 KINDS = ("infercache", "openai", "kserve")
+SHORT_TTL_S = 1
 
 
-def _front_config(kind: str, grpc_port: int, http_port: int, **extra) -> str:
+def _front_config(kind: str, grpc_port: int, http_port: int, cache: dict | None = None) -> str:
     url = f"http://127.0.0.1:{http_port}/v1" if kind == "openai" else f"http://127.0.0.1:{grpc_port}"
     upstream = {"kind": kind, "urls": [url], "model": "minilm", "credential_file": "TOKEN_FILE",
                 "timeout_s": 10, "retries": 1, "retry_backoff_ms": 20, "breaker_failures": 2,
-                "breaker_open_s": 1.0, **extra}
+                "breaker_open_s": 1.0}
     return yaml.safe_dump({"task": "embedding", "serving_version": "1", "runtime": "upstream",
-                           "upstream": upstream, "cache": {"ttl_s": 600}})
+                           "upstream": upstream, "cache": cache or {"ttl_s": 600}})
 
 
 class Upstream:
@@ -78,10 +79,11 @@ def front(tmp_path_factory, upstream, engines_dir):
     token_file = work / "upstream.token"
     token_file.write_text(TOKEN + "\n")
     models = work / "models"
-    for kind in KINDS:
-        config = _front_config(kind, upstream.grpc_port, upstream.http_port).replace("TOKEN_FILE", str(token_file))
-        (models / f"up-{kind}").mkdir(parents=True)
-        (models / f"up-{kind}" / "config.yaml").write_text(config)
+    for name, kind, cache in [*((f"up-{kind}", kind, None) for kind in KINDS),
+                              ("up-stale", "infercache", {"ttl_s": SHORT_TTL_S, "stale_if_error_s": 600})]:
+        config = _front_config(kind, upstream.grpc_port, upstream.http_port, cache).replace("TOKEN_FILE", str(token_file))
+        (models / name).mkdir(parents=True)
+        (models / name / "config.yaml").write_text(config)
     metrics_port = free_port()
     server = ServerProcess(work, models, engines_dir=engines_dir, frontends=1,
                            settings=(f"server.metrics_port={metrics_port}",))
@@ -143,10 +145,23 @@ def test_tenants_never_share_and_the_upstream_keeps_them_apart(front, upstream):
 
 def test_the_upstream_down_cached_answers_still_served_misses_refused_fast_then_recovery(front, upstream):
     cached = unique("asked before the upstream went down")
+    expired = unique("expired while the upstream is down")
     with front.client(timeout_s=30) as client:
         client.infer("up-infercache", cached)
         wait_cached(client, "up-infercache", cached)
+        first = client.infer("up-stale", expired)
+        wait_cached(client, "up-stale", expired)
+        time.sleep(SHORT_TTL_S + 0.2)
+        assert client.infer("up-stale", expired).source == "MISS"  # expired, and the upstream answers: computed
+        wait_cached(client, "up-stale", expired)
+        time.sleep(SHORT_TTL_S + 0.2)
         assert upstream.server.stop() == 0
+        stale = client.infer("up-stale", expired)  # expired, and the upstream is down: the entry, marked stale
+        assert stale.source == "RESULT_EXACT" and stale.stale and stale.age_s > SHORT_TTL_S
+        np.testing.assert_array_equal(stale.outputs["embedding"], first.outputs["embedding"])
+        with pytest.raises(grpc.RpcError) as never_cached:  # nothing to fall back on: the upstream's error
+            client.infer("up-stale", unique("never asked before"))
+        assert never_cached.value.code() == grpc.StatusCode.UNAVAILABLE
         assert client.infer("up-infercache", cached).source == "RESULT_EXACT"
         refusals = []
         for n in range(4):

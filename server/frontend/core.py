@@ -27,7 +27,7 @@ from server.frontend.prompts import Prompts
 from server.frontend.read_cache import ReadCache
 from server.frontend.tally import NO_TALLY
 from server.frontend.workers import WorkerPool
-from server.shared.errors import InvalidArgument, NotCached
+from server.shared.errors import DeadlineExceeded, InvalidArgument, NotCached, Overloaded, WorkerUnavailable
 from server.shared.models import ModelRepository
 
 log = logging.getLogger("infercache.frontend")
@@ -36,6 +36,9 @@ Mode = pb.CachePolicy.Mode
 # Read per call: as plain ints (an attribute of a protobuf enum wrapper costs about a microsecond).
 BYPASS, ONLY_IF_CACHED = Mode.BYPASS, Mode.ONLY_IF_CACHED
 TOKENIZE_INLINE_MAX = 32  # longer batches are tokenized in a thread, off the event loop
+# Failures of a miss that a model's cache.stale_if_error_s answers with an expired entry: the model (its
+# upstream, its workers) could not compute it in time. Not the caller's own errors, nor a full queue of its own.
+STALE_IF = (WorkerUnavailable, DeadlineExceeded, Overloaded)
 
 
 def _copy_item(item, *, model: str, version: str, tenant: str, key: bytes, raw: bytes, source: int,
@@ -240,7 +243,12 @@ class FrontendCore:
         self.workers.admit(plan.served.spec.name, plan.served.version, (plan.served.route(keyed.key),), time_remaining)
         self.counters["forwarded"] += 1
         items = self._items(plan, [keyed], looked, tally.lengths)
-        [result] = await self.workers.compute(items, time_remaining)
+        try:
+            [result] = await self.workers.compute(items, time_remaining)
+        except STALE_IF as exc:
+            [stale] = self._stale(plan, [keyed], exc)
+            tally.answered(plan, keyed, RESULT_EXACT)
+            return stale
         tally.tokenized(plan, [keyed])
         tally.answered(plan, keyed, result.source, rejected=result.semantic_rejected)
         return _answer(result)
@@ -293,11 +301,35 @@ class FrontendCore:
                 items = await asyncio.to_thread(self._items, plan, miss_keyed, looked, tally.lengths)
             else:
                 items = self._items(plan, miss_keyed, looked, tally.lengths)
-            results = await self.workers.compute(items, time_remaining)
-            tally.tokenized(plan, miss_keyed)
+            try:
+                results = await self.workers.compute(items, time_remaining)
+            except STALE_IF as exc:  # (every missed text is answered stale, or the call fails)
+                results = []
+                missed = self._answered_here(answers, missed, self._stale(plan, miss_keyed, exc), here, RESULT_EXACT)
+            else:
+                tally.tokenized(plan, miss_keyed)
         tally.answered_batch(plan, keyed, dict(zip(missed, results)), here)
         results_in_order = iter(results)
         return wire.batch_response([_answer(next(results_in_order)) if answer is None else answer for answer in answers])
+
+    def _stale(self, plan: Plan, keyed: list[Keyed], failure: Exception) -> list[bytes]:
+        """Answers of texts the model could not compute (`failure`) from entries expired at most the model's
+        cache.stale_if_error_s ago, marked stale; `failure` itself unless every text has one."""
+        stale_us = plan.served.spec.stale_if_error_s * 1_000_000
+        cache = self.l1() if stale_us and plan.cached_ok else None
+        if cache is None or any(one.private for one in keyed):
+            raise failure
+        found = []
+        for one in keyed:
+            entry = cache.entry(one.key, plan.max_age_us + stale_us)
+            if entry is None:
+                raise failure
+            stored, _, _, age_s = entry
+            info = pb.CacheInfo(source=pb.CacheInfo.RESULT_EXACT, age_s=age_s, stale=True)
+            found.append(stored + pb.InferResponse(cache=info).SerializeToString())  # (merged: cachestore/wire.py)
+        self.counters["stale_served"] += len(found)
+        log.warning("%s: %d text(s) answered from expired entries: %s", plan.served.spec.name, len(found), failure)
+        return found
 
     @staticmethod
     def _answered_here(answers: list, missed: list[int], found: list, here: dict[int, int], source: int) -> list[int]:

@@ -235,6 +235,8 @@ class KServeServicer:
         parameters["cache_key"].string_param = ",".join(i.key for i in infos)
         if any(i.source == pb.CacheInfo.RESULT_SEMANTIC for i in infos):
             parameters["cache_similarity"].string_param = ",".join(f"{i.similarity:.4f}" for i in infos)
+        if any(i.stale for i in infos):
+            parameters["cache_stale"].string_param = ",".join("1" if i.stale else "0" for i in infos)
         return response
 
 

@@ -133,6 +133,8 @@ def cache_headers(infos: list[pb.CacheInfo]) -> list[tuple[bytes, bytes]]:
                (b"x-infercache-key", b",".join(i.key.encode() for i in infos))]
     if any(i.source == pb.CacheInfo.RESULT_SEMANTIC for i in infos):
         headers.append((b"x-infercache-similarity", b",".join(b"%.4f" % i.similarity for i in infos)))
+    if any(i.stale for i in infos):  # expired entries that answered for a model that could not (stale_if_error_s)
+        headers.append((b"x-infercache-stale", b",".join(b"1" if i.stale else b"0" for i in infos)))
     return headers
 
 

@@ -40,8 +40,11 @@ def response_of(spec: ModelSpec, version: str, labels: list[str], outputs: dict[
 
 def answer_record(spec: ModelSpec, created_us: int, payload: bytes, ttl_class: str = "") -> records.Record:
     """An answer as stored in L1: it expires after the TTL of its class ("" = the model's default),
-    less its jitter (server/shared/ttl_classes.py)."""
-    return records.Record(created_us, spec.ttl_classes.expires_us(ttl_class, created_us), payload)
+    less its jitter (server/shared/ttl_classes.py), and is kept cache.stale_if_error_s longer (lookups
+    take nothing older than the class's TTL but for that fallback: server/frontend/core.py)."""
+    expires_us = spec.ttl_classes.expires_us(ttl_class, created_us)
+    return records.Record(created_us, expires_us + spec.stale_if_error_s * 1_000_000 if expires_us > created_us
+                          else expires_us, payload)
 
 
 class _Template:

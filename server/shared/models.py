@@ -73,6 +73,8 @@ class ModelSpec:
     answer_match: AnswerMatchPolicy | None = None
     semantic_off: bool = False        # a `semantic:` section is there without `enabled: true` (said at start)
     upstream: UpstreamSpec | None = None  # runtime: upstream: the server that computes its misses
+    stale_if_error_s: int = 0         # cache.stale_if_error_s: how long past its TTL an entry may still answer
+                                      # when the model cannot (entries are kept that much longer; 0 = off)
 
     @property
     def key_variant(self) -> str:
@@ -127,7 +129,7 @@ KNOWN_KEYS: dict[str, frozenset[str] | None] = {
     "task": None, "serving_version": None, "outputs": None, "semantic": None, "runtime": None,
     "input": frozenset({"max_text_chars", "max_tokens"}),
     "batching": frozenset({"buckets", "max_batch_size", "max_queue_delay_ms"}),
-    "cache": frozenset({"ttl_s", "classes", "default_class"}),
+    "cache": frozenset({"ttl_s", "classes", "default_class", "stale_if_error_s"}),
     "engine": frozenset({"precision"}),
     "privacy": frozenset({"pii"}),
     "l2": frozenset({"share_across_tenants"}),
@@ -182,8 +184,12 @@ def _synonyms(root: Path, data: dict, generation: GenerationSpec | None) -> Syno
 
 
 def _lifetimes(spec: ModelSpec, max_ttl_s: int, jitter: float) -> ModelSpec:
+    """TTLs capped by retention (cache.max_ttl_s), the stale window too: no entry is kept past it."""
     classes = dataclasses.replace(spec.ttl_classes.capped(max_ttl_s), jitter=jitter)
-    return dataclasses.replace(spec, ttl_classes=classes, ttl_s=classes.ttl_s(classes.default))
+    stale_s = spec.stale_if_error_s
+    if max_ttl_s:
+        stale_s = max(0, min(stale_s, max_ttl_s - max(s for _, s in classes.pairs)))
+    return dataclasses.replace(spec, ttl_classes=classes, ttl_s=classes.ttl_s(classes.default), stale_if_error_s=stale_s)
 
 
 def load_model(root: Path) -> ModelSpec:
@@ -253,6 +259,7 @@ def load_model(root: Path) -> ModelSpec:
             generation=generation,
             prefix=prefix,
             upstream=upstream,
+            stale_if_error_s=_get(data, "cache.stale_if_error_s", int, 0),
             **shape,
         )
     except (ModelConfigError, ValueError) as exc:  # (a TtlClassError is a ValueError)
@@ -261,6 +268,9 @@ def load_model(root: Path) -> ModelSpec:
         raise ModelConfigError(f"{config_path}: the largest bucket must be >= input.max_tokens ({max_tokens})")
     if spec.semantic is not None and spec.task != "classification":
         raise ModelConfigError(f"{config_path}: semantic matching needs a classification model (an answer to agree on)")
+    if spec.stale_if_error_s < 0 or (spec.stale_if_error_s and (spec.task == "generate" or spec.semantic is not None)):
+        raise ModelConfigError(f"{config_path}: cache.stale_if_error_s must be >= 0, and is for embedding and "
+                               "classification models without semantic matching")
     if spec.pii not in PII_MODES:
         raise ModelConfigError(f"{config_path}: privacy.pii must be one of {', '.join(PII_MODES)}, got {spec.pii!r}")
     if spec.max_batch_size < 1 or spec.max_text_chars < 1 or spec.ttl_s < 0:
