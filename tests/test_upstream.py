@@ -5,6 +5,8 @@ has no MiniLM files: every miss it answers was computed upstream."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import threading
 import time
@@ -221,3 +223,60 @@ def test_an_unreadable_credential_stops_the_start_with_one_line(tmp_path, engine
     done = subprocess.run([sys.executable, "-m", "server", "serve", "--models-dir", str(models), "--port", str(free_port())],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "$INFERCACHE_TEST_UNSET" in done.stderr and "Traceback" not in done.stderr
+
+
+class _Faulty(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible embeddings route that fails as its model's name says: `status-N` answers HTTP N
+    with OpenAI's error object, `malformed` a body that is not JSON, `short` one embedding too few, `slow`
+    nothing for 5 s. Real servers fail these ways now and then; none does on demand."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        model, texts = body["model"], body["input"]
+        if model.startswith("status-"):
+            status, payload = int(model[7:]), json.dumps({"error": {"message": f"upstream says {model}"}}).encode()
+        elif model == "malformed":
+            status, payload = 200, b"<html>not json"
+        elif model == "short":
+            status, payload = 200, json.dumps({"data": [{"index": 0, "embedding": [0.5, 0.5]}] * (len(texts) - 1)}).encode()
+        else:
+            time.sleep(5)
+            status, payload = 200, b"{}"
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_each_upstream_failure_is_a_clear_status_with_its_reason(tmp_path, engines_dir):
+    faulty = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Faulty)
+    threading.Thread(target=faulty.serve_forever, daemon=True).start()
+    models = tmp_path / "models"
+    cases = {"status-429": (grpc.StatusCode.RESOURCE_EXHAUSTED, "429"),
+             "status-500": (grpc.StatusCode.UNAVAILABLE, "HTTP 500: upstream says status-500"),
+             "status-400": (grpc.StatusCode.INVALID_ARGUMENT, "refused the input"),
+             "malformed": (grpc.StatusCode.UNAVAILABLE, "not JSON"),
+             "short": (grpc.StatusCode.UNAVAILABLE, "1 embeddings for 2 texts"),
+             "slow": (grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within")}
+    for name in cases:
+        config = yaml.safe_load(_front_config("openai", 1, faulty.server_port))
+        config["upstream"].update(model=name, timeout_s=1.5, retries=0, breaker_failures=100)
+        del config["upstream"]["credential_file"]
+        (models / name).mkdir(parents=True)
+        (models / name / "config.yaml").write_text(yaml.safe_dump(config))
+    server = ServerProcess(tmp_path, models, engines_dir=engines_dir, frontends=1)
+    try:
+        with server.client(timeout_s=30) as client:
+            for name, (code, says) in cases.items():
+                with pytest.raises(grpc.RpcError) as failed:
+                    client.infer_batch(name, [unique("one"), unique("two")])
+                assert failed.value.code() == code and says in failed.value.details(), (name, failed.value)
+                assert f"127.0.0.1:{faulty.server_port}" in failed.value.details()
+    finally:
+        server.stop()
+        faulty.shutdown()
+    assert "Traceback" not in server.log_text()
