@@ -21,7 +21,7 @@ from typing import Callable
 from cachestore import integrity
 from cachestore.env import DIR_MODE
 from server.shared import devices, process
-from server import children, mps
+from server import children, mps, ports
 from server.shared.auth import TokenFileError, read_tokens, write_in_force
 from server.config import Config, feature_store_settings, kv_store_settings
 from server.socket_dir import SocketDir, SocketDirBusy
@@ -92,6 +92,7 @@ class Supervisor:
         self.replaced = {"results": 0, "features": 0, "kv": 0}  # damaged stores set aside at start (workers count theirs)
         self.live = {"worker": 0, "frontend": 0}
         self._metrics_server = None
+        self._held_ports: list = []  # server/ports.py: the public ports, held while the server runs
         self._stopping = False
         self._reload = False
 
@@ -135,7 +136,23 @@ class Supervisor:
         try:
             return self._run()
         finally:  # (also when it could not start: SystemExit)
+            ports.release(self._held_ports)
             self.socket_dir.release()
+
+    def _claim_ports(self) -> None:
+        """Before any child starts: refuses a port something already listens on (another infercache's
+        frontends would otherwise share it with this one's), and holds the frontends' ports (server/ports.py)."""
+        server = self.config.server
+        wanted = [ports.Port(server.host, server.port, "server.port", "--port")]
+        if server.http_port:
+            wanted.append(ports.Port(server.host, server.http_port, "server.http_port", "--set server.http_port=N"))
+        if server.metrics_port:
+            wanted.append(ports.Port(server.metrics_host, server.metrics_port, "server.metrics_port",
+                                     "--metrics-port", hold=False))
+        try:
+            self._held_ports = ports.claim(wanted)
+        except ports.PortUnavailable as exc:
+            raise SystemExit(f"infercache: {exc}") from None
 
     def _check_stores(self) -> None:
         """Before any child maps the stores: a truncated data file would kill them with SIGBUS, so it is
@@ -159,6 +176,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGHUP, self._on_reload)
         started = time.monotonic()
+        self._claim_ports()
         self._check_stores()
         if self.config.server.metrics_port:
             from server import metrics_http  # prometheus_client: only when /metrics is on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -566,3 +567,60 @@ def test_a_worker_that_fails_at_startup_stops_the_server_promptly(start_server, 
         start_server(models=models)
     assert time.monotonic() - started < 60  # the supervisor stopped its frontends instead of waiting on them
     assert "worker-0 exited during startup" in str(err.value) and "tokenizer.json" in str(err.value)
+
+
+def _refused(server) -> str:
+    """The output of a server that must exit at once: non-zero, in one line, no traceback."""
+    code = server.proc.wait(60)
+    server.stop()
+    out = server.log_text()
+    assert code == 1 and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) == 1, out
+    return out.strip()
+
+
+def test_a_second_server_on_the_same_port_refuses_to_start_and_the_first_keeps_every_connection(start_server):
+    first = start_server()
+    pids = {first.stats().frontend.pid for _ in range(40)}
+    second = start_server(port=first.port, wait=False)
+    assert _refused(second) == (f"infercache: port {first.port} is already in use (another infercache or another "
+                                "program); choose another with --port")
+    answered = Counter(first.stats().frontend.pid for _ in range(20))  # a new connection each time
+    assert set(answered) <= pids and sum(answered.values()) == 20
+
+
+@pytest.mark.parametrize("setting, option", [("server.port", "--port"), ("server.http_port", "--set server.http_port=N"),
+                                             ("server.metrics_port", "--metrics-port")])
+def test_a_port_another_program_listens_on_is_refused_in_one_line(start_server, setting, option):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        if setting == "server.port":
+            server = start_server(port=port, wait=False)
+        else:
+            server = start_server(settings=(f"{setting}={port}",), wait=False)
+        assert _refused(server) == (f"infercache: port {port} is already in use (another infercache or another "
+                                    f"program); choose another with {option}")
+
+
+def test_the_port_stays_held_while_the_only_frontend_restarts(start_server):
+    """The supervisor holds the port (bound, not listening) for the server's life: with its one frontend
+    killed, a plain bind still fails, and the replacement binds beside the supervisor's socket."""
+    server = start_server(frontends=1)
+    victim = server.stats().frontend.pid
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not running(victim), 10, "the frontend to exit")
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", server.port))
+    assert taken.value.errno == errno.EADDRINUSE
+
+    def replacement():
+        try:
+            pid = server.stats().frontend.pid
+        except grpc.RpcError:
+            return None
+        return pid if pid != victim else None
+
+    wait_for(replacement, 60, "a replacement frontend")

@@ -151,7 +151,11 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.server.host}:{config.server.port}"
-    if listen(server, address, config.secrets.tls) == 0:
+    try:
+        port = listen(server, address, config.secrets.tls)
+    except RuntimeError:  # (grpcio raises where the port cannot be bound; older releases returned 0)
+        port = 0
+    if port == 0:
         raise SystemExit(f"frontend {index}: cannot listen on {address}")
     await server.start()
     if http is not None:
