@@ -101,7 +101,8 @@ def bench_metrics_cost(workdir: Path, texts: list[str], rounds: int, scale: floa
             for server in servers.values():
                 assert server.stop() == 0
     # The last round's stores are full of these hits: the recording's own cost, measured in process.
-    recording = in_process_cost(servers["off"].cache_dir, workdir / f"models-off{rounds - 1}", texts[:HITS])
+    recording = in_process_cost(servers["off"].cache_dir, workdir / f"models-off{rounds - 1}", texts[:HITS],
+                                hits=max(200, int(20000 * min(1.0, 5 * scale))))
     out: dict = {"frontends": frontends, "rounds": rounds, "scraper": kind, "scrapes_per_round": scrapes,
                  "placement": placement.describe() if placement else "scheduler (fewer than 8 CPUs)"}
     for concurrency in plan:
@@ -124,22 +125,20 @@ def bench_metrics_cost(workdir: Path, texts: list[str], rounds: int, scale: floa
     return out
 
 
-class _NoDeadline:
-    def time_remaining(self):
-        return None
+def _no_deadline() -> None:
+    return None
 
 
 def in_process_cost(cache_dir: Path, models: Path, texts: list[str], rounds: int = 10, hits: int = 20000) -> dict:
     """The hit path's CPU in one process, without gRPC or another process to disturb it: FrontendCore
-    on a filled store, through the servicer's /metrics wrapper (on) or the plain call (off), blocks
-    alternating. The figure the scheduler's noise cannot move: what recording costs per hit."""
+    on a filled store, through the doors' /metrics wrapper (server/frontend/tally.py's measured: on) or the
+    plain call (off), blocks alternating. The figure the scheduler's noise cannot move: what recording costs per hit."""
     from collections import Counter
 
     from server import config as config_mod
-    from server.shared.auth import Gate
     from server.frontend.core import FrontendCore
-    from server.frontend.servicer import FrontendServicer
     from server.frontend.metrics import FrontendMetrics
+    from server.frontend.tally import measured
     from server.frontend.hot_keys import HotKeys
     from server.shared.models import ModelRepository
 
@@ -150,14 +149,13 @@ def in_process_cost(cache_dir: Path, models: Path, texts: list[str], rounds: int
         off = FrontendCore(config, repository, None, Counter(), None, None, HotKeys(256))
         on = FrontendCore(config, repository, None, Counter(), None, FrontendMetrics(repository.models), HotKeys(256))
         on._l1 = off._l1  # one LMDB environment per process
-        servicer, context = FrontendServicer(on, Gate(None)), _NoDeadline()
         requests = [pb.InferRequest(model="minilm", text=t) for t in texts]
 
         async def block(core: FrontendCore, n: int) -> float:
             started = time.process_time()
             for i in range(n):
                 if core is on:
-                    await servicer._measured(core.infer, requests[i % len(requests)], context, 1)
+                    await measured(core, core.infer, requests[i % len(requests)], 1, _no_deadline)
                 else:
                     await core.infer(requests[i % len(requests)], None)
             return (time.process_time() - started) / n * 1e6
