@@ -60,8 +60,7 @@ def _refusal(port: Port, exc: OSError) -> PortUnavailable:
     if exc.errno == errno.EADDRINUSE:
         return PortUnavailable(f"port {port.port} is already in use (another infercache or another program); "
                                f"choose another with {port.option}")
-    return PortUnavailable(f"cannot listen on {port.host}:{port.port} ({port.setting}): "
-                           f"{exc.strerror or exc}; choose another with {port.option}")
+    return PortUnavailable(f"cannot listen on {port.host}:{port.port} ({port.setting}): {exc.strerror or exc}")
 
 
 def claim(ports: list[Port]) -> list[socket.socket]:
@@ -71,9 +70,17 @@ def claim(ports: list[Port]) -> list[socket.socket]:
     try:
         for port in ports:
             try:
-                addresses = _addresses(port.host, port.port)
-                for family, sockaddr in addresses:
-                    _bind(family, sockaddr, reuse_address=True, reuse_port=False).close()
+                addresses, unusable = [], None
+                for family, sockaddr in _addresses(port.host, port.port):
+                    try:
+                        _bind(family, sockaddr, reuse_address=True, reuse_port=False).close()
+                        addresses.append((family, sockaddr))
+                    except OSError as exc:  # (a name's IPv6 address on a host without IPv6: gRPC skips it too)
+                        if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                            raise
+                        unusable = exc
+                if not addresses and unusable is not None:
+                    raise unusable
                 for family, sockaddr in addresses if port.hold else ():
                     try:
                         held.append(_bind(family, sockaddr, reuse_address=False, reuse_port=True))
