@@ -79,21 +79,27 @@ class OpenAIClient:
 
 
 class _GrpcClient:
-    """A channel to host:port (TLS for https://), the credential as call metadata."""
+    """A channel to host:port (TLS for https://), the credential as call metadata, and the one method it calls."""
 
-    def __init__(self, url: str, model: str, credential: Credential | None) -> None:
+    METHOD: tuple[str, type, type]  # (path, request message, response message)
+
+    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
         parts = urlsplit(url)
         self.url = url
         self.model = model
+        self.output = output
         target = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         self.channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(), options)
                         if parts.scheme == "https" else grpc.insecure_channel(target, options))
         self.metadata = (("authorization", credential.header()),) if credential is not None else ()
+        path, request, response = self.METHOD
+        self.method = self.channel.unary_unary(path, request_serializer=request.SerializeToString,
+                                               response_deserializer=response.FromString)
 
-    def _call(self, method, request, timeout_s: float):
+    def _call(self, request, timeout_s: float):
         try:
-            return method(request, timeout=timeout_s, metadata=self.metadata)
+            return self.method(request, timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -108,16 +114,10 @@ class _GrpcClient:
 
 
 class InfercacheClient(_GrpcClient):
-    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
-        super().__init__(url, model, credential)
-        self.output = output
-        self.infer_batch = self.channel.unary_unary(
-            "/infercache.v1.InferenceCache/InferBatch", request_serializer=pb.InferBatchRequest.SerializeToString,
-            response_deserializer=pb.InferBatchResponse.FromString)
+    METHOD = ("/infercache.v1.InferenceCache/InferBatch", pb.InferBatchRequest, pb.InferBatchResponse)
 
     def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
-        answer = self._call(self.infer_batch, pb.InferBatchRequest(model=self.model, tenant=tenant, texts=texts),
-                            timeout_s)
+        answer = self._call(pb.InferBatchRequest(model=self.model, tenant=tenant, texts=texts), timeout_s)
         rows = []
         for result in answer.results:
             tensor = next((t for t in result.outputs if t.name == self.output), None)
@@ -128,18 +128,13 @@ class InfercacheClient(_GrpcClient):
 
 
 class KServeClient(_GrpcClient):
-    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
-        super().__init__(url, model, credential)
-        self.output = output
-        self.model_infer = self.channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer", request_serializer=kpb.ModelInferRequest.SerializeToString,
-            response_deserializer=kpb.ModelInferResponse.FromString)
+    METHOD = ("/inference.GRPCInferenceService/ModelInfer", kpb.ModelInferRequest, kpb.ModelInferResponse)
 
     def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         request = kpb.ModelInferRequest(model_name=self.model)
         request.inputs.add(name="text", datatype="BYTES", shape=[len(texts), 1])
         request.raw_input_contents.append(b"".join(_LENGTH.pack(len(t)) + t for t in (x.encode() for x in texts)))
-        answer = self._call(self.model_infer, request, timeout_s)
+        answer = self._call(request, timeout_s)
         names = [o.name for o in answer.outputs]
         at = names.index(self.output) if self.output in names else (0 if names and not self.output else -1)
         if at < 0:
