@@ -63,8 +63,9 @@ class ServerSection:
                                        # tokens; server/frontend/openai_api.py); 0 = off
     http_header_timeout_s: float = 10.0  # an HTTP request's headers must arrive within this of its first byte
     http_request_timeout_s: float = 30.0  # and its whole body within this (past either: 408, connection closed)
-    http_max_client_connections: int = 256  # HTTP connections one client address holds open per frontend
-                                       # (more: 503); 0 = no bound
+    http_max_client_connections: int = 1024  # HTTP connections one client address holds open per frontend
+                                       # (more: 503; a sidecar's application is one address: size it above
+                                       # its connection pools); 0 = no bound
     kserve: bool = True                # the KServe v2 gRPC service (inference.GRPCInferenceService) on server.port
 
 

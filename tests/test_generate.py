@@ -266,7 +266,7 @@ def test_infer_on_a_generative_model_and_generate_on_an_encoder_say_which_call_t
 
 def test_the_doors_agree_on_roles_and_refuse_an_infinite_temperature(server):
     """gRPC takes OpenAI's "developer" role as the HTTP door does (as "system"), and refuses a temperature
-    of inf, which it used to take."""
+    that is not a finite number >= 0."""
     question = unique("What is a chargeback?")
     with server.client(timeout_s=120) as client:
         as_developer = client.generate("smollm2", messages=[{"role": "developer", "content": "Be brief."},

@@ -333,8 +333,7 @@ def test_a_search_reads_scores_again_once_another_writer_rewrote_the_entry(tmp_p
 
 
 def test_a_semantic_section_without_enabled_is_said_at_start(tmp_path, engines_dir):
-    """A section that is there but off answers exactly, as configured, and says so once at start (it used to
-    do nothing, silently)."""
+    """A section that is there but off answers exactly, as configured, and says so once at start."""
     models = tmp_path / "models"
     link_model(models, "minilm", MINILM_CONFIG + "semantic: {max_error: 0.01}\n", {"1": MODEL_VERSION_DIR})
     server = ServerProcess(tmp_path, models, frontends=1, engines_dir=engines_dir)

@@ -240,10 +240,11 @@ class FrontendCore:
             if answer is not None:
                 tally.answered(plan, keyed, FEATURE)
                 return answer
-        self.workers.admit(plan.served.spec.name, plan.served.version, (plan.served.route(keyed.key),), time_remaining)
-        self.counters["forwarded"] += 1
-        items = self._items(plan, [keyed], looked, tally.lengths)
         try:
+            self.workers.admit(plan.served.spec.name, plan.served.version, (plan.served.route(keyed.key),),
+                               time_remaining)
+            self.counters["forwarded"] += 1
+            items = self._items(plan, [keyed], looked, tally.lengths)
             [result] = await self.workers.compute(items, time_remaining)
         except STALE_IF as exc:
             [stale] = self._stale(plan, [keyed], exc)
@@ -294,14 +295,14 @@ class FrontendCore:
         if missed:
             miss_keyed = [keyed[n] for n in missed]
             served = plan.served
-            self.workers.admit(served.spec.name, served.version, [served.route(one.key) for one in miss_keyed],
-                               time_remaining)
-            self.counters["forwarded"] += len(missed)
-            if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
-                items = await asyncio.to_thread(self._items, plan, miss_keyed, looked, tally.lengths)
-            else:
-                items = self._items(plan, miss_keyed, looked, tally.lengths)
             try:
+                self.workers.admit(served.spec.name, served.version, [served.route(one.key) for one in miss_keyed],
+                                   time_remaining)
+                self.counters["forwarded"] += len(missed)
+                if len(missed) > TOKENIZE_INLINE_MAX:  # a long batch tokenizes off the event loop
+                    items = await asyncio.to_thread(self._items, plan, miss_keyed, looked, tally.lengths)
+                else:
+                    items = self._items(plan, miss_keyed, looked, tally.lengths)
                 results = await self.workers.compute(items, time_remaining)
             except STALE_IF as exc:  # (every missed text is answered stale, or the call fails)
                 results = []

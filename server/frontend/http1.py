@@ -69,7 +69,7 @@ class Limits:
     max_body: int                       # a request body's bytes, at most (more: 413)
     header_timeout_s: float = 10.0      # from a request's first byte to its headers' end (past it: 408)
     request_timeout_s: float = 30.0     # from a request's first byte to its body's end (past it: 408)
-    max_client_connections: int = 256   # connections one client address holds open at once; 0 = no bound
+    max_client_connections: int = 1024  # connections one client address holds open at once; 0 = no bound
     single_headers: frozenset[bytes] = frozenset()  # names a request may carry once (twice: 400)
 
 
@@ -161,6 +161,8 @@ class _Connection(asyncio.Protocol):
             self.idle = None
         if not self.in_body:  # (a chunk that ends one request's body and begins the next one's head is
             self.head_bytes += len(data)  # not counted: the head held stays within a chunk of the bound)
+            if self.deadline is None:  # a head's first byte, blank lines before a request line included
+                self._begin_head()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -176,8 +178,8 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.request = Request(b"", b"", {})
         self.url, self.url_bytes, self.header_bytes, self.body, self.body_bytes = [], 0, 0, [], 0
-        self.began = asyncio.get_running_loop().time()
-        self._deadline(self.server.limits.header_timeout_s, b"request headers")
+        if self.deadline is None:  # (pipelined: its bytes came with the request before it)
+            self._begin_head()
 
     def on_url(self, url: bytes) -> None:
         self.url_bytes += len(url)
@@ -299,6 +301,10 @@ class _Connection(asyncio.Protocol):
         if self.task is None:  # (else the answer under way is cut: the connection closes after it)
             self.transport.write(head(status, b"application/json", [], len(body), False) + body)
             asyncio.get_running_loop().call_later(LINGER_S, self._close)
+
+    def _begin_head(self) -> None:
+        self.began = asyncio.get_running_loop().time()
+        self._deadline(self.server.limits.header_timeout_s, b"request headers")
 
     def _deadline(self, within_s: float, what: bytes) -> None:
         """`what` must be received within `within_s` of the request's first byte, or the request is refused

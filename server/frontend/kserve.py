@@ -9,7 +9,8 @@ One text goes through Infer's path, several through InferBatch's: the same token
 tiers and /metrics. Request parameters: `tenant` (a string), `cache_mode` (a string: DEFAULT, BYPASS,
 NO_STORE, ONLY_IF_CACHED), `max_age_s` (a whole number of seconds: an integer, a whole double or digits); one of
 another type is INVALID_ARGUMENT. Response parameters, one value per text, comma-separated: `cache_source`, `cache_age_s`,
-`cache_key`, and `cache_similarity` where a text was answered semantically. Errors are the native
+`cache_key`, `cache_similarity` where a text was answered semantically, and `cache_stale` where an expired
+entry answered (cache.stale_if_error_s). Errors are the native
 status codes (server/shared/errors.py)."""
 
 from __future__ import annotations

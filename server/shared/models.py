@@ -289,6 +289,26 @@ class ModelRepository:
         specs = [load_model(p) for p in sorted(models_dir.iterdir()) if (p / "config.yaml").is_file()]
         specs = [_lifetimes(s, max_ttl_s, ttl_jitter) for s in specs]
         self.models = {spec.name: spec for spec in specs}
+        self._no_upstream_encoders()
+
+    def _no_upstream_encoders(self) -> None:
+        """A model computed upstream answers whole requests only: no embedder of semantic matching or
+        answers, nor an encoder of heads (their features and token ids are this host's)."""
+        upstream = {name for name, spec in self.models.items() if spec.upstream is not None}
+        for spec in self.models.values():
+            named = {spec.semantic.embedder} if spec.semantic is not None else set()
+            if spec.answer_match is not None:
+                named.add(spec.answer_match.rule.embedder)
+            for version in spec.versions:
+                try:
+                    head = spec.head(version)
+                except ModelConfigError:  # (such a version is not served: said where it is loaded)
+                    continue
+                if head is not None:
+                    named.add(head.encoder)
+            if found := sorted(named & upstream):
+                raise ModelConfigError(f"{spec.root / 'config.yaml'}: {found[0]} is computed upstream; it cannot be "
+                                       "an embedder or a head's encoder (those run on this host)")
 
     @classmethod
     def of(cls, config) -> "ModelRepository":

@@ -22,7 +22,7 @@ class UpstreamSpec:
     model: str = ""                  # the upstream's name of the model; "" = this model's own name
     credential_env: str = ""         # an environment variable holding the bearer token (or API key)
     credential_file: str = ""        # or a file holding it (surrounding whitespace dropped)
-    timeout_s: float = 30.0          # one upstream call, at most (the caller's deadline may cut it sooner)
+    timeout_s: float = 30.0          # one upstream call and its retries, at most
     max_in_flight: int = 16          # upstream calls in flight at once, from each worker
     max_batch_texts: int = 64        # most texts in one upstream call (the batcher's batch)
     max_delay_ms: float = 2.0        # how long a batch may wait to fill before it is sent
@@ -45,6 +45,8 @@ class UpstreamSpec:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"upstream.urls: {url!r} is not an http:// or https:// URL")
+            if parts.query or parts.fragment:
+                raise ValueError(f"upstream.urls: {url!r}: a query or fragment is not sent; name the base URL alone")
             if parts.username or parts.password:
                 raise ValueError("upstream.urls: credentials do not belong in a URL; use upstream.credential_env "
                                  "or upstream.credential_file")
@@ -76,8 +78,12 @@ def upstream_from_config(section) -> UpstreamSpec:
         urls = [urls]
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
         raise ValueError("upstream.urls must be a URL or a list of URLs")
-    try:
-        typed = {name: type(getattr(UpstreamSpec, name))(value) for name, value in values.items()}
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"upstream: {exc}") from None
+    typed = {}
+    for name, value in values.items():
+        kind = type(getattr(UpstreamSpec, name))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"upstream.{name} must be {'a number' if kind is float else kind.__name__}, got {value!r}")
+        typed[name] = value
     return UpstreamSpec(urls=tuple(u.rstrip("/") for u in urls), **typed)

@@ -335,7 +335,10 @@ class WorkerCore:
 
     async def _invalidate_prefixes(self, selector: Selector) -> int:
         """Prefix blocks: from every generative model version's memory tiers, then from the host's block
-        store (after the blocks this worker queued for it; the first worker to get there counts them)."""
+        store (after the blocks this worker queued for it; the first worker to get there counts them). An
+        invalidation of one entry (a key, a text) names an answer, never a prefix block: none are erased."""
+        if selector.key is not None:
+            return 0
         removed = self.generations.erase(selector) if self.generations is not None else 0
         if self.kv_store is not None:
             try:

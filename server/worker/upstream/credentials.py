@@ -29,6 +29,15 @@ class Credential:
     __str__ = __repr__
 
 
+def _checked(model: str, value: str, source: str) -> Credential:
+    """A credential that can go in a header as it is: printable ASCII, no whitespace (a two-line file would
+    otherwise fail in the HTTP library, whose error quotes the header: the secret in a log line)."""
+    if not value or not value.isascii() or not value.isprintable() or any(c.isspace() for c in value):
+        raise ModelConfigError(f"{model}: the upstream credential from {source} is empty, or holds whitespace or "
+                               "characters that are not printable ASCII")
+    return Credential(value, source)
+
+
 def read_credential(model: str, spec: UpstreamSpec) -> Credential | None:
     """The model's upstream credential, or None where its config names none; ModelConfigError where it
     names one that cannot be read (the model is then not served)."""
@@ -37,14 +46,12 @@ def read_credential(model: str, spec: UpstreamSpec) -> Credential | None:
         if not value:
             raise ModelConfigError(f"{model}: upstream.credential_env names ${spec.credential_env}, which is unset "
                                    "or empty")
-        return Credential(value, f"${spec.credential_env}")
+        return _checked(model, value, f"${spec.credential_env}")
     if spec.credential_file:
         try:
             value = Path(spec.credential_file).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ModelConfigError(f"{model}: upstream.credential_file {spec.credential_file}: "
                                    f"{type(exc).__name__}") from None
-        if not value:
-            raise ModelConfigError(f"{model}: upstream.credential_file {spec.credential_file} is empty")
-        return Credential(value, spec.credential_file)
+        return _checked(model, value, spec.credential_file)
     return None

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from server.worker.upstream.errors import Failure
 
+MAX_ANSWER_BYTES = 64 << 20  # an answer's body, at most (as the gRPC kinds' message limit)
+
 
 class JsonEndpoint:
     """POSTs JSON to paths under one base URL (its path included: "http://host:8000/v1")."""
@@ -56,7 +58,7 @@ class JsonEndpoint:
             try:
                 connection.request("POST", self.prefix + path, payload, self.headers)
                 response = connection.getresponse()
-                data = response.read()
+                data = response.read(MAX_ANSWER_BYTES + 1)
             except TimeoutError:
                 self._drop()
                 raise Failure("timeout", f"no answer within {timeout_s:.1f} s") from None
@@ -65,10 +67,13 @@ class JsonEndpoint:
                 if attempt == 0 and reused:
                     continue
                 raise Failure("connect", f"connection lost: {type(exc).__name__}") from None
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, http.client.HTTPException, ValueError) as exc:  # (ValueError: its text may quote a header)
                 self._drop()
                 raise Failure("connect", f"cannot reach it: {exc.strerror or type(exc).__name__}"
                               if isinstance(exc, OSError) else f"{type(exc).__name__}") from None
+            if len(data) > MAX_ANSWER_BYTES:
+                self._drop()
+                raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
             if response.will_close:
                 self._drop()
             return _decoded(response.status, data)

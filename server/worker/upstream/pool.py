@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.shared.errors import InferCacheError, UpstreamFailed
+from server.shared.errors import InferCacheError, InvalidArgument, UpstreamFailed
 from server.shared.telemetry import Recorder
 from server.shared.upstream_spec import UpstreamSpec
 from server.worker.upstream.clients import Client
@@ -130,21 +130,31 @@ class UpstreamPool:
 
     def embed(self, rows: list[Row]) -> list[np.ndarray | InferCacheError]:
         """A vector, or the error its caller gets, for each row: rows go to their key's first usable
-        server, each server's share in one call (per tenant), tried again as the module says."""
+        server, each server's share in one call (per tenant), tried again as the module says. An input
+        the upstream refuses fails its own row alone: a refused call of several texts is sent again one
+        text a call."""
         groups: dict[tuple[int, str], list[int]] = {}
         for n, row in enumerate(rows):
             ranked = self._ranked(row.key)
             groups.setdefault((self.servers.index(ranked[0]), row.tenant), []).append(n)
         out: list[np.ndarray | InferCacheError | None] = [None] * len(rows)
         for (_, tenant), members in groups.items():
-            texts = [str(rows[n]) for n in members]
+            ranked = self._ranked(rows[members[0]].key)
             try:
-                vectors = self._call(self._ranked(rows[members[0]].key), texts, tenant)
+                vectors = self._call(ranked, [str(rows[n]) for n in members], tenant)
+            except InvalidArgument as exc:
+                vectors = [exc] if len(members) == 1 else [self._one(ranked, str(rows[n]), tenant) for n in members]
             except InferCacheError as exc:
                 vectors = [exc] * len(members)
             for n, vector in zip(members, vectors):
                 out[n] = vector
         return out
+
+    def _one(self, ranked: list[Server], text: str, tenant: str) -> np.ndarray | InferCacheError:
+        try:
+            return self._call(ranked, [text], tenant)[0]
+        except InferCacheError as exc:
+            return exc
 
     def _call(self, ranked: list[Server], texts: list[str], tenant: str) -> list[np.ndarray]:
         spec = self.spec
@@ -152,6 +162,14 @@ class UpstreamPool:
         tried: set[Server] = set()
         last: tuple[Server, Failure] | None = None
         for attempt in range(spec.retries + 1):
+            if attempt:
+                pause = random.uniform(0, spec.retry_backoff_ms / 1000 * (1 << (attempt - 1)))
+                if time.monotonic() + pause >= deadline:
+                    break
+                time.sleep(pause)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             server = self._choose(ranked, tried) or (self._choose(ranked, set()) if last is not None else None)
             if server is None:
                 if last is not None:
@@ -162,24 +180,19 @@ class UpstreamPool:
             if attempt:
                 with self._lock:
                     self.counters["retries"] += 1
-                pause = random.uniform(0, spec.retry_backoff_ms / 1000 * (1 << (attempt - 1)))
-                if time.monotonic() + pause >= deadline:
-                    break
-                time.sleep(pause)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             started = time.monotonic()
-            try:
+            try:  # (whatever happens, the call ends in _succeeded or _failed: a trial is never left open)
                 vectors = server.client.embed(texts, tenant, remaining)
             except Failure as failure:
-                self._failed(server, failure)
                 last = (server, failure)
-                if not failure.retryable:
-                    break
-                continue
-            self._succeeded(server, time.monotonic() - started, len(texts))
-            return vectors
+            except Exception as exc:  # noqa: BLE001 (an answer a client could not read: malformed, never a crash)
+                last = (server, Failure("malformed", f"an answer that could not be read ({type(exc).__name__})"))
+            else:
+                self._succeeded(server, time.monotonic() - started, len(texts))
+                return vectors
+            self._failed(server, last[1])
+            if not last[1].retryable:
+                break
         if last is None:
             raise UpstreamFailed(f"{self.name}: no upstream answered within upstream.timeout_s ({spec.timeout_s} s)")
         server, failure = last
