@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import grpc
 import numpy as np
 
-from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.upstream_spec import UpstreamSpec
 from server.worker.upstream.credentials import Credential
@@ -81,7 +80,6 @@ class OpenAIClient:
 class _GrpcClient:
     """A channel to host:port (TLS for https://), the credential as call metadata, and the one method it calls."""
 
-    METHOD: tuple[str, type, type]  # (path, request message, response message)
 
     def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
         parts = urlsplit(url)
@@ -93,7 +91,7 @@ class _GrpcClient:
         self.channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(), options)
                         if parts.scheme == "https" else grpc.insecure_channel(target, options))
         self.metadata = (("authorization", credential.header()),) if credential is not None else ()
-        path, request, response = self.METHOD
+        path, request, response = self.method_of()
         self.method = self.channel.unary_unary(path, request_serializer=request.SerializeToString,
                                                response_deserializer=response.FromString)
 
@@ -113,8 +111,16 @@ class _GrpcClient:
         self.channel.close()
 
 
+    @staticmethod
+    def method_of() -> tuple[str, type, type]:
+        """(path, request message, response message) of the one method the kind calls."""
+        raise NotImplementedError
+
+
 class InfercacheClient(_GrpcClient):
-    METHOD = ("/infercache.v1.InferenceCache/InferBatch", pb.InferBatchRequest, pb.InferBatchResponse)
+    @staticmethod
+    def method_of() -> tuple[str, type, type]:
+        return "/infercache.v1.InferenceCache/InferBatch", pb.InferBatchRequest, pb.InferBatchResponse
 
     def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         answer = self._call(pb.InferBatchRequest(model=self.model, tenant=tenant, texts=texts), timeout_s)
@@ -127,11 +133,22 @@ class InfercacheClient(_GrpcClient):
         return _vectors(rows, len(texts))
 
 
+def _kserve():
+    """KServe v2's messages, imported with the first such client: their proto package (inference) is also
+    tritonclient's, and one process may hold only one of the two."""
+    from infercache.kserve import grpc_service_pb2
+
+    return grpc_service_pb2
+
+
 class KServeClient(_GrpcClient):
-    METHOD = ("/inference.GRPCInferenceService/ModelInfer", kpb.ModelInferRequest, kpb.ModelInferResponse)
+    @staticmethod
+    def method_of() -> tuple[str, type, type]:
+        kpb = _kserve()
+        return "/inference.GRPCInferenceService/ModelInfer", kpb.ModelInferRequest, kpb.ModelInferResponse
 
     def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
-        request = kpb.ModelInferRequest(model_name=self.model)
+        request = _kserve().ModelInferRequest(model_name=self.model)
         request.inputs.add(name="text", datatype="BYTES", shape=[len(texts), 1])
         request.raw_input_contents.append(b"".join(_LENGTH.pack(len(t)) + t for t in (x.encode() for x in texts)))
         answer = self._call(request, timeout_s)

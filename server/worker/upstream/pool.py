@@ -19,14 +19,17 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from server.shared.errors import InferCacheError, InvalidArgument, UpstreamFailed
 from server.shared.telemetry import Recorder
 from server.shared.upstream_spec import UpstreamSpec
-from server.worker.upstream.clients import Client
 from server.worker.upstream.errors import Failure
+
+if TYPE_CHECKING:
+    from server.worker.upstream.clients import Client
 
 log = logging.getLogger("infercache.upstream")
 
