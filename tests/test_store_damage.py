@@ -10,13 +10,15 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from cachestore import integrity, records
 from cachestore.env import Store, StoreSettings
-from cachestore.keys import Namespace, entry_key
+from cachestore.keys import Namespace, entry_key, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.writer import WriteBehind
-from tests.helpers import settled, unique, wait_cached, wait_for
+from tests.helpers import link_model, settled, unique, wait_cached, wait_for
+from tests.servers import REPO
 
 MODEL = "minilm"
 PAGE = 4096
@@ -139,3 +141,69 @@ def test_a_store_too_damaged_to_open_is_replaced_when_the_writer_opens_it(start_
     assert "result store damaged (at open:" in server.log_text()
     assert "serving without it" not in server.log_text()
     assert len(list(tmp_path.glob("cache.damaged-*"))) == 1
+
+
+GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
+
+
+def _damage_sparing(data: Path, key: bytes) -> None:
+    """damage(), with the first seed whose damage leaves `key`'s entry readable (its pages untouched)."""
+    sound = data.read_bytes()
+    for seed in range(100):
+        assert damage(data, seed) >= 10
+        try:
+            store = Store(_settings(data.parent), readonly=True)
+        except Exception:  # noqa: BLE001 (this seed damaged what opening reads: the next one)
+            store = None
+        if store is not None:
+            readable = ResultCache(store).get(key, now_us()) is not None
+            store.close()
+            if readable:
+                return
+        data.write_bytes(sound)
+    raise AssertionError("no seed spared the entry")
+
+
+@pytest.mark.skipif(not (GEN_VERSION_DIR / "decoder.onnx").is_file(),
+                    reason="the generative model is not prepared: run `make model` (make test does)")
+def test_generate_reads_the_fresh_store_once_a_damaged_one_is_replaced(start_server, tmp_path):
+    """A Generate that misses in the frontend looks the key up once more in the worker (an answer
+    committed since): after the writer set the damaged store aside, that lookup reads the fresh store,
+    not the one set aside, so an answer stored before the replacement is computed again."""
+    from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
+
+    models = tmp_path / "models"
+    link_model(models, MODEL, MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    link_model(models, "smollm2", (REPO / "models" / "smollm2" / "config.yaml").read_text(), {"1": GEN_VERSION_DIR})
+    cache_dir = tmp_path / "cache"
+    question = unique("How long does a refund take?")
+    texts = [unique(f"damaged store {i}") for i in range(2500)]
+    first = start_server(models, cache_dir=cache_dir, settings=("cache.sync=false",))
+    with first.client(timeout_s=120) as client:
+        stored = client.generate("smollm2", question, max_new_tokens=4)
+        for start in range(0, len(texts), 100):
+            client.infer_batch(MODEL, texts[start:start + 100])
+        wait_cached(client, MODEL, texts[-1])
+        wait_for(lambda: client.generate("smollm2", question, max_new_tokens=4).source == "RESULT_EXACT", 30,
+                 "the answer stored")
+    assert first.stop() == 0
+    assert stored.source == "MISS"
+    _damage_sparing(cache_dir / "data.mdb", parse_hex_key(stored.key))
+
+    server = start_server(models, cache_dir=cache_dir, settings=("cache.sync=false",))
+    with server.client(timeout_s=120) as client:
+        for start in range(0, len(texts), 100):  # until a read or a write meets the damage
+            client.infer_batch(MODEL, texts[start:start + 100])
+            if "result store damaged (at run time" in server.log_text():
+                break
+        wait_for(lambda: "result store damaged (at run time" in server.log_text(), 60, "the store to be replaced")
+        # This client's frontend reads the fresh store (it looks at least once a second): an answer stored
+        # since is a hit there (ONLY_IF_CACHED is answered by the frontend alone).
+        after = unique("after the damage")
+        client.infer(MODEL, after)
+        wait_cached(client, MODEL, after, timeout=30)
+        late_hits = settled(server, "worker.late_hit")
+        again = client.generate("smollm2", question, max_new_tokens=4)
+    assert again.source == "MISS", again  # not the set-aside store's answer (a late hit, RESULT_EXACT)
+    assert again.text == stored.text
+    assert settled(server, "worker.late_hit") == late_hits

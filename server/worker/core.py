@@ -83,7 +83,7 @@ class WorkerCore:
         self._inflight: dict[bytes, Flight] = {}
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
         # Generative models (server/worker/generation.py): their own flights and schedulers.
-        self.generations = Generations(generative, writer, self.counters, lambda: self.metrics,
+        self.generations = Generations(generative, writer, self.cache, self.counters, lambda: self.metrics,
                                        AnswerMatching(self), self._encoders_busy) if generative else None
 
     def _encoders_busy(self) -> bool:

@@ -402,17 +402,19 @@ class Generations:
     """The worker's generations: flights by key, a scheduler per generative model version, and their
     answers into L1. Event loop only."""
 
-    def __init__(self, runtimes: dict[tuple[str, str], GenerativeRuntime], writer, counters: Counter,
-                 metrics=lambda: None, answers=None, busy=lambda: False) -> None:
-        """metrics(): the worker's telemetry.Recorder while /metrics is on, else None. answers: the worker's
-        AnswerMatching (server/worker/answer_matching.py), for models with semantic answers. busy(): whether
-        the worker's other models have work (shadow regenerations give way to it)."""
+    def __init__(self, runtimes: dict[tuple[str, str], GenerativeRuntime], writer, cache: ResultCache | None,
+                 counters: Counter, metrics=lambda: None, answers=None, busy=lambda: False) -> None:
+        """cache: the worker's L1 reader (WorkerCore's: it follows the writer's store when a damaged one is
+        replaced), for answers committed since the frontend looked. metrics(): the worker's
+        telemetry.Recorder while /metrics is on, else None. answers: the worker's AnswerMatching
+        (server/worker/answer_matching.py), for models with semantic answers. busy(): whether the worker's
+        other models have work (shadow regenerations give way to it)."""
         self.runtimes = runtimes
         self.answers = answers
         self.busy = busy
         self._tasks: set[asyncio.Task] = set()  # semantic lookups, and what a miss's answer adds to them
         self.writer = writer
-        self.cache = ResultCache(writer.store) if writer is not None else None
+        self.cache = cache
         self.counters = counters
         self._flights: dict[bytes, Generation] = {}
         self._schedulers = {key: Scheduler(runtime, self._done, counters, metrics, busy)
