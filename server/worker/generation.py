@@ -151,8 +151,10 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """No generation waits or runs (shadow checks may go: server/worker/shadow.py)."""
-        return not self.running and not self.waiting and self._pending is None
+        """No generation waits or runs, and no step is owed (shadow checks may go: server/worker/shadow.py):
+        the blocks of generations that ended are kept by a step of their own, not by the first step of the
+        next work (whose prompt may start with them: a conversation's next turn)."""
+        return not self.running and not self.waiting and self._pending is None and not self._finishing
 
     async def wait_idle(self) -> None:
         """Returns once the scheduler is idle (woken when it becomes so, not by polling)."""
