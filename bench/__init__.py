@@ -20,6 +20,8 @@ from tests.servers import REPO
 BANKING77 = Path(os.environ.get("BENCH_BANKING77", REPO / "bench" / "data" / "banking77" / "train.csv"))
 # Where result files go: BENCH_RESULTS names another folder (bench/device.sh: the device's $OUT).
 RESULTS = Path(os.environ.get("BENCH_RESULTS", REPO / "bench" / "results"))
+# Where `--quick` and `--dry-run` files go: a folder git ignores (they replace no figure of bench/results/).
+TRIAL_RESULTS = Path(os.environ.get("BENCH_RESULTS", REPO / "var" / "bench"))
 
 
 def banking77_missing() -> str:
@@ -86,6 +88,11 @@ def recorded(module: str) -> dict:
     return {"command": command,
             "machine": f"{info['tag']}: {info['cpus']} CPUs ({info['cpu_model']}){gpus}, Python {info['python']}",
             "commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def ratio(a: float, b: float, digits: int = 3) -> float | None:
+    """a / b rounded; None where b is 0 (a run too short to measure it: a dry run's CPU seconds, say)."""
+    return round(a / b, digits) if b else None
 
 
 def proportion(agreed: int, n: int) -> dict:

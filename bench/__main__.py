@@ -33,10 +33,12 @@
 14. Write path (`--sections write`, bench/write_path.py): the writer process's sustained commit rate with a
    flush per commit against the flush interval, beside py-lmdb's own ceiling and L1 hits while it writes.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
-`gpu-h200.json`; with --quick `serving-quick-2core.json`; `--out FILE` puts the whole run in one file
-instead), each recording its command, machine, commit and date, and prints a table. Sections that read
-Banking77 (semantic, l2, groups) are skipped, with one line saying so, where bench/data/banking77/train.csv
-is missing.
+`gpu-h200.json`; `--out FILE` puts the whole run in one file instead), each recording its command, machine,
+commit and date, and prints a table. `--quick` (fewer requests and rounds) and `--dry-run` (every step of
+each section at its smallest: tests/test_bench_tools.py runs each section so) write to var/bench/ instead
+(`serving-quick-2core.json`, `serving-dry-2core.json`), which git ignores: they replace no current figure.
+Sections that read Banking77 (semantic, l2, groups) are skipped, with one line saying so, where
+bench/data/banking77/train.csv is missing.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, banking77_missing, echo, machine, recorded
+from bench import RESULTS, TRIAL_RESULTS, banking77_missing, echo, machine, recorded
 from bench.l3 import bench_l3, print_l3
 from bench.fixtures import first_success, load_texts
 from bench.fleet import bench_fleet, print_fleet
@@ -63,13 +65,17 @@ from bench.group_commit import bench_group_commit, print_group_commit
 from bench.workers import bench_workers, print_workers
 from bench.worker_capacity import bench_worker_capacity, print_worker_capacity
 from bench.security import bench_hit_path, bench_redaction, print_security
-from bench.semantic import bench_eval, bench_hit_latency, bench_rebuild, print_semantic
+from bench.semantic import bench_eval, bench_hit_latency, bench_rebuild, print_semantic, train_banking77
 from bench.shadow import bench_shadow, print_shadow
 from bench.load import INFER, run_load, warm
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 
+# Every section, in the order a run takes them (the names --sections takes).
+SECTIONS = ("serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
+            "generate", "prefix", "synonyms", "doors", "ttl", "generate-semantic", "peers", "commit", "write",
+            "workers", "gpu")
 NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms", "generate-semantic", "peers"}  # sections that train a head on it or replay its texts
 # Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
@@ -78,6 +84,12 @@ FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving"
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
          "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write",
          "generate_semantic": "generate-semantic", "peers": "peers"}
+
+
+def result_path(stem: str, tag: str, trial: str = "") -> Path:
+    """Where a section's file goes: bench/results/<stem>-<tag>.json; a trial run's (trial "quick" or "dry")
+    var/bench/<stem>-<trial>-<tag>.json, which git ignores and which replaces no current figure."""
+    return RESULTS / f"{stem}-{tag}.json" if not trial else TRIAL_RESULTS / f"{stem}-{trial}-{tag}.json"
 
 
 def make_models(root: Path) -> Path:
@@ -147,7 +159,7 @@ class _LoadRun:
 
 
 def bench_misses(server: ServerProcess, texts: list[str], scale: float) -> dict:
-    total = max(200, int(2000 * scale))
+    total = max(64, int(2000 * scale))
     out = {}
     for offset, model in enumerate(("minilm", "minilm-b1")):
         # Distinct, never-seen texts: every request is a real miss through the engine.
@@ -175,7 +187,7 @@ def bench_engine(texts: list[str], scale: float) -> dict:
     folder = spec.version_dir(spec.serving_version)
     encoder = TextEncoder(folder / "tokenizer.json", spec.max_tokens)
     engine = OrtEngine(folder / "model.onnx")
-    sequences = [encoder.encode(t) for t in texts[: max(256, int(1024 * scale))]]
+    sequences = [encoder.encode(t) for t in texts[: max(64, int(1024 * scale))]]
     by_bucket: dict[int, list] = {}
     for seq in sequences:
         by_bucket.setdefault(next(b for b in spec.buckets if len(seq) <= b), []).append(seq)
@@ -269,7 +281,10 @@ def run_serving(report: dict, workdir: Path, models: Path, texts: list[str], rou
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (a smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer requests and rounds (a smoke run); files to var/bench/, not bench/results/")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="each section's every step at its smallest (the tests run it); files to var/bench/")
     parser.add_argument("--write-baseline", default="", metavar="REF",
                         help="the write section also runs the store writer of this commit, in the same rounds")
     parser.add_argument("--out", default="",
@@ -322,12 +337,15 @@ def main() -> None:
         if set(value.split(",")) - known:
             parser.error(f"{option}: {sorted(set(value.split(',')) - known)} unknown; the parts are {sorted(known)}")
     sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        parser.error(f"--sections: {sorted(sections - set(SECTIONS))} unknown; the sections are {', '.join(SECTIONS)}")
     missing = banking77_missing()
     for name in sorted(sections & NEEDS_BANKING77) if missing else ():
         print(f"skipping section {name}: {missing}", flush=True)
     if missing:
         sections -= NEEDS_BANKING77
-    scale, rounds = (0.2, 1) if args.quick else (1.0, 3)
+    args.quick = args.quick or args.dry_run
+    scale, rounds = (0.02, 1) if args.dry_run else (0.2, 1) if args.quick else (1.0, 3)
     rounds = args.rounds or rounds
     texts = load_texts()
     report: dict = {"recorded": recorded("bench"), "machine": machine(),
@@ -341,8 +359,8 @@ def main() -> None:
                 if key in report:
                     if key == "metrics_cost" and "serving" not in sections:
                         stem = "metrics-cost"
-                    quick = "-quick" if args.quick else ""  # a smoke run never replaces the current figures
-                    path = RESULTS / f"{stem}{quick}-{report['machine']['tag']}.json"
+                    trial = "dry" if args.dry_run else "quick" if args.quick else ""
+                    path = result_path(stem, report["machine"]["tag"], trial)
                     part = files.setdefault(path, {k: report[k] for k in ("recorded", "machine", "started")})
                     part[key] = report[key]
         for path, content in files.items():
@@ -364,11 +382,18 @@ def main() -> None:
             report["l3_engines"] = bench_l3(workdir, models, rounds)
         if "semantic" in sections:
             print("benchmarking the semantic tier (Banking77 held-out and novel-label replays, index rebuild) ...", flush=True)
+            # --quick and --dry-run train the head on the rows they replay (not on all 10,003) and start
+            # fewer servers (one round of each pair)
+            rows, entries = (300, 500) if args.dry_run else (2000, 10_000) if args.quick else (None, 100_000)
+            if rows:
+                train_banking77(models, limit=rows)
+            paired = rounds if args.quick else max(2, rounds)
             report["semantic"] = {
-                "eval": bench_eval(models, workdir, limit=None if not args.quick else 2000),
-                "rebuild": bench_rebuild(models, workdir, 100_000 if not args.quick else 10_000),
-                "hit_latency": bench_hit_latency(models, workdir, max(2, rounds), limit=5000 if not args.quick else 2000),
-                "shadow": bench_shadow(models, workdir, max(2, rounds), limit=5000 if not args.quick else 2000),
+                "eval": bench_eval(models, workdir, limit=rows),
+                "rebuild": bench_rebuild(models, workdir, entries),
+                "hit_latency": bench_hit_latency(models, workdir, paired, limit=rows or 5000),
+                "shadow": bench_shadow(models, workdir, paired, limit=rows or 5000,
+                                       misses=30 if args.dry_run else 150),
             }
         if "security" in sections:
             print("benchmarking auth + encryption + redaction on the hit path ...", flush=True)
@@ -393,7 +418,7 @@ def main() -> None:
             report["l2"] = {}
             bench_l2(workdir / "l2", rounds, args.quick, report["l2"], settings=l2_settings,
                      gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=save,
-                     generator=args.load_generator)
+                     generator=args.load_generator, dry=args.dry_run)
             save()
         if "groups" in sections:
             print("benchmarking batches by length group against by bucket (ONNX Runtime misses) ...", flush=True)
@@ -404,7 +429,8 @@ def main() -> None:
             print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)
             from bench.probes import gpu_available
 
-            report["worker_capacity"] = bench_worker_capacity(workdir / "worker", 2.0 if args.quick else 5.0,
+            seconds = 0.5 if args.dry_run else 2.0 if args.quick else 5.0
+            report["worker_capacity"] = bench_worker_capacity(workdir / "worker", seconds,
                                                               ("null", "torch-cuda") if gpu_available() else ("null",))
         if "generate" in sections:
             from bench.probes import gpu_available
@@ -422,7 +448,8 @@ def main() -> None:
                 from bench.generate import bench_generate, print_generate
 
                 print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
-                report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick)
+                report["generate"] = bench_generate(workdir / "generate", texts, rounds, args.quick,
+                                                    **({"new_tokens": 8} if args.dry_run else {}))
                 print_generate(report["generate"])
             save()
         if "prefix" in sections:
@@ -467,7 +494,9 @@ def main() -> None:
             print("benchmarking semantic answers for generated text against GPTCache (Banking77, SmolLM2) ...",
                   flush=True)
             (workdir / "generate-semantic").mkdir()
-            report["generate_semantic"] = bench_generate_semantic(workdir / "generate-semantic", args.quick)
+            dry = {"rows": 100, "latency_calls": 2, "judge_limit": 500} if args.dry_run else {}
+            report["generate_semantic"] = bench_generate_semantic(workdir / "generate-semantic",
+                                                                  args.quick and not args.dry_run, **dry)
             print_generate_semantic(report["generate_semantic"])
             save()
         if "peers" in sections:
@@ -477,7 +506,8 @@ def main() -> None:
                 from bench.peers_hits import bench_peers_hits, print_peers_hits
 
                 print("benchmarking exact hits against Triton's response cache ...", flush=True)
-                report["peers"]["hits"] = bench_peers_hits(workdir / "peers-hits", texts, rounds, args.quick)
+                report["peers"]["hits"] = bench_peers_hits(workdir / "peers-hits", texts, rounds, args.quick,
+                                                           dry=args.dry_run)
                 print_peers_hits(report["peers"]["hits"])
                 save()
             if "infinity" in peer_parts:
@@ -492,13 +522,15 @@ def main() -> None:
                 from bench.peers import bench_peers_semantic, print_peers
 
                 print("benchmarking semantic hits against GPTCache (Banking77) ...", flush=True)
-                report["peers"]["semantic"] = bench_peers_semantic(models, workdir / "peers", args.quick)
+                report["peers"]["semantic"] = bench_peers_semantic(models, workdir / "peers", args.quick,
+                                                                   dry=args.dry_run)
                 print_peers(report["peers"])
                 save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
             (workdir / "commit").mkdir()
-            report["group_commit"] = bench_group_commit(workdir / "commit", rounds, 2.0 if args.quick else 5.0)
+            report["group_commit"] = bench_group_commit(workdir / "commit", rounds,
+                                                        0.5 if args.dry_run else 2.0 if args.quick else 5.0)
             print_group_commit(report["group_commit"])
             save()
         if "write" in sections:
@@ -512,14 +544,16 @@ def main() -> None:
         if "workers" in sections:
             print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
             report["workers"] = {}
-            bench_workers(workdir, texts, report["workers"], quick=args.quick, checkpoint=save)
+            bench_workers(workdir, texts, report["workers"], quick=args.quick, checkpoint=save,
+                          seconds=0.5 if args.dry_run else None)
         if "gpu" in sections:
             print("benchmarking the GPU path ...", flush=True)
             report["gpu"] = {}
             bench_gpu(workdir, texts, report["gpu"], quick=args.quick, parts=tuple(args.gpu_parts.split(",")),
                       workers=tuple(int(n) for n in args.gpu_workers.split(",")),
-                      callers=tuple(int(n) for n in args.gpu_callers.split(",")), rounds=args.rounds or ALTERNATING_ROUNDS,
-                      checkpoint=save)
+                      callers=tuple(int(n) for n in args.gpu_callers.split(",")),
+                      rounds=args.rounds or (1 if args.dry_run else ALTERNATING_ROUNDS), checkpoint=save,
+                      seconds=0.5 if args.dry_run else None)
     save()
     if "exact_hits" in report:
         print_table(report)

@@ -72,7 +72,8 @@ def _user(text: str) -> list[dict]:
 
 
 def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens: int = 1,
-                            latency_tokens: int = 32, latency_calls: int = 20) -> dict:
+                            latency_tokens: int = 32, latency_calls: int = 20, judge_limit: int | None = None) -> dict:
+    """judge_limit: the judge head trained on that many of the rows not replayed (default all; the dry run's few)."""
     if quick:
         rows, latency_calls = 1000, 8
     every = read_labelled_csv(BANKING77, "text", "category", None)
@@ -81,7 +82,7 @@ def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens
     replay = chosen[::5]
     warm = [r for i, r in enumerate(chosen) if i % 5]
     replayed = set(replay)
-    judge_rows = [r for r in every if r not in replayed]
+    judge_rows = [r for r in every if r not in replayed][:judge_limit]
     started = time.monotonic()
     models = _models(workdir / "models", judge_rows)
     trained_s = time.monotonic() - started

@@ -153,16 +153,18 @@ ALTERNATING_ROUNDS = 3
 
 def bench_gpu(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 16,
               load_processes: int = 8, checkpoint=lambda: None, parts: tuple[str, ...] = PARTS,
-              workers: tuple[int, ...] = (1,), callers: tuple[int, ...] = (2,), rounds: int = ALTERNATING_ROUNDS) -> dict:
+              workers: tuple[int, ...] = (1,), callers: tuple[int, ...] = (2,), rounds: int = ALTERNATING_ROUNDS,
+              seconds: float | None = None) -> dict:
     """Fills `report` step by step, calling checkpoint() after each step (a run cut short keeps the rest).
     `parts` picks steps (a short device lease measures fewer); "hits" needs "minilm". `workers`: worker
     processes sharing the GPU; the first serves every step, each further count repeats the MiniLM runs
     (and the null engine runs with the largest), to show what several Python processes per GPU carry.
     `callers`: with part "callers", the MiniLM runs again at these multiples of the calls in flight (and
-    the raw-bytes server with them); part "alternating" runs at the largest, `rounds` pairs."""
+    the raw-bytes server with them); part "alternating" runs at the largest, `rounds` pairs. `seconds`: each
+    load run's (default 5, 2 when quick)."""
     on_gpu = gpu_available()
     runtime = "torch-cuda" if on_gpu else "onnxruntime"
-    seconds = 2.0 if quick else 5.0
+    seconds = seconds or (2.0 if quick else 5.0)
     frontends = min(frontends, multiprocessing.cpu_count())
     load_processes = min(load_processes, multiprocessing.cpu_count())
     report.update({"runtime": runtime, "dry_run_on_cpu": not on_gpu, "frontends": frontends,

@@ -45,8 +45,9 @@ LOAD_PROCESSES = max(1, (os.cpu_count() or 1) // 4)  # one on a small machine; e
 _native: Path | None = None  # the C++ load generator where bench_l2 chose it and it built (bench/native_load.py)
 
 
-def make_models(root: Path, progress=print) -> tuple[str, str]:
-    """minilm, banking77 (a head, versions 1 and 2) and banking77-graph (the same weights in one graph)."""
+def make_models(root: Path, progress=print, rows: int | None = None) -> tuple[str, str]:
+    """minilm, banking77 (a head, versions 1 and 2, trained on every row or the first `rows`) and
+    banking77-graph (the same weights in one graph)."""
     from server.shared.models import HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE
     from server.tools.train_head import compose, torch_source_with_head, train
 
@@ -55,7 +56,7 @@ def make_models(root: Path, progress=print) -> tuple[str, str]:
     encoder = REPO / "models" / "minilm" / "1"
     (root / "minilm" / "1").symlink_to(encoder)
     head = train(BANKING77, text_column="text", label_column="category", models_dir=root, encoder="minilm",
-                 name="banking77", progress=progress)
+                 name="banking77", limit=rows, progress=progress)
     (root / "banking77" / "2").symlink_to(head)
     graph = root / "banking77-graph" / "1"
     graph.mkdir(parents=True)
@@ -315,20 +316,21 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
 
 
 def bench_l2(workdir: Path, rounds: int, quick: bool, out: dict, gpu: bool = False, settings: tuple[str, ...] = (),
-             checkpoint=lambda: None, generator: str = "native") -> None:
+             checkpoint=lambda: None, generator: str = "native", dry: bool = False) -> None:
     """Fills `out` step by step, calling checkpoint() after each (a run cut short keeps what it measured).
     `settings`: the servers' (both); `gpu`: the device-LRU and FEATURE-throughput parts too; `generator`:
-    the load generator, native (C++, where it builds; else Python) or python."""
+    the load generator, native (C++, where it builds; else Python) or python; `quick` trains the head on
+    the first 2,000 rows, `dry` on 300, and sends fewer texts."""
     global _native
     _native = loadgen() if generator == "native" else None
     out["load_generator"] = "C++ (bench/native/loadgen.cc)" if _native is not None else "Python (grpc.aio, uvloop)"
     workdir.mkdir(parents=True)
     print("  training the Banking77 head (train-head) ...", flush=True)
-    make_models(workdir / "models", progress=lambda line: None)
+    make_models(workdir / "models", progress=lambda line: None, rows=300 if dry else 2000 if quick else None)
     texts = distinct_texts()
     texts_each = len(texts) - 300  # the last 300 warm the server up
-    per_round = min(300 if quick else 2000, texts_each // rounds)  # every round's texts distinct
-    bump = texts[:2000] if quick else texts
+    per_round = min(40 if dry else 300 if quick else 2000, texts_each // rounds)  # every round's texts distinct
+    bump = texts[:200] if dry else texts[:2000] if quick else texts
     out["distinct_texts"] = len(texts)
     (workdir / "server").mkdir()
     frontends = os.cpu_count() or 1  # the server's default, one per CPU

@@ -33,14 +33,16 @@ HOLDOUT = 5
 LATENCY_CALLS = 300
 
 
-def bench_peers_semantic(models: Path, workdir: Path, quick: bool) -> dict:
+def bench_peers_semantic(models: Path, workdir: Path, quick: bool, dry: bool = False) -> dict:
+    """quick: 2,000 rows (the head trained on them, as the semantic section's quick run), dry: 300."""
     from server.tools.labelled_csv import read_labelled_csv
     from server.tools.semantic_heldout import run, split
 
     from bench.semantic import train_banking77
 
-    train_banking77(models)
-    rows = read_labelled_csv(BANKING77, "text", "category", 3000 if quick else None)
+    limit = 300 if dry else 2000 if quick else None
+    train_banking77(models, limit=limit)
+    rows = read_labelled_csv(BANKING77, "text", "category", limit)
     warm, replay, _ = split(rows, HOLDOUT, 0)
     normalize = Normalizer()
     warm_normalized = {normalize(t) for t, _ in warm}

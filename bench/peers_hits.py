@@ -30,6 +30,7 @@ import numpy as np
 import uvloop
 
 from bench import echo
+from bench import ratio as ratio_of
 from bench.doors import MODEL_INFER, check_hits, kserve_request
 from bench.fixtures import distinct_texts
 from bench.load import INFER, run_raw_load, warm
@@ -71,7 +72,7 @@ class TritonPeer(PeerServer):
         raise RuntimeError("Triton's /metrics has no nv_cache_num_hits_per_model for minilm")
 
 
-def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) -> dict:
+def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool, dry: bool = False) -> dict:
     env = triton_env()
     if isinstance(env, str):
         print(f"  Triton skipped: {env}", flush=True)
@@ -106,7 +107,7 @@ def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) 
             floor_cpp, cpp = start_floor(binary, hit, workdir / "floor")
             cleanup.callback(lambda: (cpp.kill(), cpp.wait(10)))
             targets["floor_cpp"] = (floor_cpp, MODEL_INFER, kserve, [cpp.pid])
-        plan = {1: 600 if quick else 3000, 32: 4000 if quick else 20000}
+        plan = {1: 60, 32: 400} if dry else {1: 600 if quick else 3000, 32: 4000 if quick else 20000}
         runs: dict[str, dict[int, list[dict]]] = {name: {1: [], 32: []} for name in targets}
         hits_before, sent = triton.cache_hits(), 0
         for _ in range(rounds):
@@ -122,7 +123,7 @@ def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool) 
         triton_hits = triton.cache_hits() - hits_before
         assert triton_hits == sent, f"Triton answered {triton_hits} of {sent} calls from its cache"
         check_hits(server.address, kserve)
-        misses = _misses(triton, server, texts, rounds, 300 if quick else 2000)
+        misses = _misses(triton, server, texts, rounds, 40 if dry else 300 if quick else 2000)
     return _report(runs, plan, misses, agreement)
 
 
@@ -179,7 +180,7 @@ def _report(runs: dict, plan: dict, misses: dict, agreement: dict) -> dict:
                  "hits": HITS, "processes": os.cpu_count() or 1, "goals": GOALS, "embeddings_agree": agreement}
     for concurrency in plan:
         row = {name: _medians(by[concurrency]) for name, by in runs.items()}
-        ratio = lambda a, b, k: round(row[a][k] / row[b][k], 3)  # noqa: E731
+        ratio = lambda a, b, k: ratio_of(row[a][k], row[b][k])  # noqa: E731
         for name in ("kserve_door", "native_door", "floor", "floor_cpp"):
             if name not in row:
                 continue
@@ -213,7 +214,7 @@ def print_peers_hits(report: dict) -> None:
                 continue
             ratios = row[f"{name}_vs_triton"]
             print(f"  {key:<16} {name} vs Triton: {ratios['p50']:.3f}x p50, {ratios['throughput']:.3f}x throughput, "
-                  f"{ratios['cpu_per_call']:.3f}x CPU per call")
+                  f"{ratios['cpu_per_call']}x CPU per call")
     misses = report["misses_32_callers"]
     print(f"  misses at 32 callers ({misses['texts_per_round']} texts): Triton {misses['triton']['throughput_rps']:.0f}/s "
           f"p50 {misses['triton']['p50_ms']:.1f} ms; infercache {misses['kserve_door']['throughput_rps']:.0f}/s "

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import ratio
 from bench.fixtures import INFER_BATCH, batch_payloads, distinct_texts, long_texts, make_gpu_models
 from bench.probes import gpu_available, measured
 from bench.load import run_load_processes
@@ -31,11 +32,12 @@ DEADLINE_S = 2.0
 
 
 def bench_workers(workdir: Path, texts: list[str], report: dict, *, quick: bool, frontends: int = 0,
-                  load_processes: int = 8, checkpoint=lambda: None) -> dict:
+                  load_processes: int = 8, checkpoint=lambda: None, seconds: float | None = None) -> dict:
     """frontends 0: one per CPU, the server's default (on the 32-core two-GPU host, 16 frontends were
-    the limit: about 0.46 ms of frontend CPU per 128-token text, the busiest frontend 88% busy)."""
+    the limit: about 0.46 ms of frontend CPU per 128-token text, the busiest frontend 88% busy).
+    seconds: each load run's (default 5, 2 when quick)."""
     on_gpu = gpu_available()
-    seconds = 2.0 if quick else 5.0
+    seconds = seconds or (2.0 if quick else 5.0)
     frontends = min(frontends, os.cpu_count() or 1) if frontends else os.cpu_count() or 1
     load_processes = min(load_processes, os.cpu_count() or 1)
     model = "bert-base" if on_gpu else "minilm"
@@ -72,9 +74,9 @@ def bench_workers(workdir: Path, texts: list[str], report: dict, *, quick: bool,
                 checkpoint()
             assert server.stop() == 0
     one, two = report["workers_1"]["best"], report["workers_2"]["best"]
-    report["two_vs_one"] = round(two["items_per_s"] / one["items_per_s"], 3)
-    report["minilm_batch32_two_vs_one"] = round(report["minilm_batch32_workers_2"]["items_per_s"]
-                                                / report["minilm_batch32_workers_1"]["items_per_s"], 3)
+    report["two_vs_one"] = ratio(two["items_per_s"], one["items_per_s"])
+    report["minilm_batch32_two_vs_one"] = ratio(report["minilm_batch32_workers_2"]["items_per_s"],
+                                                report["minilm_batch32_workers_1"]["items_per_s"])
     checkpoint()
     return report
 

@@ -1,15 +1,20 @@
 """The benchmarks' own tools, against real servers: the C++ load generator (bench/native/loadgen.cc), the
-native gRPC floor (bench/native/floor.cc), the GPU and write-path benches' dry runs."""
+native gRPC floor (bench/native/floor.cc), the GPU and write-path benches' dry runs, and every section's
+dry run through `python -m bench` as `make bench` runs it."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 
 import grpc
 import pytest
 
 from bench.native_load import loadgen, native as native_binary, run_each_once_native, start_floor
 from infercache.v1 import infercache_pb2 as pb
+from tests.servers import REPO
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +126,59 @@ def test_the_write_path_bench_commits_every_put_under_both_flush_settings(tmp_pa
     assert result["writer"]["per_commit"][0]["disk_flushes"] == 0
     assert result["ceiling"]["per_commit"][0] > 0 and result["ceiling"]["interval"][0] > 0
     assert result["ratios"]["writer_over_baseline"] > 0
+
+
+# The report keys of each section (bench/__main__.py's FILES names their files).
+SECTION_KEYS = {"serving": ("exact_hits", "misses", "metrics_cost", "engine_alone", "startup"),
+                "metrics": ("metrics_cost",), "l3": ("l3_engines",), "semantic": ("semantic",),
+                "security": ("security",), "fleet": ("fleet",), "overload": ("overload",), "l2": ("l2",),
+                "groups": ("length_groups",), "worker": ("worker_capacity",), "generate": ("generate",),
+                "prefix": ("prefix",), "synonyms": ("synonyms",), "doors": ("doors",), "ttl": ("ttl",),
+                "generate-semantic": ("generate_semantic",), "peers": ("peers",), "commit": ("group_commit",),
+                "write": ("write_path",), "workers": ("workers",), "gpu": ("gpu",)}
+
+
+def test_every_section_has_a_dry_run_here():
+    from bench.__main__ import SECTIONS
+
+    assert set(SECTIONS) == set(SECTION_KEYS)
+
+
+@pytest.mark.parametrize("section", list(SECTION_KEYS))
+def test_each_section_runs_every_step_in_a_dry_run(section, tmp_path):
+    """`make bench ARGS="--dry-run --sections <section>"`: every step at its smallest, in a process of its own
+    as `make bench` runs it, its file where a trial run's go (BENCH_RESULTS: here a temporary folder)."""
+    from bench import banking77_missing, machine
+    from bench.__main__ import FILES, NEEDS_BANKING77
+
+    if section in NEEDS_BANKING77 and banking77_missing():
+        pytest.skip(banking77_missing())
+    env = {**{k: v for k, v in os.environ.items() if k != "BENCH_COMMAND"}, "BENCH_RESULTS": str(tmp_path / "results")}
+    run = subprocess.run([sys.executable, "-m", "bench", "--dry-run", "--sections", section], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "Traceback" not in run.stderr, run.stderr[-4000:]
+    tag = machine()["tag"]
+    for key in SECTION_KEYS[section]:
+        stem = "metrics-cost" if section == "metrics" else FILES[key]
+        path = tmp_path / "results" / f"{stem}-dry-{tag}.json"  # (result_path, under this BENCH_RESULTS)
+        assert str(path) in run.stdout.splitlines()[-1]  # `wrote ...`
+        report = json.loads(path.read_text())
+        assert report["recorded"]["command"].endswith(f"--dry-run --sections {section}")
+        assert report[key], f"{key}: {report[key]!r}"
+        if set(report[key]) == {"skipped"}:
+            pytest.skip(f"{section}: {report[key]['skipped']}")
+
+
+def test_trial_runs_write_where_git_ignores_them():
+    from bench.__main__ import result_path
+
+    for trial in ("quick", "dry"):
+        path = result_path("serving", "2core", trial)
+        assert path.name == f"serving-{trial}-2core.json"
+        if "BENCH_RESULTS" not in os.environ:
+            assert path.parent == REPO / "var" / "bench"
+            ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=REPO)
+            assert ignored.returncode == 0, f"{path} would show as an untracked file"
+    assert result_path("serving", "2core") == REPO / "bench" / "results" / "serving-2core.json" \
+        or "BENCH_RESULTS" in os.environ
