@@ -606,15 +606,20 @@ def test_a_port_another_program_listens_on_is_refused_in_one_line(start_server, 
 
 def test_the_port_stays_held_while_the_only_frontend_restarts(start_server):
     """The supervisor holds the port (bound, not listening) for the server's life: with its one frontend
-    killed, a plain bind still fails, and the replacement binds beside the supervisor's socket."""
+    dead and nothing listening (the supervisor stopped, so that it restarts nothing yet), a bind still
+    fails; the replacement then binds beside the supervisor's socket."""
     server = start_server(frontends=1)
     victim = server.stats().frontend.pid
-    os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: not running(victim), 10, "the frontend to exit")
-    with socket.socket() as other, pytest.raises(OSError) as taken:
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        other.bind(("127.0.0.1", server.port))
-    assert taken.value.errno == errno.EADDRINUSE
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: not running(victim), 10, "the frontend to exit")
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", server.port))
+        assert taken.value.errno == errno.EADDRINUSE
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
 
     def replacement():
         try:
