@@ -65,13 +65,13 @@ def raw_main(port: int, ready, method: str, payload: bytes) -> None:
 def http_main(port: int, ready, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     """The floor of the HTTP door's stack (server/frontend/http1.py): every request answered with fixed
     bytes and headers, no JSON or cache work."""
-    from server.frontend.http1 import HttpServer, Response
+    from server.frontend.http1 import HttpServer, Limits, Response
 
     async def answer(request) -> Response:
         return Response(200, body, headers)
 
     async def serving(stop: asyncio.Event) -> None:
-        server = HttpServer(answer, 4 << 20)
+        server = HttpServer(answer, Limits(4 << 20))
         await server.start("127.0.0.1", port)
         ready.put(os.getpid())
         await stop.wait()
