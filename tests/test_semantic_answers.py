@@ -6,11 +6,15 @@ threshold) so a few dozen generations on two cores reach hits; the benchmark run
 from __future__ import annotations
 
 import csv
+import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from server.shared import question_guards as guards
 from server.shared.answer_match import answer_match_from_config, namespace_material
+from server.worker.label_calibration import BINS, LABEL_CALIBRATION_FILE, LabelCalibration, read, same_label
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, settled, worker_counters
 from tests.servers import REPO, ServerProcess
@@ -97,17 +101,39 @@ def test_the_namespace_holds_the_system_prompt_and_earlier_turns_where_the_confi
 
 # ---- through a real server ---------------------------------------------------------------------
 
+def _judge_copy(target: Path, head: Path, calibration: LabelCalibration | None) -> Path:
+    """The head's version with another label calibration (None: without one, as train-head wrote heads before)."""
+    target.mkdir()
+    for path in head.iterdir():
+        if path.name != LABEL_CALIBRATION_FILE:
+            (target / path.name).symlink_to(path)
+    if calibration is not None:
+        (target / LABEL_CALIBRATION_FILE).write_text(json.dumps(calibration.to_json()))
+    return target
+
+
+# Labelled pairs that bound no threshold at max_error 0.2: two of five pairs apart, whatever their probability.
+UNSURE = LabelCalibration(1.0, np.eye(BINS)[BINS - 1] * 5, np.eye(BINS)[BINS - 1] * 2)
+JUDGED = {"answers": "faq", "answers-unsure": "faq-unsure", "answers-judge-only": "faq-judge-only"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, faq_models, engines_dir):
     root = tmp_path_factory.mktemp("answer-models")
     link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
-    link_model(root, "faq", (faq_models / "faq" / "config.yaml").read_text(), {"1": faq_models / "faq" / "1"})
-    link_model(root, "answers", ANSWERS, {"1": GEN_VERSION_DIR})
+    judge_config = (faq_models / "faq" / "config.yaml").read_text()
+    link_model(root, "faq", judge_config, {"1": faq_models / "faq" / "1"})
+    copies = tmp_path_factory.mktemp("judges")
+    link_model(root, "faq-unsure", judge_config, {"1": _judge_copy(copies / "unsure", faq_models / "faq" / "1", UNSURE)})
+    link_model(root, "faq-judge-only", judge_config, {"1": _judge_copy(copies / "only", faq_models / "faq" / "1", None)})
+    for model, judge in JUDGED.items():
+        link_model(root, model, ANSWERS.replace("judge: faq", f"judge: {judge}"), {"1": GEN_VERSION_DIR})
     workdir = tmp_path_factory.mktemp("answer-server")
     srv = ServerProcess(workdir, root, frontends=1, engines_dir=engines_dir)
     with srv.client(timeout_s=120) as client:
-        for text in _faq() + WARM:  # tenant "a"'s cache; its misses' questions are outcomes once neighbours exist
-            client.generate("answers", messages=_user(text), tenant="a", max_new_tokens=TOKENS)
+        for model in JUDGED:
+            for text in _faq() + WARM:  # tenant "a"'s cache; its misses' questions are outcomes once neighbours exist
+                client.generate(model, messages=_user(text), tenant="a", max_new_tokens=TOKENS)
     settled(srv, "semantic.indexed")
     yield srv
     srv.stop()
@@ -183,3 +209,63 @@ def test_shadow_checks_judge_hits_and_count_in_the_bound(server):
                                  mode="NO_STORE") for text in PARAPHRASES]
     assert any(g.source == "RESULT_SEMANTIC" and g.verdict == "VERIFIED" for g in again), \
         [(g.source, g.verdict) for g in again]
+
+
+# ---- the judge's label calibration (server/worker/label_calibration.py) ---------------------------------
+
+def test_train_head_writes_the_judge_s_label_calibration(faq_models):
+    calibration = read(faq_models / "faq" / "1")
+    rows = len(_faq())
+    assert calibration is not None and 0 < calibration.temperature < 10
+    assert 0.8 * rows <= calibration.n.sum() <= rows and calibration.errors.sum() < 0.2 * calibration.n.sum()
+    assert calibration.threshold(0.2) <= 1 and calibration.threshold(0.01) == float("inf")  # (52 pairs bound 0.2, not 0.01)
+
+
+def test_the_threshold_is_the_lowest_probability_whose_pairs_bound_the_error():
+    n, errors = np.zeros(BINS), np.zeros(BINS)
+    n[990], n[500], errors[500] = 400, 100, 50  # 400 pairs at 0.99 all alike, 100 at 0.5 half apart
+    calibration = LabelCalibration(1.0, n, errors)
+    assert calibration.threshold(0.01) == 0.99
+    assert calibration.threshold(0.2) == 0.5      # 50 apart in 500: under 0.2 by the bound (none lie below)
+    assert calibration.threshold(0.05) == 0.99    # ... not under 0.05
+    assert LabelCalibration(1.0, np.eye(BINS)[999] * 100, np.zeros(BINS)).threshold(0.01) == float("inf")  # 0 in 100
+    one_hot = np.eye(4)
+    assert same_label(one_hot[0], one_hot[0], 1.0) == 1.0 and same_label(one_hot[0], one_hot[1], 1.0) == 0.0
+    soft = np.array([0.6, 0.4, 0.0, 0.0])
+    assert same_label(soft, soft, 1.0) == pytest.approx(0.52) and same_label(soft, soft, 0.5) > 0.52  # colder: surer
+
+
+def test_a_label_calibration_that_does_not_read_is_refused(tmp_path):
+    (tmp_path / LABEL_CALIBRATION_FILE).write_text(json.dumps({"temperature": 1.0, "bins": BINS, "pairs": [1] * BINS,
+                                                               "disagreed": [2] * BINS}))
+    with pytest.raises(ValueError):
+        read(tmp_path)
+    assert read(tmp_path / "absent") is None
+
+
+def test_the_calibrated_judge_tells_a_paraphrase_from_another_intent(server, faq_models):
+    """The real head's scores, through the server: a paraphrase of a cached question shares its label with
+    a probability over the FAQ's threshold; a question of another intent does not."""
+    calibration = read(faq_models / "faq" / "1")
+    with server.client(timeout_s=120) as client:
+        texts = ["How do I return an item?", "how can i send an item back", "where is my package"]
+        scores = [np.asarray(r.outputs["scores"]) for r in client.infer_batch("faq", texts, mode="BYPASS")]
+    threshold = calibration.threshold(0.2)
+    assert same_label(scores[0], scores[1], calibration.temperature) >= max(threshold, 0.9)
+    assert same_label(scores[0], scores[2], calibration.temperature) < 0.1
+
+
+def test_a_judge_whose_labelled_pairs_bound_nothing_answers_no_question_semantically(server):
+    before = worker_counters(server)
+    with server.client(timeout_s=120) as client:
+        unsure = [client.generate("answers-unsure", messages=_user(text), tenant="a", max_new_tokens=TOKENS,
+                                  mode="NO_STORE") for text in PARAPHRASES]
+        judge_only = [client.generate("answers-judge-only", messages=_user(text), tenant="a", max_new_tokens=TOKENS,
+                                      mode="NO_STORE") for text in PARAPHRASES]
+    after = worker_counters(server)
+    assert not any(g.source == "RESULT_SEMANTIC" for g in unsure), [(p, g.source) for p, g in zip(PARAPHRASES, unsure)]
+    assert sum(g.source == "MISS" for g in unsure) >= len(PARAPHRASES) - 1  # (one of them is a cached text)
+    # the rule admitted them, the label calibration refused them
+    assert after.get("worker.answer_label_refused", 0) - before.get("worker.answer_label_refused", 0) >= 1
+    # the same head without a label calibration: the judge's word alone, as before train-head wrote one
+    assert sum(g.source == "RESULT_SEMANTIC" for g in judge_only) >= len(PARAPHRASES) // 2

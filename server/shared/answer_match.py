@@ -20,7 +20,9 @@ the calibrated rule of the classifier tier (server/shared/match_policy.py) appli
 judge's class scores stored with each cached question are interpolated at the query, and a hit needs the
 query covered, the namespace's fit agreeing, and the predicted label's margin over the threshold that the
 judge's own verdicts on the cache's misses and on shadow-checked hits learnt (server/worker/calibration.py)
-for `max_error`. The guards (server/shared/question_guards.py) then refuse a neighbour whose negations,
+for `max_error`, and the judge's label calibration (server/worker/label_calibration.py) must say that the
+two questions share a label in truth, not only in the judge's eyes, with the probability that labelled
+rows showed to keep `max_error`. The guards (server/shared/question_guards.py) then refuse a neighbour whose negations,
 numbers, dates or entities differ from the query's; under answer equivalence a guarded pair whose
 answers the model showed alike may answer after all (server/worker/answer_equivalence.py).
 """

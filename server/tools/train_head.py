@@ -4,7 +4,9 @@ Reads a labelled CSV, embeds the (normalized) texts with the encoder's ONNX mode
 regression in numpy, and writes a new model version: by default the head alone (head.json naming the
 encoder version, head.npz with its weights), which the worker runs on the encoder's output, kept in the
 feature tier; labels.json maps score columns to labels, and the encoder's tokenizer is copied (frontends
-tokenize for the encoder with it). With `whole_graph`, the format before the feature tier instead: one
+tokenize for the encoder with it), and label_calibration.json what the head is worth as the judge of a
+generative model's semantic answers, measured by heads that never saw the rows they judge
+(server/tools/judge_calibration.py, server/worker/label_calibration.py). With `whole_graph`, the format before the feature tier instead: one
 ONNX graph of encoder + head (and, when the encoder has a torch source, the same as torch weights).
 Whole-graph versions need the `onnx` package (the prepare extra); serving never imports this module.
 """
@@ -23,9 +25,11 @@ from server.engines.onnxruntime import OrtEngine
 from server.shared.models import (HEAD_FILE, HEAD_WEIGHTS_FILE, LABELS_FILE, MODEL_FILE, TOKENIZER_FILE, TORCH_CONFIG_FILE,
                            TORCH_WEIGHTS_FILE, load_model)
 from server.shared.match_policy import CalibratedPolicy, MatchPolicy
+from server.tools.judge_calibration import FOLDS, calibrate
 from server.tools.labelled_csv import read_labelled_csv
 from server.shared.normalize import Normalizer
 from server.shared.tokenization import TextEncoder, pad_batch
+from server.worker.label_calibration import LABEL_CALIBRATION_FILE
 
 class TrainError(ValueError):
     pass
@@ -152,12 +156,20 @@ def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Pa
     engine = OrtEngine(encoder_dir / MODEL_FILE)
     x = embed(engine, TextEncoder(encoder_dir / TOKENIZER_FILE, encoder_spec.max_tokens), texts, progress)
 
-    holdout = np.arange(len(x)) % 10 == 0
-    w, b = fit_softmax(x[~holdout], y[~holdout], len(classes), epochs=epochs, l2=l2)
-    holdout_accuracy = float(((x[holdout] @ w + b).argmax(axis=1) == y[holdout]).mean())
-    w, b = fit_softmax(x, y, len(classes), epochs=epochs, l2=l2)
+    def fit(x_fit: np.ndarray, y_fit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return fit_softmax(x_fit, y_fit, len(classes), epochs=epochs, l2=l2)
+
+    # Heads that never saw a row judge it: the accuracy on unseen rows, and the calibration of the head
+    # as a judge of semantic answers (server/worker/label_calibration.py).
+    calibration, held_out_accuracy = calibrate(x, y, len(classes), fit)
+    w, b = fit(x, y)
     train_accuracy = float(((x @ w + b).argmax(axis=1) == y).mean())
-    progress(f"infercache: accuracy {train_accuracy:.3f} on the training rows, {holdout_accuracy:.3f} on a 10% holdout")
+    threshold = calibration.threshold(CalibratedPolicy().max_error)
+    progress(f"infercache: accuracy {train_accuracy:.3f} on the training rows, {held_out_accuracy:.3f} held out "
+             f"({FOLDS} folds); as a judge of semantic answers: temperature {calibration.temperature:.3f}, "
+             f"{int(calibration.n.sum())} labelled pairs, "
+             + (f"same-label probability >= {threshold:.3f} for max_error {CalibratedPolicy().max_error}"
+                if threshold <= 1 else f"too few pairs for max_error {CalibratedPolicy().max_error}"))
 
     root = models_dir / name
     existing = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
@@ -180,8 +192,10 @@ def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Pa
     (staging / LABELS_FILE).write_text(json.dumps(classes, indent=0))
     (staging / "training.json").write_text(json.dumps({
         "csv": str(csv_path), "rows": len(texts), "labels": len(classes), "encoder": f"{encoder}/{encoder_spec.serving_version}",
-        "epochs": epochs, "l2": l2, "train_accuracy": train_accuracy, "holdout_accuracy": holdout_accuracy,
+        "epochs": epochs, "l2": l2, "train_accuracy": train_accuracy, "held_out_accuracy": held_out_accuracy,
+        "folds": FOLDS,
     }, indent=2))
+    (staging / LABEL_CALIBRATION_FILE).write_text(json.dumps(calibration.to_json(), separators=(",", ":")))
     staging.rename(target)
     if not (root / "config.yaml").exists():
         config = _config_text(encoder, (models_dir / encoder / "config.yaml").read_text(), semantic=True)

@@ -1,11 +1,13 @@
 """Semantic answers of generative models in a worker (server/shared/answer_match.py says when one is
 right): a request's question is embedded and searched in its namespace's index; the judge's class scores
 stored with the nearest cached questions decide, under the model's calibrated threshold and the guards,
-whether one of their answers answers it (RESULT_SEMANTIC, with the similarity, the answer's age and the
-verdict so far). Otherwise the judge runs on the question (a head on the embedding: a matrix product),
-which is an outcome for the calibration where the rule had an opinion, and, once the model's answer is
-generated and stored, the question's entry: the judge's response for it (its class scores, the guard
-marks, and the key of the answer as CacheInfo.key) under the question's key, indexed by its embedding.
+whether one of their answers may answer it; then the judge runs on the question (a head on the
+embedding: a matrix product), and its scores against the cached question's, under the judge's label
+calibration (server/worker/label_calibration.py), decide whether it does (RESULT_SEMANTIC, with the
+similarity, the answer's age and the verdict so far). On a miss the judge's scores of the question are
+an outcome for the calibration where the rule had an opinion, and, once the model's answer is generated
+and stored, the question's entry: the judge's response for it (its class scores, the guard marks, and
+the key of the answer as CacheInfo.key) under the question's key, indexed by its embedding.
 
 It reuses the classifier tier whole: the index and the judge's interpolated scores and fit
 (server/worker/semantic_index.py), the threshold and guard of server/worker/calibration.py (one
@@ -66,6 +68,7 @@ class AnswerMatching:
     def __init__(self, core) -> None:
         self.core = core  # server/worker/core.py WorkerCore: its semantic tier, cache, runtimes, matching
         self._refused: set[tuple[str, str]] = set()  # (model, version) whose judge cannot run here (logged once)
+        self._told: set[tuple[str, str]] = set()     # ... whose judge's label calibration is missing or empty (logged once)
         self.equivalence = AnswerEquivalence(core, self)
 
     def enabled(self, spec) -> bool:
@@ -91,22 +94,28 @@ class AnswerMatching:
             neighbors, assessment = await core.semantic.search(ns_id, embedding, rule.k, judge.labels)
         calibration = self.calibration(runtime, policy)
         marks = guards.decode(item.question_marks)
+        feature = self._feature(judge, embedding)
+        outputs = None  # the judge's scores of the question, once computed
         if assessment is not None:
             chosen = rule.decide(neighbors, assessment, calibration)
             if chosen is not None and core.matching.shadow.contested(chosen.key):
                 chosen = None
             if chosen is not None:
                 hit = self._answer(item, neighbors, assessment.answer, marks)
-                if hit is not None:
-                    answer, entry = hit
-                    self._verify(runtime, calibration, judge, item, embedding, assessment, entry)
-                    core.counters["answer_semantic_hits"] += 1
-                    return Lookup(answer=answer)
-                core.counters["answer_guarded"] += 1
+                if hit is None:
+                    core.counters["answer_guarded"] += 1
+                else:
+                    answer, entry, cached_scores = hit
+                    outputs = await judge.batcher.submit(feature, deadline)
+                    if self._same_label(runtime, judge, outputs["scores"], cached_scores):
+                        self._verify(runtime, calibration, judge, item, embedding, assessment, entry)
+                        core.counters["answer_semantic_hits"] += 1
+                        return Lookup(answer=answer)
+                    core.counters["answer_label_refused"] += 1
         # A miss: the judge's own label of the question (an outcome where the rule had an opinion), and
         # the question's entry once its answer is stored.
-        feature = self._feature(judge, embedding)
-        outputs = await judge.batcher.submit(feature, deadline)
+        if outputs is None:
+            outputs = await judge.batcher.submit(feature, deadline)
         response = judge.response(outputs, item.question_key)
         label = response.classification.label
         if assessment is not None:
@@ -150,15 +159,44 @@ class AnswerMatching:
                       runtime.spec.name, policy.judge, policy.rule.embedder)
         return None
 
+    def _same_label(self, runtime, judge: HeadRuntime, query: np.ndarray, cached: np.ndarray | None) -> bool:
+        """Whether the query and the cached question share a label with the probability that the judge's
+        label calibration asks for at the model's max_error (server/worker/label_calibration.py). A judge
+        without one is taken at its word (its own verdicts bound the error); one whose calibration does not
+        read, or reaches no threshold, answers nothing."""
+        max_error = runtime.spec.answer_match.rule.max_error
+        calibration = judge.label_calibration
+        if calibration is None:
+            self._once(runtime, logging.WARNING if not judge.label_refused else logging.ERROR,
+                       "%s: its judge %s/%s has no label calibration (%s): max_error bounds how often the judge "
+                       "labels two questions apart, not how often they differ in truth; train the judge again "
+                       "with train-head to bound that",
+                       runtime.spec.name, judge.spec.name, judge.version, judge.label_refused or "none written")
+            return not judge.label_refused
+        if not calibration.threshold(max_error) <= 1:
+            self._once(runtime, logging.ERROR, "%s: its judge %s/%s's labelled pairs bound no same-label threshold "
+                       "at max_error %s: no semantic answers", runtime.spec.name, judge.spec.name, judge.version,
+                       max_error)
+            return False
+        if cached is None or cached.shape != query.shape:
+            return False
+        return calibration.admits(query, cached, max_error)
+
+    def _once(self, runtime, level: int, message: str, *args) -> None:
+        if (runtime.spec.name, runtime.version) not in self._told:
+            self._told.add((runtime.spec.name, runtime.version))
+            log.log(level, message, *args)
+
     def _feature(self, judge: HeadRuntime, embedding: np.ndarray) -> np.ndarray:
         features = self.core.features
         stored = features.stored_form(judge.source, embedding) if features is not None else None
         return embedding if stored is None else stored
 
     def _answer(self, item: worker_pb2.ComputeItem, neighbors, label: str, marks: tuple[str, ...]
-                ) -> tuple[bytes, bytes] | None:
+                ) -> tuple[bytes, bytes, np.ndarray | None] | None:
         """The nearest neighbour holding `label` whose question's guard marks are the query's, and whose
-        answer is fresh: (the answer marked RESULT_SEMANTIC, the neighbour's key)."""
+        answer is fresh: (the answer marked RESULT_SEMANTIC, the neighbour's key, the judge's scores of
+        its question)."""
         cache = self.core.cache
         now = now_us()
         max_age = item.max_age_us if item.HasField("max_age_us") else None
@@ -170,7 +208,8 @@ class AnswerMatching:
                 continue  # (a negation, number, date or entity apart: never this one's answer)
             verdict = Verdict.VERIFIED if self.core.matching.shadow.proven(neighbor.key) else Verdict.ESTIMATED
             age = entry.answer.age_s(now)
-            return marked(entry.answer.payload, Source.RESULT_SEMANTIC, age, neighbor.similarity, verdict), neighbor.key
+            return (marked(entry.answer.payload, Source.RESULT_SEMANTIC, age, neighbor.similarity, verdict), neighbor.key,
+                    _scores(entry))
         return None
 
     def _verify(self, runtime, calibration: Calibration, judge: HeadRuntime, item: worker_pb2.ComputeItem,
@@ -186,3 +225,13 @@ class AnswerMatching:
         shadow.offer(Check(judge, calibration, checked, self._feature(judge, embedding), embedding, assessment.answer,
                            assessment.margin, entry, chance, now_us(), assessment.fitted is not None,
                            assessment.residual))
+
+
+def _scores(entry: question_entries.QuestionEntry) -> np.ndarray | None:
+    """The judge's class scores stored with a cached question (None: none that read)."""
+    tensor = entry.outputs.get("scores")
+    try:
+        values = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).astype(np.float32) if tensor is not None else None
+    except (TypeError, ValueError):
+        return None
+    return values if values is not None and values.ndim == 1 and np.all(np.isfinite(values)) else None

@@ -17,6 +17,7 @@ from infercache.v1 import infercache_pb2 as pb
 from server.worker.batcher import Batcher
 from server.config import Config
 from server.shared.head_scoring import head_scores, load_head
+from server.worker import label_calibration
 from server.worker.feature_lru import DeviceRow
 from server.shared.answers import Answers
 from server.worker.model_runtime import ModelRuntime
@@ -91,6 +92,13 @@ class HeadRuntime(ModelRuntime):
         self.built_s, self.warmup_s = 0.0, 0.0  # nothing to build: weights
         self.encoder = encoder.encoder
         self.answers = Answers(spec, version, self.labels)
+        # What the head is worth as the judge of semantic answers (server/worker/label_calibration.py):
+        # None where train-head wrote none; an unreadable one answers no semantic question (`label_refused`).
+        self.label_calibration, self.label_refused = None, ""
+        try:
+            self.label_calibration = label_calibration.read(spec.version_dir(version))
+        except ValueError as exc:
+            self.label_refused = str(exc)
         self.batcher = Batcher(
             self._run_batch, buckets=(self.dim,), max_batch=max(256, spec.max_batch_size), max_delay_s=0.0,
             max_queue=config.server.max_queue, concurrency=1, name=f"{spec.name}-{version}-head",
