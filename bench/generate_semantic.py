@@ -6,7 +6,10 @@ train-head on every row of the split except the replayed ones. SmolLM2 generates
 systems hold the same warm questions and answers, and embed with the same MiniLM (the server's `minilm`,
 on the normalized question). Replays do not store, so both caches hold the warm set alone.
 
-- infercache: the model's semantic answers at `max_error` 0.01 (server/shared/answer_match.py).
+- infercache: the model's semantic answers at `max_error` 0.01 (server/shared/answer_match.py), under
+  the judge as train-head wrote it (with its label calibration: server/worker/label_calibration.py);
+- infercache, judge only: a second model in the same server, its judge the same head without its label
+  calibration (a head trained before train-head wrote one): the bound holds to the judge's verdicts alone.
 - GPTCache, the PyPI package: sqlite and faiss (its documented similar-search setup), `SearchDistanceEvaluation`
   over a threshold sweep, its default threshold (0.8) among them. `Cache.init`'s own default evaluation is
   `ExactMatchEvaluation`, which answers exact texts only.
@@ -14,8 +17,10 @@ on the normalized question). Replays do not store, so both caches hold the warm 
 For each: the semantic hit rate among the replayed questions that are not exact repeats of a warm one
 (after normalization: those are exact hits for both), and the hits' fidelity with its 95% Wilson interval:
 by the judge (the judge gives the new question and the matched one the same label) and by Banking77's own
-labels (the two questions' categories agree). Then the whole-answer latency p50 of a semantic hit, an
-exact hit and a miss, one call at a time, with `latency_tokens`-token answers.
+labels (the two questions' categories agree). Where a hit's categories differ, who was wrong: the judge
+on the new question, on the cached one, on both, or on neither (two questions it labels apart); and the
+hits by the probability that the two share a label under the calibrated judge. Then the whole-answer
+latency p50 of a semantic hit, an exact hit and a miss, one call at a time, with `latency_tokens`-token answers.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from bench import BANKING77, proportion
 from bench.peers import close_gptcache, open_gptcache
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
+from server.worker import label_calibration
+from server.worker.label_calibration import LABEL_CALIBRATION_FILE, same_label
 from tests.helpers import settled, worker_counters
 from tests.servers import REPO, ServerProcess
 
@@ -44,8 +51,11 @@ task: generate
 serving_version: "1"
 generate: {{context_length: 256, max_new_tokens: 64, max_streams: 8, normalize: text}}
 cache: {{ttl_s: 86400}}
-semantic: {{enabled: true, judge: banking77-judge, max_error: {max_error}}}
+semantic: {{enabled: true, judge: {judge}, max_error: {max_error}}}
 """
+JUDGE = "banking77-judge"
+JUDGE_ONLY = "banking77-judge-only"  # the same head without its label calibration
+BANDS = (0.0, 0.5, 0.9, 0.95, 0.99)  # hits by the calibrated probability that the two questions share a label
 
 
 def _models(root: Path, judge_rows: list[tuple[str, str]]) -> Path:
@@ -60,10 +70,16 @@ def _models(root: Path, judge_rows: list[tuple[str, str]]) -> Path:
         writer.writerow(["text", "category"])
         writer.writerows(judge_rows)
     train(judge_csv, text_column="text", label_column="category", models_dir=root, encoder="minilm",
-          name="banking77-judge", progress=lambda m: None)
-    (root / "answers").mkdir()
-    (root / "answers" / "config.yaml").write_text(ANSWERS_CONFIG.format(max_error=MAX_ERROR))
-    (root / "answers" / "1").symlink_to(REPO / "models" / "smollm2" / "1")
+          name=JUDGE, progress=lambda m: None)
+    (root / JUDGE_ONLY / "1").mkdir(parents=True)
+    (root / JUDGE_ONLY / "config.yaml").write_text((root / JUDGE / "config.yaml").read_text())
+    for path in (root / JUDGE / "1").iterdir():
+        if path.name != LABEL_CALIBRATION_FILE:
+            (root / JUDGE_ONLY / "1" / path.name).symlink_to(path)
+    for name, judge in (("answers", JUDGE), ("answers-judge-only", JUDGE_ONLY)):
+        (root / name).mkdir()
+        (root / name / "config.yaml").write_text(ANSWERS_CONFIG.format(max_error=MAX_ERROR, judge=judge))
+        (root / name / "1").symlink_to(REPO / "models" / "smollm2" / "1")
     return root
 
 
@@ -92,44 +108,20 @@ def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens
     server = ServerProcess(workdir / "server", models, frontends=1)
     out: dict = {"rows": rows, "warm": len(warm), "replayed": len(replay), "answer_tokens": tokens,
                  "max_error": MAX_ERROR, "judge_rows": len(judge_rows), "judge_trained_s": round(trained_s, 1)}
+    calibration = label_calibration.read(models / JUDGE / "1")
+    out["label_calibration"] = {"temperature": round(calibration.temperature, 4), "pairs": int(calibration.n.sum()),
+                                "pairs_disagreed": int(calibration.errors.sum()),
+                                "same_label_threshold": calibration.threshold(MAX_ERROR)}
     try:
         with server.client(timeout_s=300) as client:
-            # Warm: the model answers each warm question (8 callers: its running batch fills).
-            def ask(text: str):
-                return client.generate("answers", messages=_user(text), max_new_tokens=tokens)
-
-            started = time.monotonic()
-            with ThreadPoolExecutor(8) as pool:
-                warmed = list(pool.map(ask, [t for t, _ in warm]))
-            out["warm_s"] = round(time.monotonic() - started, 1)
-            out["warm_sources"] = dict(sorted({s: sum(g.source == s for g in warmed) for s in {g.source for g in warmed}}.items()))
-            origin = {g.key: (t, c) for g, (t, c) in zip(warmed, warm) if g.source == "MISS"}
-            answer_of = {t: g.text for g, (t, _) in zip(warmed, warm)}
-            settled(server, "semantic.indexed", timeout=120)
-            before = worker_counters(server)
-            out["calibration_after_warm"] = {k.split(".")[-1]: v for k, v in before.items()
-                                             if k.startswith("semantic.answers.1.")}
-
-            def replay_one(text: str):
-                t0 = time.perf_counter()
-                got = client.generate("answers", messages=_user(text), max_new_tokens=tokens, mode="NO_STORE")
-                return got, time.perf_counter() - t0
-
-            answered = [replay_one(t) for t, _ in replay]
             judge = _judge(client, [t for t, _ in replay] + [t for t, _ in warm])
-            ours = _score([(r, g.source == "RESULT_SEMANTIC", origin.get(g.key)) for r, (g, _) in zip(replay, answered)],
-                          warm_normalized, normalize, judge)
-            ours["sources"] = {s: sum(g.source == s for g, _ in answered) for s in {g.source for g, _ in answered}}
-            ours["verdicts"] = {v: sum(g.verdict == v for g, _ in answered if g.source == "RESULT_SEMANTIC")
-                                for v in ("ESTIMATED", "VERIFIED")}
-            time.sleep(2)
-            settled(server, "semantic.answers.1.verified", timeout=120)
-            after = worker_counters(server)
-            ours["calibration_after_replay"] = {k.split(".")[-1]: v for k, v in after.items()
-                                                if k.startswith("semantic.answers.1.")}
+            ours, answered, answer_of = _infercache(server, client, "answers", warm, replay, tokens, warm_normalized,
+                                                    normalize, judge, calibration, out)
             out["infercache"] = ours
+            out["infercache_judge_only"], _, _ = _infercache(server, client, "answers-judge-only", warm, replay, tokens,
+                                                             warm_normalized, normalize, judge, calibration, {})
             out["gptcache"] = _gptcache(workdir / "gptcache", client, warm, answer_of, replay, warm_normalized,
-                                        normalize, judge)
+                                        normalize, judge, calibration)
             out["comparison"] = _compare(ours, out["gptcache"])
             out["latency"] = _latency(client, warm, replay, answered, latency_tokens, latency_calls)
     finally:
@@ -137,30 +129,83 @@ def bench_generate_semantic(workdir: Path, quick: bool, rows: int = 3000, tokens
     return out
 
 
-def _judge(client, texts: list[str]) -> dict[str, str]:
-    """The judge's label of each text (computed: BYPASS)."""
+def _infercache(server, client, model: str, warm, replay, tokens: int, warm_normalized, normalize, judge, calibration,
+                out: dict) -> tuple[dict, list, dict]:
+    """Warms `model` with the warm questions (8 callers: its running batch fills), replays the others one at
+    a time (NO_STORE), and scores its semantic hits; `out` gets the warm-up's figures."""
+    def ask(text: str):
+        return client.generate(model, messages=_user(text), max_new_tokens=tokens)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        warmed = list(pool.map(ask, [t for t, _ in warm]))
+    prefix = f"semantic.{model}.1."
+    out["warm_s"] = round(time.monotonic() - started, 1)
+    out["warm_sources"] = dict(sorted({s: sum(g.source == s for g in warmed) for s in {g.source for g in warmed}}.items()))
+    origin = {g.key: (t, c) for g, (t, c) in zip(warmed, warm) if g.source == "MISS"}
+    answer_of = {t: g.text for g, (t, _) in zip(warmed, warm)}
+    settled(server, "semantic.indexed", timeout=120)
+    before = worker_counters(server)
+    out["calibration_after_warm"] = {k.split(".")[-1]: v for k, v in before.items() if k.startswith(prefix)}
+
+    def replay_one(text: str):
+        t0 = time.perf_counter()
+        got = client.generate(model, messages=_user(text), max_new_tokens=tokens, mode="NO_STORE")
+        return got, time.perf_counter() - t0
+
+    answered = [replay_one(t) for t, _ in replay]
+    ours = _score([(r, g.source == "RESULT_SEMANTIC", origin.get(g.key)) for r, (g, _) in zip(replay, answered)],
+                  warm_normalized, normalize, judge, calibration)
+    ours["warm_sources"] = out["warm_sources"]
+    ours["sources"] = {s: sum(g.source == s for g, _ in answered) for s in {g.source for g, _ in answered}}
+    ours["verdicts"] = {v: sum(g.verdict == v for g, _ in answered if g.source == "RESULT_SEMANTIC")
+                        for v in ("ESTIMATED", "VERIFIED")}
+    time.sleep(2)
+    settled(server, f"{prefix}verified", timeout=120)
+    after = worker_counters(server)
+    ours["refused_by_label_calibration"] = (after.get("worker.answer_label_refused", 0)
+                                            - before.get("worker.answer_label_refused", 0))
+    ours["calibration_after_replay"] = {k.split(".")[-1]: v for k, v in after.items() if k.startswith(prefix)}
+    return ours, answered, answer_of
+
+
+def _judge(client, texts: list[str]) -> dict[str, tuple[str, np.ndarray]]:
+    """The judge's label and class scores of each text (computed: BYPASS)."""
     labels = {}
     distinct = sorted(set(texts))
     for i in range(0, len(distinct), 128):
         chunk = distinct[i:i + 128]
-        for text, result in zip(chunk, client.infer_batch("banking77-judge", chunk, mode="BYPASS")):
-            labels[text] = result.label
+        for text, result in zip(chunk, client.infer_batch(JUDGE, chunk, mode="BYPASS")):
+            labels[text] = (result.label, np.asarray(result.outputs["scores"], dtype=np.float32))
     return labels
 
 
-def _score(results, warm_normalized: set[str], normalize, judge: dict[str, str]) -> dict:
+def _score(results, warm_normalized: set[str], normalize, judge: dict, calibration) -> dict:
     """results: ((query, category), hit?, (matched question, its category) or None) per replayed question."""
     eligible = [(q, hit, m) for q, hit, m in results if normalize(q[0]) not in warm_normalized]
     hits = [(q, m) for q, hit, m in eligible if hit and m is not None]
     unknown = sum(1 for q, hit, m in eligible if hit and m is None)  # (a hit whose entry came from no warm miss)
-    by_judge = sum(judge[q[0]] == judge[m[0]] for q, m in hits)
+    by_judge = sum(judge[q[0]][0] == judge[m[0]][0] for q, m in hits)
     by_label = sum(q[1] == m[1] for q, m in hits)
+    # Who was wrong where the categories differ; the judge's labels are its argmax, Banking77's the truth.
+    wrong = {"judge_wrong_on_new": 0, "judge_wrong_on_cached": 0, "judge_wrong_on_both": 0, "judge_labels_apart": 0}
+    for q, m in hits:
+        if q[1] != m[1]:
+            new_wrong, cached_wrong = judge[q[0]][0] != q[1], judge[m[0]][0] != m[1]
+            wrong["judge_wrong_on_both" if new_wrong and cached_wrong else "judge_wrong_on_new" if new_wrong
+                  else "judge_wrong_on_cached" if cached_wrong else "judge_labels_apart"] += 1
+    bands = {}
+    for low, high in zip(BANDS, (*BANDS[1:], 1.01)):
+        inside = [(q, m) for q, m in hits
+                  if low <= same_label(judge[q[0]][1], judge[m[0]][1], calibration.temperature) < high]
+        bands[f"{low:.2f}-{min(high, 1.0):.2f}"] = proportion(sum(q[1] == m[1] for q, m in inside), len(inside))
     return {"exact_misses": len(eligible), "semantic_hits": len(hits) + unknown, "unattributed_hits": unknown,
             "hit_rate": round((len(hits) + unknown) / len(eligible), 4) if eligible else None,
-            "fidelity_judge": proportion(by_judge, len(hits)), "fidelity_banking77_labels": proportion(by_label, len(hits))}
+            "fidelity_judge": proportion(by_judge, len(hits)), "fidelity_banking77_labels": proportion(by_label, len(hits)),
+            "labels_apart": wrong, "fidelity_labels_by_same_label_probability": bands}
 
 
-def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, normalize, judge) -> dict:
+def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, normalize, judge, calibration) -> dict:
     import gptcache
     from gptcache.adapter.api import get
 
@@ -184,7 +229,7 @@ def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, n
             answer = get(query[0], cache_obj=cache, hit_callback=lambda found: matched.extend(found))
             hit = answer is not None and bool(matched)
             results.append((query, hit, (matched[0][0], category.get(matched[0][0])) if hit else None))
-        sweep[f"{threshold:.2f}"] = _score(results, warm_normalized, normalize, judge)
+        sweep[f"{threshold:.2f}"] = _score(results, warm_normalized, normalize, judge, calibration)
     close_gptcache(cache)
     return {"package": f"gptcache {gptcache.__version__}", "storage": "sqlite + faiss",
             "evaluation": "SearchDistanceEvaluation", "default_threshold": 0.8, "import_s": round(imported_s, 2),
@@ -192,18 +237,22 @@ def _gptcache(workdir: Path, client, warm, answer_of, replay, warm_normalized, n
 
 
 def _compare(ours: dict, theirs: dict) -> dict:
-    """Our hit rate against GPTCache's best hit rate at a fidelity (by the judge) at least ours, and at 99%."""
+    """Our hit rate against GPTCache's best hit rate at a fidelity at least ours, by Banking77's labels and by
+    the judge, and at 99% by each."""
     out = {}
-    for name, floor in (("at_equal_fidelity", ours["fidelity_judge"]["rate"] or 1.0), ("at_99", 0.99)):
-        fit = [(row["hit_rate"], t) for t, row in theirs["sweep"].items()
-               if row["fidelity_judge"]["rate"] is not None and row["fidelity_judge"]["rate"] >= floor]
-        if fit:
-            rate, threshold = max(fit)
-            out[name] = {"gptcache_threshold": threshold, "gptcache_hit_rate": rate,
-                         "ratio": round(ours["hit_rate"] / rate, 2) if rate else None}
-        else:
-            out[name] = {"gptcache_threshold": None, "gptcache_hit_rate": 0.0, "ratio": None,
-                         "note": "no threshold of the sweep reaches this fidelity"}
+    for measure in ("fidelity_banking77_labels", "fidelity_judge"):
+        for name, floor in (("at_equal_fidelity", ours[measure]["rate"] or 1.0), ("at_99", 0.99)):
+            fit = [(row["hit_rate"], t) for t, row in theirs["sweep"].items()
+                   if row[measure]["rate"] is not None and row[measure]["rate"] >= floor]
+            key = f"{name}_{'labels' if measure == 'fidelity_banking77_labels' else 'judge'}"
+            if fit:
+                rate, threshold = max(fit)
+                out[key] = {"gptcache_threshold": threshold, "gptcache_hit_rate": rate,
+                            "gptcache_fidelity": theirs["sweep"][threshold][measure],
+                            "ratio": round(ours["hit_rate"] / rate, 2) if rate else None}
+            else:
+                out[key] = {"gptcache_threshold": None, "gptcache_hit_rate": 0.0, "ratio": None,
+                            "note": "no threshold of the sweep reaches this fidelity"}
     return out
 
 
@@ -241,13 +290,18 @@ def _latency(client, warm, replay, answered, tokens: int, calls: int) -> dict:
 
 
 def print_generate_semantic(report: dict) -> None:
-    ours = report["infercache"]
-    print(f"\nsemantic answers, Banking77 ({report['warm']} warm, {report['replayed']} replayed), max_error {report['max_error']}")
-    print(f"  infercache: hit rate {ours['hit_rate']} of {ours['exact_misses']} exact misses; fidelity (judge) "
-          f"{ours['fidelity_judge']['rate']} {ours['fidelity_judge']['interval95']}; (labels) "
-          f"{ours['fidelity_banking77_labels']['rate']} {ours['fidelity_banking77_labels']['interval95']}")
+    def fidelity(row: dict) -> str:
+        judge, labels = row["fidelity_judge"], row["fidelity_banking77_labels"]
+        return (f"fidelity by the labels {labels['rate']} {labels['interval95']}, by the judge {judge['rate']} "
+                f"{judge['interval95']}")
+
+    print(f"\nsemantic answers, Banking77 ({report['warm']} warm, {report['replayed']} replayed), max_error "
+          f"{report['max_error']}; the judge's label calibration: {report['label_calibration']}")
+    for name in ("infercache", "infercache_judge_only"):
+        ours = report[name]
+        print(f"  {name}: hit rate {ours['hit_rate']} of {ours['exact_misses']} exact misses; {fidelity(ours)}; "
+              f"categories apart: {ours['labels_apart']}")
     for threshold, row in report["gptcache"]["sweep"].items():
-        print(f"  gptcache {threshold}: hit rate {row['hit_rate']}; fidelity (judge) {row['fidelity_judge']['rate']} "
-              f"{row['fidelity_judge']['interval95']}; (labels) {row['fidelity_banking77_labels']['rate']}")
+        print(f"  gptcache {threshold}: hit rate {row['hit_rate']}; {fidelity(row)}")
     print(f"  comparison: {report['comparison']}")
     print(f"  latency: {report.get('latency')}")

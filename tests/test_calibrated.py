@@ -617,6 +617,11 @@ def test_eval_semantic_replays_held_out_and_novel_rows_and_writes_a_new_file(cal
         assert 0 <= part["semantic_hits"] <= part["exact_misses"]
         if part["semantic_hits"]:
             assert part["disagreed"] == round(part["semantic_hits"] * (1 - part["fidelity"]))
+            labels = part["labels"]  # the hits by the data set's labels, with their interval
+            assert labels["fidelity"] == labels["agreed"] / part["semantic_hits"]
+            assert labels["fidelity_95_low"] <= labels["fidelity"] <= labels["fidelity_95_high"]
+        else:
+            assert part["labels"]["fidelity"] is None
     assert "heldout" in result.stdout and "novel_streaming" in result.stdout
 
 

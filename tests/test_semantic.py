@@ -218,6 +218,13 @@ def test_eval_semantic_reports_hits_fidelity_and_draws_the_curve(semantic_server
     assert report["rows"] == 52 and len(report["sweep"]["fixed_threshold"]) == 20
     for point in report["sweep"]["consensus"]:
         assert 0 <= point["hit_rate"] <= 1 and 0 <= point["fidelity"] <= 1
+    for point in report["sweep"]["fixed_threshold"] + report["sweep"]["consensus"]:  # beside the model, the labels
+        if point["semantic_hits"]:
+            low, high = point["fidelity_labels_95"]
+            assert low <= point["fidelity_labels"] <= high and point["fidelity_95"][0] <= point["fidelity"]
+        else:
+            assert point["fidelity_labels"] is None and point["fidelity_labels_95"] is None
+    assert any(p["semantic_hits"] for p in report["sweep"]["fixed_threshold"]) and "by the labels" in result.stdout
     assert (tmp_path / "eval.png").stat().st_size > 10_000
 
 

@@ -11,8 +11,8 @@ Against a running server, through gRPC, with k-fold cross-validation over a labe
      neighbour's answer equals the model's answer for the query (what BYPASS would compute);
   4. a sample is replayed once more with the recommended policy itself, and the server's decisions are
      compared with the offline ones.
-Reported: exact hits, semantic hits among exact misses, fidelity, accuracy against the labels, the
-hits-vs-fidelity curve of consensus policies beside a fixed-threshold baseline (JSON and PNG).
+Reported: exact hits, semantic hits among exact misses, fidelity (to the model) and the hits' agreement
+with the labels, each with its 95% Wilson interval, accuracy against the labels, the hits-vs-fidelity curve of consensus policies beside a fixed-threshold baseline (JSON and PNG).
 """
 
 from __future__ import annotations
@@ -80,20 +80,30 @@ async def _wait_indexed(stub, at_least: int, timeout: float = 120) -> None:
 
 def evaluate(policy: MatchPolicy, queries: list[Query]) -> dict:
     misses = [q for q in queries if not q.exact]
-    hits = faithful = correct = 0
+    hits = faithful = by_labels = correct = 0
     for q in misses:
         chosen = policy.decide([Neighbor(s, b"", a) for s, a in q.neighbors])
         answer = q.answer
         if chosen is not None:
             hits += 1
             faithful += chosen.answer == q.answer
+            by_labels += chosen.answer == q.label
             answer = chosen.answer
         correct += answer == q.label
     return {
         "exact_misses": len(misses), "semantic_hits": hits,
         "hit_rate": hits / max(1, len(misses)), "fidelity": faithful / hits if hits else 1.0,
-        "accuracy": correct / max(1, len(misses)),
+        # the hits' agreement with the model (the judge of a classifier's hits) and with the data set's labels
+        "fidelity_95": _wilson(faithful, hits), "fidelity_labels": by_labels / hits if hits else None,
+        "fidelity_labels_95": _wilson(by_labels, hits), "accuracy": correct / max(1, len(misses)),
     }
+
+
+def _wilson(agreed: int, n: int) -> list[float] | None:
+    """The 95% Wilson interval of a rate (None where n is 0)."""
+    from server.worker.calibration import wilson_lower, wilson_upper
+
+    return [round(wilson_lower(agreed, n), 4), round(wilson_upper(agreed, n, 1.96), 4)] if n else None
 
 
 def sweep(queries: list[Query]) -> dict:
@@ -249,7 +259,8 @@ def report(result: dict) -> str:
             continue
         setting = ", ".join(f"{k}={p[k]}" for k in ("min_similarity", "neighborhood", "min_agree") if k in p)
         lines.append(f"  {name:<21} {setting}: semantic hits {p['hit_rate']:.1%} of exact misses, "
-                     f"fidelity {p['fidelity']:.2%}, accuracy {p['accuracy']:.2%}")
+                     f"fidelity {p['fidelity']:.2%} {p['fidelity_95']} (by the labels {p['fidelity_labels']:.2%} "
+                     f"{p['fidelity_labels_95']}), accuracy {p['accuracy']:.2%}")
     if "validation" in result:
         v = result["validation"]
         lines.append(f"  validation on the server: {v['decisions_agreeing_with_offline']:.1%} of {v['checked']} "

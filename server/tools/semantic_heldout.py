@@ -13,7 +13,8 @@ Against a running server, through gRPC, with the model's configured rule (the ca
      DEFAULT (they join the cache as they miss, as a new topic does in traffic);
   5. the live fidelity the server estimated by shadow verification over the held-out replay (GetStats,
      read before and after) beside the offline figure.
-Reported: hits among exact misses, fidelity with a 95% Wilson interval, accuracy against the labels,
+Reported: hits among exact misses, fidelity with a 95% Wilson interval, the hits' agreement with the
+labels (with its interval, beside the model's own on the same questions), accuracy against the labels,
 the share of novel queries answered from the cache and how many of those answers differ from the model's.
 """
 
@@ -94,11 +95,18 @@ async def _replay(stub, model: str, tenant: str, oracle: str, rows: list[tuple[s
     exact = sum(r.cache.source == EXACT for r in served)
     hits = [(r.classification.label, o.classification.label) for r, o in zip(served, own) if r.cache.source == SEMANTIC]
     agreed = sum(a == b for a, b in hits)
+    # The hits by the data set's labels, beside the model's own answers to the same questions by them.
+    labelled = [(r.classification.label, o.classification.label, label) for r, o, (_, label) in zip(served, own, rows)
+                if r.cache.source == SEMANTIC]
+    by_labels = sum(hit == label for hit, _, label in labelled)
+    model_by_labels = sum(answer == label for _, answer, label in labelled)
     correct = sum(r.classification.label == label for r, (_, label) in zip(served, rows) if r.cache.source != EXACT)
     misses = len(rows) - exact
     return {"queries": len(rows), "exact_hits": exact, "exact_misses": misses, "semantic_hits": len(hits),
             "hit_rate": len(hits) / misses if misses else 0.0, "disagreed": len(hits) - agreed,
-            **_interval(agreed, len(hits)), "accuracy": correct / misses if misses else None}
+            **_interval(agreed, len(hits)), "accuracy": correct / misses if misses else None,
+            "labels": {"agreed": by_labels, **_interval(by_labels, len(hits)),
+                       "model_on_the_same_questions": model_by_labels / len(hits) if hits else None}}
 
 
 async def one_at_a_time(stub, model: str, tenant: str, oracle: str, rows: list[tuple[str, str]]) -> dict:
@@ -172,6 +180,11 @@ def report(result: dict) -> str:
             f"fidelity {r['fidelity']:.2%} (95% {r['fidelity_95_low']:.2%} .. {r['fidelity_95_high']:.2%})")
         lines.append(f"  {name:<16} semantic hits {r['hit_rate']:.1%} of {r['exact_misses']} exact misses, {fidelity}, "
                      f"{r['disagreed']} differ from the model; accuracy {r['accuracy']:.2%}")
+        labels = r["labels"]
+        if labels["fidelity"] is not None:
+            lines.append(f"  {'':<16} by the labels: the hits {labels['fidelity']:.2%} (95% {labels['fidelity_95_low']:.2%}"
+                         f" .. {labels['fidelity_95_high']:.2%}), the model on the same questions "
+                         f"{labels['model_on_the_same_questions']:.2%}")
     if (p50 := result.get("heldout", {}).get("semantic_hit_p50_ms")) is not None:
         lines.append(f"  one call at a time: semantic hit p50 {p50} ms; the same texts computed "
                      f"{result['heldout']['computed_p50_ms']} ms ({result['heldout']['semantic_hit_vs_computed']}x)")
