@@ -6,8 +6,9 @@ encoder version, head.npz with its weights), which the worker runs on the encode
 feature tier; labels.json maps score columns to labels, and the encoder's tokenizer is copied (frontends
 tokenize for the encoder with it), and label_calibration.json what the head is worth as the judge of a
 generative model's semantic answers, measured by heads that never saw the rows they judge
-(server/tools/judge_calibration.py, server/worker/label_calibration.py). With `whole_graph`, the format before the feature tier instead: one
-ONNX graph of encoder + head (and, when the encoder has a torch source, the same as torch weights).
+(server/tools/judge_calibration.py, server/worker/label_calibration.py). With `whole_graph`, the format
+before the feature tier instead: one ONNX graph of encoder + head (and, when the encoder has a torch
+source, the same as torch weights).
 Whole-graph versions need the `onnx` package (the prepare extra); serving never imports this module.
 """
 

@@ -166,13 +166,15 @@ class AnswerMatching:
         read, or reaches no threshold, answers nothing."""
         max_error = runtime.spec.answer_match.rule.max_error
         calibration = judge.label_calibration
+        if judge.label_refused:
+            self._once(runtime, logging.ERROR, "%s: no semantic answers: its judge's label calibration does not "
+                       "read (%s)", runtime.spec.name, judge.label_refused)
+            return False
         if calibration is None:
-            self._once(runtime, logging.WARNING if not judge.label_refused else logging.ERROR,
-                       "%s: its judge %s/%s has no label calibration (%s): max_error bounds how often the judge "
-                       "labels two questions apart, not how often they differ in truth; train the judge again "
-                       "with train-head to bound that",
-                       runtime.spec.name, judge.spec.name, judge.version, judge.label_refused or "none written")
-            return not judge.label_refused
+            self._once(runtime, logging.WARNING, "%s: its judge %s/%s has no label calibration: max_error bounds how "
+                       "often the judge labels two questions apart, not how often they differ in truth; train the "
+                       "judge again with train-head to bound that", runtime.spec.name, judge.spec.name, judge.version)
+            return True
         if not calibration.threshold(max_error) <= 1:
             self._once(runtime, logging.ERROR, "%s: its judge %s/%s's labelled pairs bound no same-label threshold "
                        "at max_error %s: no semantic answers", runtime.spec.name, judge.spec.name, judge.version,
