@@ -273,7 +273,9 @@ def test_train_head_on_banking77_writes_a_servable_version(tmp_path):
                "--label-column", "category", "--models-dir", str(models), "--limit", "600", "--epochs", "200"]
     first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
-    assert "embedded 600/600" in first.stdout and "holdout" in first.stdout
+    assert "embedded 600/600" in first.stdout and "held out (5 folds)" in first.stdout
+    assert "as a judge of semantic answers" in first.stdout
+    assert (models / "banking77" / "1" / "label_calibration.json").is_file()
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and (models / "banking77" / "2" / "head.json").is_file()  # next version
     from server.shared.models import ModelRepository
