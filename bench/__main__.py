@@ -52,7 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, TRIAL_RESULTS, banking77_missing, echo, machine, recorded
+from bench import banking77_missing, echo, machine, recorded
+from bench.sections import FILES, NEEDS_BANKING77, SECTIONS, result_path
 from bench.l3 import bench_l3, print_l3
 from bench.fixtures import first_success, load_texts
 from bench.fleet import bench_fleet, print_fleet
@@ -70,26 +71,6 @@ from bench.shadow import bench_shadow, print_shadow
 from bench.load import INFER, run_load, warm
 from tests.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
-
-
-# Every section, in the order a run takes them (the names --sections takes).
-SECTIONS = ("serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
-            "generate", "prefix", "synonyms", "doors", "ttl", "generate-semantic", "peers", "commit", "write",
-            "workers", "gpu")
-NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms", "generate-semantic", "peers"}  # sections that train a head on it or replay its texts
-# Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
-FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
-         "startup": "serving", "l3_engines": "l3", "semantic": "semantic", "security": "security", "fleet": "fleet",
-         "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
-         "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
-         "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write",
-         "generate_semantic": "generate-semantic", "peers": "peers"}
-
-
-def result_path(stem: str, tag: str, trial: str = "") -> Path:
-    """Where a section's file goes: bench/results/<stem>-<tag>.json; a trial run's (trial "quick" or "dry")
-    var/bench/<stem>-<trial>-<tag>.json, which git ignores and which replaces no current figure."""
-    return RESULTS / f"{stem}-{tag}.json" if not trial else TRIAL_RESULTS / f"{stem}-{trial}-{tag}.json"
 
 
 def make_models(root: Path) -> Path:

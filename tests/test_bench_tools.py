@@ -139,7 +139,7 @@ SECTION_KEYS = {"serving": ("exact_hits", "misses", "metrics_cost", "engine_alon
 
 
 def test_every_section_has_a_dry_run_here():
-    from bench.__main__ import SECTIONS
+    from bench.sections import SECTIONS
 
     assert set(SECTIONS) == set(SECTION_KEYS)
 
@@ -149,7 +149,7 @@ def test_each_section_runs_every_step_in_a_dry_run(section, tmp_path):
     """`make bench ARGS="--dry-run --sections <section>"`: every step at its smallest, in a process of its own
     as `make bench` runs it, its file where a trial run's go (BENCH_RESULTS: here a temporary folder)."""
     from bench import banking77_missing, machine
-    from bench.__main__ import FILES, NEEDS_BANKING77
+    from bench.sections import FILES, NEEDS_BANKING77
 
     if section in NEEDS_BANKING77 and banking77_missing():
         pytest.skip(banking77_missing())
@@ -171,7 +171,7 @@ def test_each_section_runs_every_step_in_a_dry_run(section, tmp_path):
 
 
 def test_trial_runs_write_where_git_ignores_them():
-    from bench.__main__ import result_path
+    from bench.sections import result_path
 
     for trial in ("quick", "dry"):
         path = result_path("serving", "2core", trial)
