@@ -3,7 +3,8 @@
 connections are kept alive, and take one request at a time (pipelined ones wait their turn); a body is
 read up to a limit; an answer is written whole, in one write, or streamed in chunks (server-sent events).
 A request is read under bounds that need no token (Limits): its head's bytes, its target's, its body's, a
-deadline from its first byte to its last, and the connections one client address holds open. No routing or JSON here: a handler takes a Request and returns a Response or a Stream. Why this stack:
+deadline from its first byte to its last, and the connections one client address holds open. No routing
+or JSON here: a handler takes a Request and returns a Response or a Stream. Why this stack:
 docs/architecture.md#the-doors."""
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ answers the model's outputs as typed tensors with the batch dimension first (an 
 `embedding` FP32 [N, D]; a classifier's `scores` FP32 [N, C], `label` BYTES [N], `probability` FP32 [N]).
 One text goes through Infer's path, several through InferBatch's: the same tokens, tenants, admission,
 tiers and /metrics. Request parameters: `tenant` (a string), `cache_mode` (a string: DEFAULT, BYPASS,
-NO_STORE, ONLY_IF_CACHED), `max_age_s` (a whole number of seconds: an integer, a whole double or digits); one of
-another type is INVALID_ARGUMENT. Response parameters, one value per text, comma-separated: `cache_source`, `cache_age_s`,
-`cache_key`, `cache_similarity` where a text was answered semantically, and `cache_stale` where an expired
-entry answered (cache.stale_if_error_s). Errors are the native
-status codes (server/shared/errors.py)."""
+NO_STORE, ONLY_IF_CACHED), `max_age_s` (a whole number of seconds: an integer, a whole double or digits);
+one of another type is INVALID_ARGUMENT. Response parameters, one value per text, comma-separated:
+`cache_source`, `cache_age_s`, `cache_key`, `cache_similarity` where a text was answered semantically, and
+`cache_stale` where an expired entry answered (cache.stale_if_error_s). Errors are the native status codes
+(server/shared/errors.py)."""
 
 from __future__ import annotations
 
@@ -94,9 +94,7 @@ def _policy(parameters) -> pb.CachePolicy | None:
         policy.mode = Mode.Value(name)
     if max_age is not None:  # a string, a whole number or a whole double (tritonclient's 60.0)
         kind = max_age.WhichOneof("parameter_choice")
-        value = getattr(max_age, kind) if kind in ("string_param", "int64_param", "uint64_param", "double_param") \
-            else None
-        policy.max_age_s = whole_seconds(value, "parameter max_age_s")
+        policy.max_age_s = whole_seconds(getattr(max_age, kind) if kind else None, "parameter max_age_s")
     return policy
 
 

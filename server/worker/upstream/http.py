@@ -53,7 +53,7 @@ class JsonEndpoint:
             connection = self._connection()
             reused = connection.sock is not None
             connection.timeout = timeout_s
-            if connection.sock is not None:
+            if reused:
                 connection.sock.settimeout(timeout_s)
             try:
                 connection.request("POST", self.prefix + path, payload, self.headers)

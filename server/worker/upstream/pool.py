@@ -136,13 +136,12 @@ class UpstreamPool:
         server, each server's share in one call (per tenant), tried again as the module says. An input
         the upstream refuses fails its own row alone: a refused call of several texts is sent again one
         text a call."""
-        groups: dict[tuple[int, str], list[int]] = {}
+        groups: dict[tuple[Server, str], tuple[list[Server], list[int]]] = {}  # the first row's ranking, the rows
         for n, row in enumerate(rows):
             ranked = self._ranked(row.key)
-            groups.setdefault((self.servers.index(ranked[0]), row.tenant), []).append(n)
+            groups.setdefault((ranked[0], row.tenant), (ranked, []))[1].append(n)
         out: list[np.ndarray | InferCacheError | None] = [None] * len(rows)
-        for (_, tenant), members in groups.items():
-            ranked = self._ranked(rows[members[0]].key)
+        for (_, tenant), (ranked, members) in groups.items():
             try:
                 vectors = self._call(ranked, [str(rows[n]) for n in members], tenant)
             except InvalidArgument as exc:
