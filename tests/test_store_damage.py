@@ -95,7 +95,9 @@ def test_a_store_damaged_while_stopped_is_replaced_while_serving_and_caching_goe
     assert damage(cache_dir / "data.mdb") >= 10
 
     server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
-    assert "store damaged" not in server.log_text()  # its meta pages are sound: nothing to see at start
+    # Its meta pages are sound: the start-up check passes it. (The writer's start-up sweep may meet the
+    # damage already; that is a run-time finding, handled like any other.)
+    assert "store damaged" not in server.log_text().replace("result store damaged (at run time", "")
     with server.client(timeout_s=120) as client:
         for start in range(0, len(texts), 100):  # hits, and misses where the damage is (computed, stored)
             chunk = texts[start:start + 100]
