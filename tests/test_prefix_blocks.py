@@ -11,7 +11,7 @@ from collections import Counter
 
 from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, namespace
-from server.worker.generation import Generation
+from server.worker.generation.request import Generation
 from server.worker.prefix_disk import BlockStore
 from tests.fake_generation import FakeWorker, prompt
 

@@ -1,7 +1,7 @@
-"""The generation scheduler (server/worker/generation.py) without a model: the real Generations and
-schedulers over the fake decoder (server/engines/fake_decoder.py), whose tokens hash everything its slot
-holds and which refuses any step that breaks the decoder interface. Continuous batching, the prefill
-budget, cancellation, deadlines, slot reuse, pipelining and coalescing, each in a fraction of a second."""
+"""The generation scheduler (server/worker/generation/scheduler.py) without a model: the real Generations and
+schedulers over the fake decoder (server/engines/fake_decoder.py), whose tokens hash everything its slot holds
+and which refuses any step that breaks the decoder interface. Continuous batching, the prefill budget,
+cancellation, deadlines, slot reuse, pipelining and coalescing, each in a fraction of a second."""
 
 from __future__ import annotations
 

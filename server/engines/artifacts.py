@@ -71,8 +71,9 @@ def prepare(store: EngineStore, runtime: Runtime, spec: ModelSpec, version: str,
 
 def engine_versions(spec: ModelSpec) -> list[str]:
     """The versions that need an engine: not heads (they run on their encoder's), not a generative
-    model's (their decoder runs in server/worker/generation.py), not an upstream model's (another server
-    computes them), and not a version whose head.json is malformed (logged: it is not served)."""
+    model's (their decoder runs in server/worker/generation/scheduler.py), not an upstream model's
+    (another server computes them), and not a version whose head.json is malformed (logged: it is not
+    served)."""
     if spec.task == "generate" or spec.upstream is not None:
         return []
     out = []

@@ -1,4 +1,4 @@
-"""What a generation scheduler asks of a decoder (server/worker/generation.py), whatever runs it.
+"""What a generation scheduler asks of a decoder (server/worker/generation/scheduler.py), whatever runs it.
 
 A decoder holds `slots` sequences at once, each in a slot the scheduler chooses. One step reads prompt
 chunks of some sequences and one new token of others, and answers each chunk that ends its prompt, and

@@ -2,7 +2,7 @@
 the past keys and values as inputs and outputs. A sequence's past stays in ONNX Runtime's own buffers
 (OrtValues) from one step to the next, never copied through numpy. Each chunk and each row of a step is
 one forward of its own sequence, in `launch` (not pipelined). Not thread-safe: the scheduler
-(server/worker/generation.py) runs every step of a model on one thread."""
+(server/worker/generation/scheduler.py) runs every step of a model on one thread."""
 
 from __future__ import annotations
 

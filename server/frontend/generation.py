@@ -30,6 +30,8 @@ def _fill(item, *, plan: GeneratePlan) -> None:
     model = plan.model
     item.model, item.version, item.tenant, item.key = model.spec.name, model.version, plan.tenant, plan.key
     item.ids = np.asarray(plan.ids, dtype="<i4").tobytes()
+    if plan.text:  # an upstream model's messages or prompt
+        item.text = plan.text
     item.store, item.cached_ok = plan.store, plan.cached_ok
     item.max_age_us, item.ttl_class = plan.max_age_us, plan.ttl_class
     item.generate.CopyFrom(plan.params)

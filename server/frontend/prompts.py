@@ -26,7 +26,7 @@ from cachestore.keys import Namespace, entry_key, namespace_id
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.frontend.plan import check_identifiers, keep, key_route
-from server.frontend.prompt_ids import PromptRenderer, Rendered
+from server.frontend.prompt_ids import PromptRenderer
 from server.shared import pii
 from server.shared import question_guards as guards
 from server.shared.answer_match import namespace_material
@@ -59,7 +59,7 @@ class GenerativeModel:
 
     spec: ModelSpec
     version: str
-    renderer: PromptRenderer    # its chat template and tokenizer
+    renderer: PromptRenderer | None  # its chat template and tokenizer (None: an upstream's; turns go as they are)
     normalize: Normalizer | None  # each turn's text before rendering (generate.normalize, privacy.pii)
     public: dict[str, list[int]]  # a public system prompt's text (as normalized) -> its tokens rendered alone
     # semantic answers (spec.answer_match): the question's normalizer and the embedder's tokenizer
@@ -85,6 +85,7 @@ class GeneratePlan:
     ttl_class: str               # the TTL class of what it stores (server/shared/ttl_classes.py)
     public_prefix: int = 0       # leading prompt tokens of a public system prompt (ComputeItem.public_prefix)
     question: Question | None = None  # semantic answers: the request's question (None: not matched)
+    text: str = ""               # an upstream model's: its messages or prompt, as JSON (ComputeItem.text)
 
 
 @dataclass(slots=True)
@@ -111,6 +112,9 @@ class Prompts:
 
     def model(self, spec: ModelSpec, version: str) -> GenerativeModel:
         found = self._models.get((spec.name, version))
+        if found is None and spec.upstream is not None:  # no tokenizer or template here: the upstream's
+            found = self._models[(spec.name, version)] = GenerativeModel(spec, version, None, _turn_normalizer(spec),
+                                                                         {}, *self._question_tools(spec))
         if found is None:
             directory = spec.version_dir(version)
             try:
@@ -120,11 +124,7 @@ class Prompts:
                 raise ModelNotFound(f"model {spec.name!r} version {version!r} cannot be served here: {exc}") from None
             tokenizer.no_truncation()
             tokenizer.no_padding()
-            redact = spec.pii == "redact"
-            if spec.generation.normalize == "text":
-                normalize = Normalizer.of(spec)
-            else:  # as sent, but PII replaced by placeholders where the model says redact
-                normalize = Normalizer(REDACTING_ONLY) if redact else None
+            normalize = _turn_normalizer(spec)
             renderer = PromptRenderer(tokenizer, template, spec.name)
             public = {}
             for _, text in spec.prefix.public_prompts:
@@ -185,17 +185,27 @@ class Prompts:
         version = spec.resolve_version(request.version)
         model = self.model(spec, version)
         generation = spec.generation
-        rendered, turns = self._prompt(model, request)
-        text = rendered.text
-        if len(text) > spec.max_text_chars:
-            raise InvalidArgument(f"the prompt has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
-        ids = (model.renderer.ids(rendered) if len(text) <= TOKENIZE_INLINE_CHARS else
-               await asyncio.to_thread(model.renderer.ids, rendered))
-        if not ids:
-            raise InvalidArgument("the prompt is empty; send messages or a prompt")
-        if len(ids) >= generation.context_length:
-            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this model's context is {generation.context_length} "
-                                  f"tokens (prompt and answer), so a prompt may have at most {generation.context_length - 1}")
+        prompt, turns = _asked(model, request)
+        if model.renderer is None:  # an upstream's: keyed and sent as asked (normalized), never tokenized here
+            ids, text = [], json.dumps({"messages": turns} if turns is not None else {"prompt": prompt},
+                                       ensure_ascii=False, separators=(",", ":"))
+            if len(text) > spec.max_text_chars:
+                raise InvalidArgument(f"the messages take {len(text)} characters; this model accepts at most "
+                                      f"{spec.max_text_chars} (input.max_text_chars)")
+            keyed: str | list[int] = text
+        else:
+            rendered = model.renderer.raw(prompt) if turns is None else model.renderer.chat(turns)
+            text = rendered.text
+            if len(text) > spec.max_text_chars:
+                raise InvalidArgument(f"the prompt has {len(text)} characters; this model accepts at most {spec.max_text_chars}")
+            ids = (model.renderer.ids(rendered) if len(text) <= TOKENIZE_INLINE_CHARS else
+                   await asyncio.to_thread(model.renderer.ids, rendered))
+            if not ids:
+                raise InvalidArgument("the prompt is empty; send messages or a prompt")
+            if len(ids) >= generation.context_length:
+                raise InvalidArgument(f"the prompt has {len(ids)} tokens; this model's context is {generation.context_length} "
+                                      f"tokens (prompt and answer), so a prompt may have at most {generation.context_length - 1}")
+            keyed = ids if rendered.holds_control else text
         params = _params(request, generation)
         private = spec.pii == "no_store" and self._holds_pii(request)
         mode = request.cache.mode
@@ -210,39 +220,45 @@ class Prompts:
         cached_ok, store = cached_at_all and mode != Mode.BYPASS, cached_at_all and mode != Mode.NO_STORE
         return GeneratePlan(
             model=model, tenant=request.tenant, ids=ids, params=params,
-            key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant),
-                          _canonical(ids if rendered.holds_control else text, params)),
+            key=entry_key(namespace_id(request.tenant, spec.name, version, spec.key_variant), _canonical(keyed, params)),
             question=_question(model, request, turns, params) if cached_ok or store else None,
             cached_ok=cached_ok, store=store,
             only_if_cached=mode == Mode.ONLY_IF_CACHED, max_age_us=max_age_us,
             ns=Namespace(request.tenant, spec.name, version), ttl_class=ttl_class,
-            public_prefix=_public_prefix(model, request, ids))
+            public_prefix=_public_prefix(model, request, ids), text=text if model.renderer is None else "")
 
     @staticmethod
     def _holds_pii(request: pb.GenerateRequest) -> bool:
         return holds_pii(request.prompt) or any(holds_pii(m.content) for m in request.messages)
 
-    @staticmethod
-    def _prompt(model: GenerativeModel, request: pb.GenerateRequest) -> tuple[Rendered, list[dict] | None]:
-        """The prompt as the model sees it: the messages rendered with its chat template, or the raw one
-        (caller text throughout: a control token's text in it is text); and the turns it was rendered
-        from (None for a raw prompt)."""
-        if bool(request.messages) == bool(request.prompt):
-            raise InvalidArgument("set exactly one of messages and prompt")
-        normalize = model.normalize or (lambda text: text)
-        if request.prompt:
-            return model.renderer.raw(normalize(request.prompt)), None
-        if len(request.messages) > MAX_MESSAGES:
-            raise InvalidArgument(f"messages has {len(request.messages)} turns; at most {MAX_MESSAGES}")
-        turns = []
-        for n, message in enumerate(request.messages):
-            role = ROLES.get(message.role)
-            if role is None:
-                raise InvalidArgument(f"messages[{n}].role must be one of {', '.join(ROLES)}, got {message.role!r}")
-            turns.append({"role": role, "content": normalize(message.content)})
-        if turns[-1]["role"] == "assistant":
-            raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
-        return model.renderer.chat(turns), turns
+
+def _turn_normalizer(spec: ModelSpec) -> Normalizer | None:
+    """What each turn's text goes through before it is rendered or sent: Infer's normalization where
+    generate.normalize says text; else as sent, but PII replaced by placeholders where the model says redact."""
+    if spec.generation.normalize == "text":
+        return Normalizer.of(spec)
+    return Normalizer(REDACTING_ONLY) if spec.pii == "redact" else None
+
+
+def _asked(model: GenerativeModel, request: pb.GenerateRequest) -> tuple[str | None, list[dict] | None]:
+    """What the request asks, normalized: its raw prompt (caller text throughout: a control token's text in
+    it is text), or its turns with their roles as the template knows them; the other one None."""
+    if bool(request.messages) == bool(request.prompt):
+        raise InvalidArgument("set exactly one of messages and prompt")
+    normalize = model.normalize or (lambda text: text)
+    if request.prompt:
+        return normalize(request.prompt), None
+    if len(request.messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"messages has {len(request.messages)} turns; at most {MAX_MESSAGES}")
+    turns = []
+    for n, message in enumerate(request.messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise InvalidArgument(f"messages[{n}].role must be one of {', '.join(ROLES)}, got {message.role!r}")
+        turns.append({"role": role, "content": normalize(message.content)})
+    if turns[-1]["role"] == "assistant":
+        raise InvalidArgument("the last message is the assistant's; end with a user (or system) message")
+    return None, turns
 
 
 def _question(model: GenerativeModel, request: pb.GenerateRequest, turns: list[dict] | None,

@@ -10,9 +10,11 @@ from infercache.v1 import infercache_pb2 as pb
 
 
 def whole_answer(text: str, token_ids: list[int], finish_reason: int, prompt_tokens: int, version: str,
-                 key: bytes) -> bytes:
+                 key: bytes, completion_tokens: int | None = None) -> bytes:
+    """completion_tokens: the answer's tokens where its ids are not known (an upstream's count); else len(token_ids)."""
     return pb.GenerateResponse(text=text, token_ids=token_ids, end=pb.GenerationEnd(
-        finish_reason=finish_reason, prompt_tokens=prompt_tokens, completion_tokens=len(token_ids),
+        finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+        completion_tokens=len(token_ids) if completion_tokens is None else completion_tokens,
         cache=pb.CacheInfo(model_version=version, key=key.hex()))).SerializeToString()
 
 

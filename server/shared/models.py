@@ -27,7 +27,7 @@ from server.shared.match_policy import CalibratedPolicy, MatchPolicy, policy_fro
 from server.shared import synonyms as synonym_files, ttl_classes
 from server.shared.synonyms import Synonyms
 from server.shared.ttl_classes import TtlClasses
-from server.shared.upstream_spec import UPSTREAM_KEYS, UpstreamSpec, upstream_from_config
+from server.shared.upstream_spec import UPSTREAM_KEYS, UpstreamSpec, upstream_from_config, upstream_generation
 
 MODEL_FILE = "model.onnx"
 TORCH_CONFIG_FILE = "torch.json"          # the torch form (server/engines/torch_bert.py): its architecture
@@ -214,14 +214,18 @@ def load_model(root: Path) -> ModelSpec:
         if runtime == "upstream":  # no tokenizer, engine or buckets here: texts go to the upstream as they are keyed
             upstream = upstream_from_config(data["upstream"])
             upstream.check(task)
-            if stray := [k for k in ("batching", "engine", "generate", "prefix_cache") if k in data] + \
+            if stray := [k for k in ("batching", "engine", "prefix_cache") if k in data] + \
+                    (["generate"] if "generate" in data and task != "generate" else []) + \
                     (["input.max_tokens"] if "max_tokens" in (data.get("input") or {}) else []):
                 raise ModelConfigError(f"{', '.join(stray)}: not settings of an upstream model (its batches are "
                                        "upstream.max_batch_texts and max_delay_ms)")
-            chars = _get(data, "input.max_text_chars", int, 8192)
+            chars = _get(data, "input.max_text_chars", int, 8192 if task != "generate" else 65536)
             shape = {"outputs": tuple(_get(data, "outputs", list, ["embedding"])), "max_tokens": chars,
                      "max_text_chars": chars, "buckets": (chars,), "max_batch_size": upstream.max_batch_texts,
                      "max_queue_delay_ms": upstream.max_delay_ms}
+            if task == "generate":
+                generation = upstream_generation(data.get("generate"))
+                shape["outputs"] = ("text",)
         elif task == "generate":  # no batching, input or outputs: the generate section says it all
             generation = generation_from_config(data.get("generate"))
             prefix = prefix_from_config(data.get("prefix_cache"))

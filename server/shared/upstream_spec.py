@@ -10,9 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
 
+from server.shared.generation_spec import GenerationSpec, generation_from_config
+
 KINDS = ("openai", "infercache", "kserve")
-# What each kind computes here: OpenAI's embeddings route; infercache's and KServe v2's inference calls.
-KIND_TASKS = {"openai": ("embedding",), "infercache": ("embedding",), "kserve": ("embedding",)}
+# What each kind computes here: OpenAI's embeddings and (chat) completions routes; infercache's and KServe
+# v2's inference calls.
+KIND_TASKS = {"openai": ("embedding", "generate"), "infercache": ("embedding",), "kserve": ("embedding",)}
+# The generate settings of an upstream generative model: a request's defaults and limits, and its queue.
+# (The context, the streams in a batch and the decoder are the upstream's.)
+UPSTREAM_GENERATE_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "normalize", "max_waiting"})
 
 
 @dataclass(frozen=True)
@@ -87,3 +93,15 @@ def upstream_from_config(section) -> UpstreamSpec:
             raise ValueError(f"upstream.{name} must be {'a number' if kind is float else kind.__name__}, got {value!r}")
         typed[name] = value
     return UpstreamSpec(urls=tuple(u.rstrip("/") for u in urls), **typed)
+
+
+def upstream_generation(section) -> GenerationSpec:
+    """The `generate:` section of an upstream generative model: UPSTREAM_GENERATE_KEYS only. Its context
+    is the upstream's: none is checked here (a prompt too long for it is the upstream's 400)."""
+    section = dict(section or {})
+    if stray := sorted(set(section) - UPSTREAM_GENERATE_KEYS):
+        raise ValueError(f"generate.{stray[0]}: not a setting of an upstream model (its settings there: "
+                         f"{', '.join(sorted(UPSTREAM_GENERATE_KEYS))})")
+    limit = section.get("max_new_tokens", GenerationSpec.max_new_tokens)
+    return generation_from_config({**section, "context_length": max(GenerationSpec.context_length, limit + 1)
+                                   if isinstance(limit, int) else GenerationSpec.context_length})

@@ -39,7 +39,8 @@ from server.shared.telemetry import Recorder
 from server.worker.features import FeatureTier, feature_selector
 from server.worker.flights import Flight, Outcome, Replies, Source, may_join
 from server.worker.answer_matching import AnswerMatching
-from server.worker.generation import Generation, Generations
+from server.worker.generation.generations import Generations
+from server.worker.generation.request import GenerateFlight
 from server.worker.heads import HeadRuntime
 from server.worker.matching import Matching
 from server.worker.model_runtime import ModelRuntime
@@ -82,7 +83,7 @@ class WorkerCore:
         self.metrics: Recorder | None = None  # /metrics on (server/worker/metrics.py)
         self._inflight: dict[bytes, Flight] = {}
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
-        # Generative models (server/worker/generation.py): their own flights and schedulers.
+        # Generative models (server/worker/generation/): their own flights and schedulers.
         self.generations = Generations(generative, writer, self.cache, self.counters, lambda: self.metrics,
                                        AnswerMatching(self), self._encoders_busy) if generative else None
 
@@ -188,7 +189,7 @@ class WorkerCore:
         flight = replies.waiting.pop(item_id, None)
         if flight is None:
             return
-        if isinstance(flight, Generation):
+        if isinstance(flight, GenerateFlight):
             self.generations.cancel(replies, item_id, flight)
             return
         flight.waiters.pop((replies, item_id), None)
@@ -383,8 +384,9 @@ class WorkerCore:
         if self.generations is not None:
             groups.append(("generate", {"background_tasks": self.generations.background_tasks}))
             for (model, version), runtime in self.generations.runtimes.items():
-                if engine_counters := runtime.decoder.counters():
-                    groups.append((f"decoder.{model}.{version}", engine_counters))
+                name, counters = runtime.stat_group()
+                if counters:
+                    groups.append((name, counters))
                 if runtime.prefix is not None:
                     held = {f"{tier}_bytes": held for tier, held in runtime.prefix.gauges().items()}
                     groups.append((f"prefix.{model}.{version}", {**runtime.prefix.counters, **held}))

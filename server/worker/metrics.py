@@ -16,6 +16,7 @@ from server.shared.devices import WorkerPlacement
 from server.worker.heads import HeadRuntime
 from server.shared.telemetry import MEANS_SEP, Recorder
 from server.worker.startup import StartupProfile
+from server.worker.upstream.generative import UpstreamGenerativeRuntime
 from server.worker.upstream.runtime import UpstreamRuntime
 
 # infercache_prefix_moves_total's move label -> the prefix cache's counter (server/worker/prefix_cache.py)
@@ -43,8 +44,8 @@ class WorkerMetrics:
             # 0 for an engine loaded from the store: the series exists, so increase() sees a build
             out.inc(("infercache_engines_built_total", model, runtime.info.runtime, runtime.info.device),
                     1 if runtime.built_s else 0)
-            if isinstance(runtime, UpstreamRuntime):
-                out.add(runtime.pool.figures())
+        for pool in self._upstream_pools():
+            out.add(pool.figures())
         for (model, _), calibration in self.core.matching.calibrations.items():  # this process's checks (the base has
             disagreed = calibration.disagreed - calibration.disagreed_at_start  # its predecessor's)
             out.inc(("infercache_semantic_verifications_total", model, "agreed"),
@@ -72,6 +73,13 @@ class WorkerMetrics:
         return [(name, writer) for name, writer in (("results", self.core.writer), ("features", features),
                                                     ("kv", self.core.kv_store)) if writer is not None]
 
+    def _upstream_pools(self):
+        """The upstream pool of each model version computed upstream, encoder or generative."""
+        generative = self.core.generations.runtimes.values() if self.core.generations is not None else ()
+        for runtime in (*self.core.runtimes.values(), *generative):
+            if isinstance(runtime, (UpstreamRuntime, UpstreamGenerativeRuntime)):
+                yield runtime.pool
+
     def _prefix_caches(self):
         generations = self.core.generations
         return [] if generations is None else [(runtime.spec.name, runtime.prefix)
@@ -87,9 +95,9 @@ class WorkerMetrics:
             gauges[("infercache_engine_build_seconds", *labels)] = runtime.built_s
             for phase, seconds in runtime.phases().items():
                 gauges[("infercache_engine_warmup_seconds", *labels, phase)] = seconds
-            if isinstance(runtime, UpstreamRuntime):
-                for url, taking in runtime.pool.in_rotation().items():
-                    gauges[("infercache_upstream_in_rotation", info.model, url, str(self.placement.index))] = int(taking)
+        for pool in self._upstream_pools():
+            for url, taking in pool.in_rotation().items():
+                gauges[("infercache_upstream_in_rotation", pool.model, url, str(self.placement.index))] = int(taking)
         for phase, seconds in self.startup.phases.items():
             gauges[("infercache_worker_start_seconds", str(self.placement.index), phase)] = seconds
         for name, writer in self._writers():

@@ -21,7 +21,7 @@ Tiers, each bounded, each a miss on failure:
   back by a pool of threads, checked (the store's checksums, sealing when encryption is on): shared by
   the host's workers, kept across restarts, bounded by `kv.budget_mb`. A request whose prefix continues
   on disk waits while those blocks are read into host memory, then restores them.
-The scheduler (server/worker/generation.py) is the only caller, on the event loop, but for erase (the
+The scheduler (server/worker/generation/scheduler.py) is the only caller, on the event loop, but for erase (the
 worker's Invalidate, on the event loop too); the decoder's copies run in its steps
 (server/engines/decoding.py).
 """

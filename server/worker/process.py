@@ -37,7 +37,7 @@ from server.shared.errors import grpc_errors, to_wire
 from server.shared.framing import FrameProtocol, items_socket
 from server.worker.features import FeatureTier
 from server.worker.decoders import open_decoder, prefix_cache
-from server.worker.generation import GenerativeRuntime
+from server.worker.generation.scheduler import GenerativeRuntime
 from server.worker.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
 from server.shared.models import ModelConfigError, ModelRepository
@@ -334,7 +334,7 @@ def _generative(repository: ModelRepository, threads: int, gpu: bool, kv_store) 
     each one's decoder), with its prefix cache; one that cannot be loaded is logged and left out."""
     found = {}
     for spec in repository.servable():
-        if spec.task != "generate":
+        if spec.task != "generate" or spec.upstream is not None:
             continue
         for version in spec.versions:
             started = time.monotonic()
@@ -368,10 +368,12 @@ async def _at_full_speed(startup: StartupProfile, encoders: list[ModelRuntime]) 
     log.info("at full speed %.2f s after its start (%s)", startup.mark("warm", at), _phases_text(encoders))
 
 
-def _upstreams(config: Config, repository: ModelRepository) -> dict[tuple[str, str], ModelRuntime]:
-    """A runtime for every servable version of a model computed upstream (its credential read now, once);
-    one whose credential cannot be read is logged and left out (the supervisor checks them at start)."""
+def _upstreams(config: Config, repository: ModelRepository) -> dict[tuple[str, str], object]:
+    """A runtime for every servable version of a model computed upstream (its credential read now, once):
+    an encoder's ModelRuntime, or a generative model's (Generations runs it); one whose credential cannot be
+    read is logged and left out (the supervisor checks them at start)."""
     from server.worker.upstream.credentials import read_credential
+    from server.worker.upstream.generative import UpstreamGenerativeRuntime
     from server.worker.upstream.runtime import UpstreamRuntime
 
     found = {}
@@ -384,7 +386,8 @@ def _upstreams(config: Config, repository: ModelRepository) -> dict[tuple[str, s
             log.error("%s not served: %s", spec.name, exc)
             continue
         for version in spec.versions:
-            found[(spec.name, version)] = UpstreamRuntime(spec, version, config, credential)
+            found[(spec.name, version)] = (UpstreamGenerativeRuntime(spec, version, credential) if spec.task == "generate"
+                                           else UpstreamRuntime(spec, version, config, credential))
     return found
 
 
@@ -437,7 +440,8 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
         await _warm(runtime)
         runtime.engine.warm_behind_traffic()  # CUDA graphs captured while the worker starts and serves
     encoders = list(runtimes.values())
-    runtimes.update(_upstreams(config, repository))
+    upstreams = _upstreams(config, repository)
+    runtimes.update({key: runtime for key, runtime in upstreams.items() if runtime.spec.task != "generate"})
     writer = await writer_started
     heads, features = await _heads(config, repository, runtimes, placement, lose_writer)  # runs the warm encoders
     for runtime in heads.values():
@@ -445,10 +449,11 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     runtimes.update(heads)
     tier = _semantic_tier(config, repository, runtimes, writer, placement.index)
     kv_store = None
-    if any(spec.task == "generate" and spec.prefix.enabled and spec.prefix.disk for spec in repository.servable()):
+    if any(spec.prefix is not None and spec.prefix.enabled and spec.prefix.disk for spec in repository.servable()):
         kv_store = await asyncio.to_thread(_open_block_store, config)
     generative = await asyncio.to_thread(_generative, repository, _engine_threads(config, cpu_workers),
                                         placement.gpu is not None, kv_store)
+    generative.update({key: runtime for key, runtime in upstreams.items() if runtime.spec.task == "generate"})
     fleet = _fleet_tier(config, writer, placement.index, socket_path.parent)
     core = WorkerCore(repository, runtimes, writer, tier, fleet, features, generative, kv_store)
     core.counters.update(engine_counters)

@@ -5,7 +5,7 @@ generation settings, and embedded by the embedder; the check compares that embed
 answer's.
 
 `RegenerationLane` is what the verifier sees of a model version: a batcher's face (`enqueue`, `depth`,
-`group_of`, ...) over its scheduler (server/worker/generation.py). One regeneration at a time; it starts
+`group_of`, ...) over its scheduler (server/worker/generation/scheduler.py). One regeneration at a time; it starts
 only while the whole worker is idle (its `depth` says 1 otherwise, so the verifier's deferral after
 MAX_DEFER_S never starts one beside foreground work), and foreground work that arrives while it runs (a
 generation, a batch of another model) drops it before the next step (Preempted: the check waits, in its

@@ -38,6 +38,9 @@ class Client(Protocol):
     def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         """One vector per text, in order; Failure otherwise."""
 
+    def generate(self, request: dict, tenant: str, on_piece, timeout_s: float) -> tuple[str, dict]:
+        """A streamed generation (kind openai): its text to on_piece piece by piece; (finish reason, usage)."""
+
     def close(self) -> None: ...
 
 
@@ -72,6 +75,29 @@ class OpenAIClient:
             return _vectors([d["embedding"] for d in ordered], len(texts))
         except (KeyError, TypeError):
             raise Failure("malformed", "answered data items without an embedding") from None
+
+    def generate(self, request: dict, tenant: str, on_piece, timeout_s: float) -> tuple[str, dict]:
+        """request: messages (chat completions) or prompt (completions), and the settings, as OpenAI names
+        them. Each piece awaited for at most timeout_s."""
+        chat = "messages" in request
+        body = {"model": self.model, **request, "stream": True, "stream_options": {"include_usage": True}}
+        finish, usage = None, {}
+        for event in self.endpoint.events("/chat/completions" if chat else "/completions", body, timeout_s):
+            if isinstance(event.get("error"), dict):  # an error in the stream (its status was 200)
+                raise Failure("cut", f"the upstream's stream ended in an error: {event['error'].get('message')!r:.300}")
+            for choice in event.get("choices") or ():
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    continue
+                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if isinstance(piece, str) and piece:
+                    on_piece(piece)
+                if isinstance(choice.get("finish_reason"), str):
+                    finish = choice["finish_reason"]
+            if isinstance(event.get("usage"), dict):
+                usage = event["usage"]
+        if finish is None:
+            raise Failure("cut", "the stream ended without a finish_reason")
+        return finish, usage
 
     def close(self) -> None:
         pass

@@ -10,7 +10,8 @@ REFUSED_INPUT = frozenset({400, 413, 422})  # the upstream refused the input its
 
 
 class Failure(Exception):
-    """One failed upstream call: `kind` is connect, timeout, status (with `status`) or malformed."""
+    """One failed upstream call: `kind` is connect, timeout, status (with `status`), malformed, or cut (a
+    streamed answer that broke off after its first piece: never retried)."""
 
     def __init__(self, kind: str, message: str, status: int = 0) -> None:
         super().__init__(message)
@@ -45,3 +46,8 @@ class Failure(Exception):
             return UpstreamFailed(f"{where} refused this server's credential ({self.status}): check the model's "
                                   "upstream.credential_env or credential_file")
         return UpstreamFailed(f"{where}: {self}")
+
+
+class Abandoned(Exception):
+    """A generation's stream stopped by this side (every caller left, or its deadline passed): no failure
+    of the upstream's, never retried or counted against it."""

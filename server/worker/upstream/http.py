@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from server.worker.upstream.errors import Failure
 
 MAX_ANSWER_BYTES = 64 << 20  # an answer's body, at most (as the gRPC kinds' message limit)
+MAX_EVENT_BYTES = 1 << 20  # one line of a streamed answer, at most
 
 
 class JsonEndpoint:
@@ -24,7 +25,7 @@ class JsonEndpoint:
         self.secure = parts.scheme == "https"
         self.host, self.port = parts.hostname, parts.port or (443 if self.secure else 80)
         self.prefix = parts.path.rstrip("/")
-        self.headers = {"content-type": "application/json", "accept": "application/json", **headers}
+        self.headers = {"content-type": "application/json", **headers}
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._tls = ssl.create_default_context() if self.secure else None
@@ -48,7 +49,66 @@ class JsonEndpoint:
 
     def post(self, path: str, body: dict, timeout_s: float) -> dict:
         """The JSON object the upstream answered; Failure (with its kind) otherwise."""
+        response = self._send(path, body, timeout_s)
+        try:
+            data = response.read(MAX_ANSWER_BYTES + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop()
+            raise _lost(exc, timeout_s) from None
+        if len(data) > MAX_ANSWER_BYTES:
+            self._drop()
+            raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
+        if response.will_close:
+            self._drop()
+        return _decoded(response.status, data)
+
+    def events(self, path: str, body: dict, timeout_s: float):
+        """The JSON objects of a server-sent event stream (OpenAI's `stream: true`), as they come, up to its
+        `data: [DONE]`; each awaited for at most timeout_s. Failure otherwise: one raised after the first
+        event has kind "cut" (never retried: the caller has those events)."""
+        response = self._send(path, body, timeout_s, accept="text/event-stream")
+        if response.status >= 400:
+            data = response.read(MAX_ANSWER_BYTES)
+            self._drop()
+            raise Failure.of_status(response.status, _message(data))
+        started = False
+        try:
+            while True:
+                line = response.readline(MAX_EVENT_BYTES + 1)
+                if not line:
+                    raise (Failure("cut", "the stream ended before its [DONE]") if started else
+                           Failure("malformed", "answered no event (data:) before the end of its answer"))
+                if len(line) > MAX_EVENT_BYTES:
+                    raise Failure("cut" if started else "malformed", f"an event over {MAX_EVENT_BYTES} bytes")
+                if not line.startswith(b"data:"):
+                    continue  # blank lines between events, comments, event names
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise Failure("cut" if started else "malformed", "an event that is not JSON") from None
+                if not isinstance(event, dict):
+                    raise Failure("cut" if started else "malformed", "an event that is not a JSON object")
+                started = True
+                yield event
+        except Failure:
+            self._drop()
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop()
+            failure = _lost(exc, timeout_s)
+            raise (Failure("cut", f"the stream broke off: {failure}") if started else failure) from None
+        except BaseException:  # (the consumer stopped early: the rest of the stream is not read)
+            self._drop()
+            raise
+        self._drop()  # (what follows [DONE] on the connection is not worth reading: a fresh one next time)
+
+    def _send(self, path: str, body: dict, timeout_s: float, accept: str = "application/json"):
+        """The upstream's response to a POST of `body` (its head read); Failure otherwise."""
         payload = json.dumps(body).encode()
+        headers = {**self.headers, "accept": accept}
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more, on a new one
             connection = self._connection()
             reused = connection.sock is not None
@@ -56,28 +116,28 @@ class JsonEndpoint:
             if reused:
                 connection.sock.settimeout(timeout_s)
             try:
-                connection.request("POST", self.prefix + path, payload, self.headers)
-                response = connection.getresponse()
-                data = response.read(MAX_ANSWER_BYTES + 1)
-            except TimeoutError:
-                self._drop()
-                raise Failure("timeout", f"no answer within {timeout_s:.1f} s") from None
+                connection.request("POST", self.prefix + path, payload, headers)
+                return connection.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                 self._drop()
                 if attempt == 0 and reused:
                     continue
-                raise Failure("connect", f"connection lost: {type(exc).__name__}") from None
+                raise _lost(exc, timeout_s) from None
             except (OSError, http.client.HTTPException, ValueError) as exc:  # (ValueError: its text may quote a header)
                 self._drop()
-                raise Failure("connect", f"cannot reach it: {exc.strerror or type(exc).__name__}"
-                              if isinstance(exc, OSError) else f"{type(exc).__name__}") from None
-            if len(data) > MAX_ANSWER_BYTES:
-                self._drop()
-                raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
-            if response.will_close:
-                self._drop()
-            return _decoded(response.status, data)
+                raise _lost(exc, timeout_s) from None
         raise Failure("connect", "connection lost")  # (not reached: the loop returns or raises)
+
+
+def _lost(exc: Exception, timeout_s: float) -> Failure:
+    """A call's transport failure as a Failure of kind timeout or connect (never quoting a header)."""
+    if isinstance(exc, TimeoutError):
+        return Failure("timeout", f"no answer within {timeout_s:.1f} s")
+    if isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
+        return Failure("connect", f"connection lost: {type(exc).__name__}")
+    if isinstance(exc, OSError) and exc.strerror:
+        return Failure("connect", f"cannot reach it: {exc.strerror}")
+    return Failure("connect", f"cannot reach it: {type(exc).__name__}")
 
 
 def _decoded(status: int, data: bytes) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 from server.shared.errors import InferCacheError, InvalidArgument, UpstreamFailed
 from server.shared.telemetry import Recorder
 from server.shared.upstream_spec import UpstreamSpec
-from server.worker.upstream.errors import Failure
+from server.worker.upstream.errors import Abandoned, Failure
 
 if TYPE_CHECKING:
     from server.worker.upstream.clients import Client
@@ -143,7 +143,7 @@ class UpstreamPool:
         out: list[np.ndarray | InferCacheError | None] = [None] * len(rows)
         for (_, tenant), (ranked, members) in groups.items():
             try:
-                vectors = self._call(ranked, [str(rows[n]) for n in members], tenant)
+                vectors = self._texts(ranked, [str(rows[n]) for n in members], tenant)
             except InvalidArgument as exc:
                 vectors = [exc] if len(members) == 1 else [self._one(ranked, str(rows[n]), tenant) for n in members]
             except InferCacheError as exc:
@@ -154,11 +154,25 @@ class UpstreamPool:
 
     def _one(self, ranked: list[Server], text: str, tenant: str) -> np.ndarray | InferCacheError:
         try:
-            return self._call(ranked, [text], tenant)[0]
+            return self._texts(ranked, [text], tenant)[0]
         except InferCacheError as exc:
             return exc
 
-    def _call(self, ranked: list[Server], texts: list[str], tenant: str) -> list[np.ndarray]:
+    def _texts(self, ranked: list[Server], texts: list[str], tenant: str) -> list[np.ndarray]:
+        return self._call(ranked, lambda client, timeout_s: client.embed(texts, tenant, timeout_s), len(texts))
+
+    def generate(self, route: bytes, request: dict, tenant: str, on_piece) -> tuple[str, dict]:
+        """One generation (server/worker/upstream/generative.py): its pieces of text to on_piece as the
+        upstream streams them; (finish reason, usage) once it ended. `route` ranks the servers (what a
+        conversation starts with: its next turns reach the server whose prefix cache holds it). A call
+        that failed before its first piece is tried again as an embedding call is; one cut off after it
+        is not (its callers have that text already)."""
+        return self._call(self._ranked(route), lambda client, timeout_s: client.generate(request, tenant, on_piece,
+                                                                                         timeout_s), 1)
+
+    def _call(self, ranked: list[Server], work, units: int):
+        """work(client, seconds left) on the first usable server of `ranked`, tried again as the module
+        says; units: texts (or generations) it computes, for the counters."""
         spec = self.spec
         deadline = time.monotonic() + spec.timeout_s
         tried: set[Server] = set()
@@ -184,14 +198,17 @@ class UpstreamPool:
                     self.counters["retries"] += 1
             started = time.monotonic()
             try:  # (whatever happens, the call ends in _succeeded or _failed: a trial is never left open)
-                vectors = server.client.embed(texts, tenant, remaining)
+                answer = work(server.client, remaining)
+            except Abandoned:
+                self._succeeded(server, time.monotonic() - started, units)  # (it was answering)
+                raise
             except Failure as failure:
                 last = (server, failure)
             except Exception as exc:  # noqa: BLE001 (an answer a client could not read: malformed, never a crash)
                 last = (server, Failure("malformed", f"an answer that could not be read ({type(exc).__name__})"))
             else:
-                self._succeeded(server, time.monotonic() - started, len(texts))
-                return vectors
+                self._succeeded(server, time.monotonic() - started, units)
+                return answer
             self._failed(server, last[1])
             if not last[1].retryable:
                 break
