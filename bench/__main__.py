@@ -32,6 +32,9 @@
    without, and how far expiry jitter spreads entries written together (L1 and the fleet) against none.
 14. Write path (`--sections write`, bench/write_path.py): the writer process's sustained commit rate with a
    flush per commit against the flush interval, beside py-lmdb's own ceiling and L1 hits while it writes.
+15. Upstream (`--sections upstream`, bench/upstream.py): infercache in front of an upstream OpenAI-compatible
+   server against LiteLLM's proxy with its exact cache on Redis: hits, identical misses at once, a miss's
+   overhead, the upstream down.
 Writes one file per section to bench/results/, named for the section and the machine (`serving-2core.json`,
 `gpu-h200.json`; `--out FILE` puts the whole run in one file instead), each recording its command, machine,
 commit and date, and prints a table. `--quick` (fewer requests and rounds) and `--dry-run` (every step of
@@ -281,7 +284,8 @@ def main() -> None:
                              "against computing the prompt), doors (hits through the OpenAI and KServe doors), ttl (TTL "
                              "classes' cost, expiry jitter's spread), generate-semantic (semantic answers of "
                              "SmolLM2 on Banking77 against GPTCache), peers (exact hits against Triton's response "
-                             "cache, semantic hits against GPTCache), gpu and "
+                             "cache, semantic hits against GPTCache), upstream (in front of an upstream server "
+                             "against LiteLLM's proxy cache), gpu and "
                              "workers (the lent GPU host: bench/device.sh; elsewhere dry runs on ONNX Runtime)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the repeated measurements (default 3, 1 with --quick; security runs 2n-1)")
@@ -507,6 +511,15 @@ def main() -> None:
                                                                    dry=args.dry_run)
                 print_peers(report["peers"])
                 save()
+        if "upstream" in sections:
+            from bench.upstream import bench_upstream, print_upstream
+
+            print("benchmarking infercache in front of an upstream server against LiteLLM's proxy cache ...", flush=True)
+            (workdir / "upstream").mkdir()
+            report["upstream"] = bench_upstream(workdir / "upstream", rounds,
+                                                "dry" if args.dry_run else "quick" if args.quick else "full")
+            print_upstream(report["upstream"])
+            save()
         if "commit" in sections:
             print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
             (workdir / "commit").mkdir()

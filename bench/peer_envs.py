@@ -28,6 +28,9 @@ TRITON = ("nvidia-pytriton==0.7.0", "numpy==1.26.4", "onnxruntime==1.32.0", "tok
 # GPU machine's CUDA build), else pip's.
 INFINITY = ("infinity-emb[server,torch]==0.0.78", "sentence-transformers==3.4.1", "transformers==4.57.1",
             "numpy==1.26.4")
+# LiteLLM's proxy (its `proxy` extra: FastAPI, uvicorn) and redis-py, which its Redis cache uses. The last
+# release whose proxy extra is on PyPI as a whole (later ones need a litellm-proxy package it does not hold).
+LITELLM = ("litellm[proxy]==1.81.16", "redis==8.2.0")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,15 @@ def infinity_env() -> PeerEnv | str:
         return _unpacked("infinity", sorted(str(w) for w in Path(wheels).glob("*.whl")))
     made = _made("infinity", INFINITY, inherit=True)
     return made if isinstance(made, str) else PeerEnv(made, dict(os.environ))
+
+
+def litellm_env() -> PeerEnv | str:
+    """LiteLLM's proxy in its virtualenv (the python beside its `litellm` command), or why there is none.
+    It reads its model price map from the package, not the network."""
+    made = _made("litellm", LITELLM)
+    if isinstance(made, str):
+        return made
+    return PeerEnv(made, {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"})
 
 
 def _unpacked(name: str, wheels: list[str]) -> PeerEnv | str:

@@ -10,8 +10,8 @@ from bench import RESULTS, TRIAL_RESULTS
 
 # Every section, in the order a run takes them (the names --sections takes).
 SECTIONS = ("serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
-            "generate", "prefix", "synonyms", "doors", "ttl", "generate-semantic", "peers", "commit", "write",
-            "workers", "gpu")
+            "generate", "prefix", "synonyms", "doors", "ttl", "generate-semantic", "peers", "upstream", "commit",
+            "write", "workers", "gpu")
 NEEDS_BANKING77 = {"semantic", "l2", "groups", "prefix", "synonyms", "generate-semantic", "peers"}  # sections that train a head on it or replay its texts
 # Each part of the report goes to the result file of its section (metrics_cost alone: metrics-cost).
 FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving", "engine_alone": "serving",
@@ -19,7 +19,7 @@ FILES = {"exact_hits": "serving", "misses": "serving", "metrics_cost": "serving"
          "overload": "overload", "l2": "l2", "length_groups": "length-groups", "worker_capacity": "worker-capacity",
          "group_commit": "group-commit", "workers": "workers", "gpu": "gpu", "generate": "generate",
          "prefix": "prefix", "synonyms": "synonyms", "doors": "doors", "ttl": "ttl", "write_path": "write",
-         "generate_semantic": "generate-semantic", "peers": "peers"}
+         "generate_semantic": "generate-semantic", "peers": "peers", "upstream": "upstream"}
 
 
 def result_path(stem: str, tag: str, trial: str = "") -> Path:

@@ -134,7 +134,8 @@ SECTION_KEYS = {"serving": ("exact_hits", "misses", "metrics_cost", "engine_alon
                 "security": ("security",), "fleet": ("fleet",), "overload": ("overload",), "l2": ("l2",),
                 "groups": ("length_groups",), "worker": ("worker_capacity",), "generate": ("generate",),
                 "prefix": ("prefix",), "synonyms": ("synonyms",), "doors": ("doors",), "ttl": ("ttl",),
-                "generate-semantic": ("generate_semantic",), "peers": ("peers",), "commit": ("group_commit",),
+                "generate-semantic": ("generate_semantic",), "peers": ("peers",), "upstream": ("upstream",),
+                "commit": ("group_commit",),
                 "write": ("write_path",), "workers": ("workers",), "gpu": ("gpu",)}
 
 

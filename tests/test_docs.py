@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.sections import SECTIONS
 from tests.servers import REPO, ServerProcess, free_port
 from tests.helpers import link_model
 
@@ -315,9 +316,7 @@ def _bench_flags(module: str) -> set[str]:
     return set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', source))
 
 
-BENCH_SECTIONS = {"serving", "metrics", "l3", "semantic", "security", "fleet", "overload", "l2", "groups", "worker",
-                  "commit", "workers", "gpu", "generate", "synonyms", "prefix", "doors", "ttl", "write",
-                  "generate-semantic", "peers"}
+BENCH_SECTIONS = set(SECTIONS)
 
 
 def test_bench_sections_listed_here_are_the_bench_s():

@@ -1,0 +1,327 @@
+"""Upstream section (`make bench ARGS="--sections upstream"`): infercache in front of a model server it does
+not run, against LiteLLM's proxy with its documented exact cache on Redis. The same upstream is behind both
+(an infercache serving MiniLM and SmolLM2 through its OpenAI-compatible door, one frontend: a real
+OpenAI-compatible server that answers a repeated call from its own cache, so a miss at either cache costs
+the upstream's exact hit, not a model run), called with the same requests by the same load generator
+(bench/http_load.py: pre-built HTTP/1.1 requests, raw answers) on the OpenAI routes both serve:
+
+- exact hits: /v1/embeddings and /v1/chat/completions, p50 at 1 caller and throughput at 32, rounds
+  alternating; the upstream's call count is checked unchanged (every call a hit). Targets: p50 at most
+  0.5x LiteLLM's, throughput at least 3x;
+- 64 identical calls at once that neither cache holds (an embedding, a chat question): the calls the
+  upstream received (goal: 1);
+- a miss's overhead: embedding misses at the cache that the upstream answers from its own cache, one
+  caller, p50 against calling the upstream directly. Target: at most 1 ms;
+- the upstream down (30 s): the share of repeated (cached) calls answered, a miss's status and how fast it
+  came; then the upstream started again, how long until each cache's first miss succeeds.
+
+Both caches run as many server processes as the machine has cores (infercache's frontends, LiteLLM's
+uvicorn workers), beside the upstream, Redis and the generator on the same cores. Semantic answers of an
+upstream chat model are not measured here (the result says so)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import uvloop
+import yaml
+
+from bench.http_load import post, run_http_load
+from bench.peer_envs import PeerServer, litellm_env
+from tests.helpers import link_model
+from tests.redis_servers import RedisProcess
+from tests.redis_servers import available as redis_missing
+from tests.servers import REPO, ServerProcess, free_port
+
+TARGETS = {"hit_p50_ratio_max": 0.5, "hit_throughput_ratio_min": 3.0, "identical_misses_upstream_calls": 1,
+           "miss_overhead_ms_max": 1.0}
+CALLERS = (1, 32)
+IDENTICAL = 64
+CHAT_TOKENS = 16
+SIZES = {  # texts and questions cached, calls per load at 1 and 32 callers, overhead texts, seconds down
+    "dry": {"texts": 4, "questions": 2, 1: 8, 32: 32, "overhead": 3, "down_s": 1.0},
+    "quick": {"texts": 50, "questions": 10, 1: 200, 32: 800, "overhead": 30, "down_s": 10.0},
+    "full": {"texts": 200, "questions": 40, 1: 1000, 32: 4000, "overhead": 200, "down_s": 30.0}}
+NOT_MEASURED = {"semantic": "semantic answers of an upstream chat model on Banking77 (against GPTCache and "
+                            "LiteLLM's semantic caches) are not part of this section yet"}
+
+
+def _embedding(text: str) -> bytes:
+    return post("/v1/embeddings", json.dumps({"model": "minilm", "input": text}).encode())
+
+
+def _chat(question: str) -> bytes:
+    return post("/v1/chat/completions", json.dumps({"model": "smollm2", "max_tokens": CHAT_TOKENS, "temperature": 0,
+                                                    "messages": [{"role": "user", "content": question}]}).encode())
+
+
+def _exchange(port: int, request: bytes, timeout_s: float = 60.0) -> tuple[int, str]:
+    """One pre-built request on a connection of its own: (status, x-infercache-source); status 0 where no
+    answer came (refused, reset, timed out)."""
+    head, body = request.split(b"\r\n\r\n", 1)
+    path = head.split(b" ", 2)[1].decode()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        connection.request("POST", path, body, {"content-type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        return response.status, response.getheader("x-infercache-source") or ""
+    except (OSError, http.client.HTTPException):
+        return 0, ""
+    finally:
+        connection.close()
+
+
+def _upstream_models(root: Path) -> Path:
+    for name in ("minilm", "smollm2"):
+        link_model(root, name, (REPO / "models" / name / "config.yaml").read_text(), {"1": REPO / "models" / name / "1"})
+    return root
+
+
+def _front_models(root: Path, url: str) -> Path:
+    for name, task in (("minilm", "embedding"), ("smollm2", "generate")):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.yaml").write_text(yaml.safe_dump({
+            "task": task, "serving_version": "1", "runtime": "upstream", "cache": {"ttl_s": 3600},
+            "upstream": {"kind": "openai", "urls": [url], "model": name}}))
+    return root
+
+
+def _litellm_config(path: Path, url: str, redis_port: int) -> Path:
+    """Both models through LiteLLM's OpenAI provider, its exact cache on Redis for the routes measured."""
+    path.write_text(yaml.safe_dump({
+        "model_list": [{"model_name": name, "litellm_params": {"model": f"openai/{name}", "api_base": url,
+                                                               "api_key": "none"}} for name in ("minilm", "smollm2")],
+        "litellm_settings": {"cache": True, "cache_params": {
+            "type": "redis", "host": "127.0.0.1", "port": redis_port,
+            "supported_call_types": ["acompletion", "atext_completion", "aembedding"]}}}))
+    return path
+
+
+class _Upstream:
+    """The upstream infercache, stoppable and started again on the same ports with the same store."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.models = workdir, _upstream_models(workdir / "models")
+        self.port, self.http_port = free_port(), free_port()
+        self.starts = 0
+        self.server = self.start()
+
+    def start(self) -> ServerProcess:
+        self.starts += 1
+        run = self.workdir / f"run{self.starts}"
+        run.mkdir()
+        self.server = ServerProcess(run, self.models, frontends=1, port=self.port, cache_dir=self.workdir / "cache",
+                                    engines_dir=self.workdir / "engines",
+                                    settings=(f"server.http_port={self.http_port}",))
+        return self.server
+
+    def calls(self) -> dict[str, int]:
+        """Calls the upstream has answered, by route (its hits and its misses)."""
+        counters = self.server.stats().frontend.counters
+        return {"embeddings": counters["frontend.hit_exact"] + counters["frontend.forwarded"],
+                "chat": counters["frontend.generate_hits"] + counters["frontend.generate_forwarded"]}
+
+
+def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
+    """trial: dry, quick or full (SIZES)."""
+    why = redis_missing()
+    env = litellm_env() if why is None else why
+    if isinstance(env, str):
+        print(f"  skipped: {env}", flush=True)
+        return {"skipped": env}
+    sizes = SIZES[trial]
+    processes = os.cpu_count() or 1
+    upstream = _Upstream(workdir / "upstream")
+    url = f"http://127.0.0.1:{upstream.http_port}/v1"
+    redis = RedisProcess(workdir)
+    litellm_port, front_http = free_port(), free_port()
+    litellm = PeerServer([str(env.python.parent / "litellm"), "--config",
+                          str(_litellm_config(workdir / "litellm.yaml", url, redis.port)), "--host", "127.0.0.1",
+                          "--port", str(litellm_port), "--num_workers", str(processes)], env.env, workdir / "litellm")
+    front = None
+    try:
+        (workdir / "front").mkdir()
+        front = ServerProcess(workdir / "front", _front_models(workdir / "front-models", url), frontends=processes,
+                              settings=(f"server.http_port={front_http}",))
+        litellm.wait_until(lambda: _exchange(litellm_port, _embedding("ready?"), 5)[0] == 200, "LiteLLM's proxy")
+        targets = {"infercache": front_http, "litellm": litellm_port}
+        run = uuid.uuid4().hex[:8]  # (texts no earlier run cached)
+        report = {"setup": {"processes_each": processes, "litellm": "1.81.16, exact cache on Redis",
+                            "upstream": "infercache (MiniLM, SmolLM2) through its OpenAI door, one frontend"},
+                  "targets": TARGETS, "not_measured": NOT_MEASURED}
+        print("  exact hits ...", flush=True)
+        report["hits"], cached = _hits(targets, upstream, sizes, rounds, run)
+        print("  identical misses at once ...", flush=True)
+        report["identical_misses"] = _identical(targets, upstream, run)
+        print("  a miss's overhead over the upstream ...", flush=True)
+        report["miss_overhead"] = _overhead(targets, upstream, sizes, rounds, run)
+        print(f"  the upstream down for {sizes['down_s']:.0f} s ...", flush=True)
+        report["upstream_down"] = _down(targets, upstream, cached, sizes["down_s"], run)
+        report["ratios"] = _ratios(report)
+        return report
+    finally:
+        if front is not None:
+            front.stop()
+        litellm.stop()
+        redis.stop()
+        upstream.server.stop()
+
+
+def _hits(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int, run: str) -> tuple[dict, list[bytes]]:
+    routes = {"embeddings": [_embedding(f"{run} a text to embed, number {i}") for i in range(sizes["texts"])],
+              "chat": [_chat(f"{run} question {i}: how do I change my card's PIN?") for i in range(sizes["questions"])]}
+    for port in targets.values():  # each cache's misses, then its entries (infercache stores behind the reply)
+        for requests in routes.values():
+            for request in requests:
+                _answered(port, request)
+    for requests in routes.values():
+        _settled(targets["infercache"], requests[-1])
+    time.sleep(1.0)  # (LiteLLM writes Redis behind its reply too)
+    before = upstream.calls()
+    runs: dict = {route: {name: {c: [] for c in CALLERS} for name in targets} for route in routes}
+    for _ in range(rounds):
+        for route, requests in routes.items():
+            for callers in CALLERS:
+                for name, port in targets.items():
+                    result = uvloop.run(run_http_load("127.0.0.1", port, requests, concurrency=callers,
+                                                      total=sizes[callers]))
+                    runs[route][name][callers].append(result.summary())
+    after = upstream.calls()
+    out: dict = {"upstream_calls_during": {route: after[route] - before[route] for route in routes}}
+    for route in routes:
+        out[route] = {name: {str(c): _median(runs[route][name][c]) for c in CALLERS} for name in targets}
+    return out, routes["embeddings"]
+
+
+def _answered(port: int, request: bytes) -> None:
+    status, _ = _exchange(port, request)
+    if status != 200:
+        raise RuntimeError(f"the server on port {port} answered {status or 'nothing'} to {request[-120:]!r}")
+
+
+def _settled(port: int, request: bytes, timeout_s: float = 30.0) -> None:
+    """Until infercache answers `request` from L1 (its entry committed)."""
+    deadline = time.monotonic() + timeout_s
+    while _exchange(port, request)[1] != "RESULT_EXACT":
+        if time.monotonic() > deadline:
+            raise RuntimeError("an answer was not stored within 30 s")
+        time.sleep(0.05)
+
+
+def _median(summaries: list[dict]) -> dict:
+    return {"p50_ms": statistics.median(s["p50_ms"] for s in summaries),
+            "p99_ms": statistics.median(s["p99_ms"] for s in summaries),
+            "throughput_rps": statistics.median(s["throughput_rps"] for s in summaries),
+            "errors": sum(s["errors"] for s in summaries), "rounds": [s["p50_ms"] for s in summaries]}
+
+
+def _identical(targets: dict[str, int], upstream: _Upstream, run: str) -> dict:
+    out: dict = {}
+    for route, make in (("embeddings", _embedding), ("chat", _chat)):
+        out[route] = {}
+        for name, port in targets.items():
+            request = make(f"{run} {IDENTICAL} callers ask this at once through {name}: what is my balance?")
+            before = upstream.calls()[route]
+            result = uvloop.run(run_http_load("127.0.0.1", port, [request], concurrency=IDENTICAL, total=IDENTICAL))
+            time.sleep(0.2)
+            out[route][name] = {"calls": IDENTICAL, "errors": result.errors,
+                                "upstream_calls": upstream.calls()[route] - before,
+                                "p50_ms": result.summary()["p50_ms"]}
+    return out
+
+
+def _overhead(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int, run: str) -> dict:
+    """Embedding misses at each cache (each its own texts, cached upstream first) against the same calls
+    straight to the upstream (its hits), one caller."""
+    ports = {"direct": upstream.http_port, **targets}
+    p50: dict[str, list[float]] = {name: [] for name in ports}
+    for n in range(rounds):
+        texts = {name: [_embedding(f"{run} round {n}: a miss through {name}, text {i}") for i in range(sizes["overhead"])]
+                 for name in ports}
+        for requests in texts.values():
+            for request in requests:
+                _answered(upstream.http_port, request)
+            _settled(upstream.http_port, requests[-1])
+        for name, port in ports.items():
+            result = uvloop.run(run_http_load("127.0.0.1", port, texts[name], concurrency=1, total=len(texts[name])))
+            p50[name].append(result.summary()["p50_ms"])
+    direct = statistics.median(p50["direct"])
+    return {name: {"p50_ms": statistics.median(values), "rounds": values,
+                   **({"overhead_ms": round(statistics.median(values) - direct, 3)} if name != "direct" else {})}
+            for name, values in p50.items()}
+
+
+def _down(targets: dict[str, int], upstream: _Upstream, cached: list[bytes], seconds: float, run: str) -> dict:
+    out: dict = {name: {} for name in targets}
+    assert upstream.server.stop() == 0
+    for name, port in targets.items():
+        answered = errors = 0
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            try:
+                result = uvloop.run(run_http_load("127.0.0.1", port, cached, concurrency=4, total=len(cached)))
+            except ConnectionError:
+                errors += len(cached)
+                continue
+            answered, errors = answered + result.requests, errors + result.errors
+        began = time.monotonic()
+        status, _ = _exchange(port, _embedding(f"{run} a miss while the upstream is down ({name})"))
+        out[name].update(repeated_calls=answered + errors, repeated_answered_share=round(answered / max(1, answered + errors), 4),
+                         miss_status=status, miss_answered_in_s=round(time.monotonic() - began, 3))
+    upstream.start()
+    back = time.monotonic()
+    waiting, attempt = dict(targets), 0
+    while waiting and time.monotonic() - back < 120:
+        for name, port in list(waiting.items()):
+            attempt += 1
+            if _exchange(port, _embedding(f"{run} after the upstream came back, attempt {attempt}"), 10)[0] == 200:
+                out[name]["first_miss_after_return_s"] = round(time.monotonic() - back, 3)
+                del waiting[name]
+        time.sleep(0.05)
+    for name in waiting:
+        out[name]["first_miss_after_return_s"] = None  # not within 120 s
+    return out
+
+
+def _ratios(report: dict) -> dict:
+    hits = report["hits"]
+    out: dict = {}
+    for route in ("embeddings", "chat"):
+        ours, theirs = hits[route]["infercache"], hits[route]["litellm"]
+        out[f"{route}_hit_p50_ratio_1"] = round(ours["1"]["p50_ms"] / theirs["1"]["p50_ms"], 3)
+        out[f"{route}_hit_throughput_ratio_32"] = round(ours["32"]["throughput_rps"] / theirs["32"]["throughput_rps"], 2)
+    out["miss_overhead_ms"] = report["miss_overhead"]["infercache"]["overhead_ms"]
+    out["litellm_miss_overhead_ms"] = report["miss_overhead"]["litellm"]["overhead_ms"]
+    return out
+
+
+def print_upstream(report: dict) -> None:
+    if "skipped" in report:
+        print(f"upstream: skipped: {report['skipped']}")
+        return
+    print("\nIn front of an upstream (infercache vs LiteLLM's proxy, exact cache on Redis)")
+    for route in ("embeddings", "chat"):
+        for name, by in report["hits"][route].items():
+            print(f"  {route} hits {name:10s}: p50 {by['1']['p50_ms']:.2f} ms at 1 caller, "
+                  f"{by['32']['throughput_rps']:,.0f}/s at 32")
+    ratios = report["ratios"]
+    print(f"  hit p50 ratio (target <= {TARGETS['hit_p50_ratio_max']}): embeddings {ratios['embeddings_hit_p50_ratio_1']}x, "
+          f"chat {ratios['chat_hit_p50_ratio_1']}x; throughput ratio at 32 (target >= "
+          f"{TARGETS['hit_throughput_ratio_min']}): embeddings {ratios['embeddings_hit_throughput_ratio_32']}x, "
+          f"chat {ratios['chat_hit_throughput_ratio_32']}x")
+    for route, by in report["identical_misses"].items():
+        print(f"  {IDENTICAL} identical {route} misses at once: upstream calls " +
+              ", ".join(f"{name} {row['upstream_calls']}" for name, row in by.items()))
+    print(f"  a miss's overhead over the upstream at p50: infercache {ratios['miss_overhead_ms']} ms, "
+          f"LiteLLM {ratios['litellm_miss_overhead_ms']} ms (target <= {TARGETS['miss_overhead_ms_max']} ms)")
+    for name, row in report["upstream_down"].items():
+        print(f"  upstream down, {name}: {row['repeated_answered_share']:.1%} of {row['repeated_calls']} repeated calls "
+              f"answered; a miss: status {row['miss_status']} in {row['miss_answered_in_s']} s; first miss after "
+              f"it returned: {row['first_miss_after_return_s']} s")
