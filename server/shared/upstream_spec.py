@@ -31,7 +31,8 @@ class UpstreamSpec:
     timeout_s: float = 30.0          # one upstream call and its retries, at most
     max_in_flight: int = 16          # upstream calls in flight at once, from each worker
     max_batch_texts: int = 64        # most texts in one upstream call (the batcher's batch)
-    max_delay_ms: float = 2.0        # how long a batch may wait to fill before it is sent
+    max_delay_ms: float = 0.0        # how long a batch may wait to fill before it is sent (0: at once when a
+                                     # call slot is free; misses that come while every slot is busy join the next)
     retries: int = 2                 # more tries of a call that failed for a reason worth retrying
     retry_backoff_ms: float = 50.0   # before a retry: this, doubled each time, with full jitter
     breaker_failures: int = 5        # failed calls in a row that take an upstream out of rotation
