@@ -97,6 +97,37 @@ async def run_http_load(host: str, port: int, requests: list[bytes], *, concurre
     return LoadResult(len(latencies) - errors, errors, seconds, np.array(latencies), sources)
 
 
+async def run_http_for(host: str, port: int, requests: list[bytes], *, concurrency: int, seconds: float,
+                       timeout_s: float = 5.0) -> tuple[int, int]:
+    """Callers on connections of their own send `requests` in turn until `seconds` pass, each answer
+    awaited for at most `timeout_s` (a caller whose answer did not come opens a new connection);
+    (answered 200, failed or unanswered)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    source = itertools.cycle(requests)
+    counts = [0, 0]
+
+    async def run() -> None:
+        caller = None
+        while loop.time() < deadline:
+            try:
+                if caller is None:
+                    _, caller = await asyncio.wait_for(loop.create_connection(_Caller, host, port), timeout_s)
+                response = await asyncio.wait_for(caller.call(next(source)), timeout_s)
+            except (OSError, asyncio.TimeoutError):
+                counts[1] += 1
+                if caller is not None:
+                    caller.transport.close()
+                caller = None
+                continue
+            counts[status_and_source(response)[0] != 200] += 1
+        if caller is not None:
+            caller.transport.close()
+
+    await asyncio.gather(*(run() for _ in range(concurrency)))
+    return counts[0], counts[1]
+
+
 def _load_process(host: str, port: int, requests: list[bytes], concurrency: int, gate, out) -> None:
     import uvloop
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import uvloop
 import yaml
 
-from bench.http_load import post, run_http_load
+from bench.http_load import post, run_http_for, run_http_load
 from bench.peer_envs import PeerServer, litellm_env
 from tests.helpers import link_model
 from tests.redis_servers import RedisProcess
@@ -44,6 +44,7 @@ TARGETS = {"hit_p50_ratio_max": 0.5, "hit_throughput_ratio_min": 3.0, "identical
 CALLERS = (1, 32)
 IDENTICAL = 64
 CHAT_TOKENS = 16
+TTL_S = 3600  # both caches' entries (LiteLLM's Redis entries live 60 s unless told)
 SIZES = {  # texts and questions cached, calls per load at 1 and 32 callers, overhead texts, seconds down
     "dry": {"texts": 4, "questions": 2, 1: 8, 32: 32, "overhead": 3, "down_s": 1.0},
     "quick": {"texts": 50, "questions": 10, 1: 200, 32: 800, "overhead": 30, "down_s": 10.0},
@@ -88,18 +89,19 @@ def _front_models(root: Path, url: str) -> Path:
     for name, task in (("minilm", "embedding"), ("smollm2", "generate")):
         (root / name).mkdir(parents=True)
         (root / name / "config.yaml").write_text(yaml.safe_dump({
-            "task": task, "serving_version": "1", "runtime": "upstream", "cache": {"ttl_s": 3600},
+            "task": task, "serving_version": "1", "runtime": "upstream", "cache": {"ttl_s": TTL_S},
             "upstream": {"kind": "openai", "urls": [url], "model": name}}))
     return root
 
 
 def _litellm_config(path: Path, url: str, redis_port: int) -> Path:
-    """Both models through LiteLLM's OpenAI provider, its exact cache on Redis for the routes measured."""
+    """Both models through LiteLLM's OpenAI provider, its exact cache on Redis for the routes measured,
+    entries kept as long as infercache's."""
     path.write_text(yaml.safe_dump({
         "model_list": [{"model_name": name, "litellm_params": {"model": f"openai/{name}", "api_base": url,
                                                                "api_key": "none"}} for name in ("minilm", "smollm2")],
         "litellm_settings": {"cache": True, "cache_params": {
-            "type": "redis", "host": "127.0.0.1", "port": redis_port,
+            "type": "redis", "host": "127.0.0.1", "port": redis_port, "ttl": TTL_S,
             "supported_call_types": ["acompletion", "atext_completion", "aembedding"]}}}))
     return path
 
@@ -153,7 +155,7 @@ def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
         litellm.wait_until(lambda: _exchange(litellm_port, _embedding("ready?"), 5)[0] == 200, "LiteLLM's proxy")
         targets = {"infercache": front_http, "litellm": litellm_port}
         run = uuid.uuid4().hex[:8]  # (texts no earlier run cached)
-        report = {"setup": {"processes_each": processes, "litellm": "1.81.16, exact cache on Redis",
+        report = {"setup": {"processes_each": processes, "litellm": "1.81.16, exact cache on Redis", "ttl_s": TTL_S,
                             "upstream": "infercache (MiniLM, SmolLM2) through its OpenAI door, one frontend"},
                   "targets": TARGETS, "not_measured": NOT_MEASURED}
         print("  exact hits ...", flush=True)
@@ -262,15 +264,7 @@ def _down(targets: dict[str, int], upstream: _Upstream, cached: list[bytes], sec
     out: dict = {name: {} for name in targets}
     assert upstream.server.stop() == 0
     for name, port in targets.items():
-        answered = errors = 0
-        started = time.monotonic()
-        while time.monotonic() - started < seconds:
-            try:
-                result = uvloop.run(run_http_load("127.0.0.1", port, cached, concurrency=4, total=len(cached)))
-            except ConnectionError:
-                errors += len(cached)
-                continue
-            answered, errors = answered + result.requests, errors + result.errors
+        answered, errors = uvloop.run(run_http_for("127.0.0.1", port, cached, concurrency=4, seconds=seconds))
         began = time.monotonic()
         status, _ = _exchange(port, _embedding(f"{run} a miss while the upstream is down ({name})"))
         out[name].update(repeated_calls=answered + errors, repeated_answered_share=round(answered / max(1, answered + errors), 4),
