@@ -319,6 +319,19 @@ def _bench_flags(module: str) -> set[str]:
 BENCH_SECTIONS = set(SECTIONS)
 
 
+def test_the_upstream_configs_load_as_written(tmp_path):
+    """docs/upstreams.md's configs are complete: each loads as a model's config.yaml."""
+    from server.shared.models import load_model
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / "upstreams.md").read_text(), re.S)
+    assert len(blocks) == 4
+    for n, block in enumerate(blocks):
+        (tmp_path / f"m{n}").mkdir()
+        (tmp_path / f"m{n}" / "config.yaml").write_text(block)
+        spec = load_model(tmp_path / f"m{n}")
+        assert spec.upstream is not None and spec.upstream.urls, block
+
+
 def test_bench_sections_listed_here_are_the_bench_s():
     source = (REPO / "bench" / "__main__.py").read_text()
     for name in BENCH_SECTIONS:
