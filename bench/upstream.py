@@ -13,7 +13,10 @@ the upstream's exact hit, not a model run), called with the same requests by the
 - a miss's overhead: embedding misses at the cache that the upstream answers from its own cache, one
   caller, p50 against calling the upstream directly. Target: at most 1 ms;
 - the upstream down (30 s): the share of repeated (cached) calls answered, a miss's status and how fast it
-  came; then the upstream started again, how long until each cache's first miss succeeds.
+  came; then the upstream started again, how long until each cache's first miss succeeds;
+- routing (infercache alone): multi-turn conversations through two upstream infercache servers serving
+  SmolLM2, routed by their first turns (upstream.routing key) against in turn (round_robin): the share of
+  prompt tokens the upstreams' prefix caches held.
 
 Both caches run as many server processes as the machine has cores (infercache's frontends, LiteLLM's
 uvicorn workers), beside the upstream, Redis and the generator on the same cores. Semantic answers of an
@@ -34,7 +37,7 @@ import yaml
 
 from bench.http_load import post, run_http_for, run_http_load
 from bench.peer_envs import PeerServer, litellm_env
-from tests.helpers import link_model
+from tests.helpers import link_model, worker_counters
 from tests.redis_servers import RedisProcess
 from tests.redis_servers import available as redis_missing
 from tests.servers import REPO, ServerProcess, free_port
@@ -45,10 +48,15 @@ CALLERS = (1, 32)
 IDENTICAL = 64
 CHAT_TOKENS = 16
 TTL_S = 3600  # both caches' entries (LiteLLM's Redis entries live 60 s unless told)
-SIZES = {  # texts and questions cached, calls per load at 1 and 32 callers, overhead texts, seconds down
-    "dry": {"texts": 4, "questions": 2, 1: 8, 32: 32, "overhead": 3, "down_s": 1.0},
-    "quick": {"texts": 50, "questions": 10, 1: 200, 32: 800, "overhead": 30, "down_s": 10.0},
-    "full": {"texts": 200, "questions": 40, 1: 1000, 32: 4000, "overhead": 200, "down_s": 30.0}}
+SIZES = {  # texts and questions cached, calls per load at 1 and 32 callers, overhead texts, seconds down,
+           # conversations and their turns (routing)
+    "dry": {"texts": 4, "questions": 2, 1: 8, 32: 32, "overhead": 3, "down_s": 1.0, "conversations": 2, "turns": 2},
+    "quick": {"texts": 50, "questions": 10, 1: 200, 32: 800, "overhead": 30, "down_s": 10.0, "conversations": 4,
+              "turns": 4},
+    "full": {"texts": 200, "questions": 40, 1: 1000, 32: 4000, "overhead": 200, "down_s": 30.0, "conversations": 8,
+             "turns": 5}}
+ROUTINGS = ("key", "round_robin")
+TURN_TOKENS = 8  # each answer's tokens in the routing part
 NOT_MEASURED = {"semantic": "semantic answers of an upstream chat model on Banking77 (against GPTCache and "
                             "LiteLLM's semantic caches) are not part of this section yet"}
 
@@ -148,13 +156,13 @@ def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
                           str(_litellm_config(workdir / "litellm.yaml", url, redis.port)), "--host", "127.0.0.1",
                           "--port", str(litellm_port), "--num_workers", str(processes)], env.env, workdir / "litellm")
     front = None
+    run = uuid.uuid4().hex[:8]  # (texts no earlier run cached)
     try:
         (workdir / "front").mkdir()
         front = ServerProcess(workdir / "front", _front_models(workdir / "front-models", url), frontends=processes,
                               settings=(f"server.http_port={front_http}",))
         litellm.wait_until(lambda: _exchange(litellm_port, _embedding("ready?"), 5)[0] == 200, "LiteLLM's proxy")
         targets = {"infercache": front_http, "litellm": litellm_port}
-        run = uuid.uuid4().hex[:8]  # (texts no earlier run cached)
         report = {"setup": {"processes_each": processes, "litellm": "1.81.16, exact cache on Redis", "ttl_s": TTL_S,
                             "upstream": "infercache (MiniLM, SmolLM2) through its OpenAI door, one frontend"},
                   "targets": TARGETS, "not_measured": NOT_MEASURED}
@@ -167,13 +175,15 @@ def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
         print(f"  the upstream down for {sizes['down_s']:.0f} s ...", flush=True)
         report["upstream_down"] = _down(targets, upstream, cached, sizes["down_s"], run)
         report["ratios"] = _ratios(report)
-        return report
     finally:
         if front is not None:
             front.stop()
         litellm.stop()
         redis.stop()
         upstream.server.stop()
+    print("  routing conversations by their start against in turn ...", flush=True)
+    report["routing"] = _routing(workdir / "routing", sizes, run)
+    return report
 
 
 def _hits(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int, run: str) -> tuple[dict, list[bytes]]:
@@ -284,6 +294,76 @@ def _down(targets: dict[str, int], upstream: _Upstream, cached: list[bytes], sec
     return out
 
 
+def _routing(workdir: Path, sizes: dict, run: str) -> dict:
+    """The same conversations (a long system prompt of their own, then turns) through one infercache in
+    front of two upstream infercache servers, once per upstream.routing; the upstreams' prefix caches'
+    counters say how much of each prompt they held."""
+    models = _upstream_models(workdir / "models")
+    upstreams = []
+    for n in range(2):
+        (workdir / f"upstream{n}").mkdir(parents=True)
+        port = free_port()
+        upstreams.append((ServerProcess(workdir / f"upstream{n}", models, frontends=1, engines_dir=workdir / "engines",
+                                        settings=(f"server.http_port={port}",)), port))
+    front_models, front = workdir / "front-models", None
+    for routing in ROUTINGS:
+        (front_models / routing).mkdir(parents=True)
+        (front_models / routing / "config.yaml").write_text(yaml.safe_dump({
+            "task": "generate", "serving_version": "1", "runtime": "upstream", "cache": {"ttl_s": TTL_S},
+            "upstream": {"kind": "openai", "urls": [f"http://127.0.0.1:{port}/v1" for _, port in upstreams],
+                         "model": "smollm2", "routing": routing}}))
+    try:
+        (workdir / "front").mkdir()
+        http_port = free_port()
+        front = ServerProcess(workdir / "front", front_models, frontends=1, settings=(f"server.http_port={http_port}",))
+        out = {"conversations": sizes["conversations"], "turns": sizes["turns"], "answer_tokens": TURN_TOKENS}
+        for routing in ROUTINGS:
+            before = [_prefix_tokens(server) for server, _ in upstreams]
+            for c in range(sizes["conversations"]):
+                _conversation(http_port, routing, f"{run} {routing} {c}", sizes["turns"])
+            after = [_prefix_tokens(server) for server, _ in upstreams]
+            queried = sum(a["queried"] - b["queried"] for a, b in zip(after, before))
+            held = sum(a["held"] - b["held"] for a, b in zip(after, before))
+            out[routing] = {"prompt_tokens": queried, "held_tokens": held, "held_share": round(held / max(1, queried), 4),
+                            "by_upstream": [a["queried"] - b["queried"] for a, b in zip(after, before)]}
+        return out
+    finally:
+        if front is not None:
+            front.stop()
+        for server, _ in upstreams:
+            server.stop()
+
+
+def _conversation(port: int, model: str, name: str, turns: int) -> None:
+    """One conversation of `turns` questions, each asked with every turn before it and their answers."""
+    system = (f"You are the assistant of account {name}. " + "Answer briefly, politely and only about the "
+              "account's cards, payments, transfers and fees; never give advice on anything else. " * 4)
+    messages = [{"role": "system", "content": system}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: what happens to my card payment number {turn}?"})
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            connection.request("POST", "/v1/chat/completions", json.dumps(
+                {"model": model, "messages": messages, "max_tokens": TURN_TOKENS, "temperature": 0}),
+                {"content-type": "application/json"})
+            response = connection.getresponse()
+            body = response.read()
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise RuntimeError(f"a conversation's turn answered {response.status}: {body[:300]!r}")
+        messages.append({"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]})
+
+
+def _prefix_tokens(server: ServerProcess) -> dict[str, int]:
+    """The server's prefix caches' prompt tokens looked up, and those a tier held."""
+    counters = worker_counters(server)
+    queried = sum(v for k, v in counters.items() if k.endswith("prefix_tokens_queried"))
+    held = sum(v for k, v in counters.items() if k.rsplit(".", 1)[-1] in
+               ("prefix_tokens_memory", "prefix_tokens_host", "prefix_tokens_disk"))
+    return {"queried": queried, "held": held}
+
+
 def _ratios(report: dict) -> dict:
     hits = report["hits"]
     out: dict = {}
@@ -315,6 +395,10 @@ def print_upstream(report: dict) -> None:
               ", ".join(f"{name} {row['upstream_calls']}" for name, row in by.items()))
     print(f"  a miss's overhead over the upstream at p50: infercache {ratios['miss_overhead_ms']} ms, "
           f"LiteLLM {ratios['litellm_miss_overhead_ms']} ms (target <= {TARGETS['miss_overhead_ms_max']} ms)")
+    routing = report["routing"]
+    print(f"  {routing['conversations']} conversations of {routing['turns']} turns over two upstreams: prompt tokens "
+          f"their prefix caches held, routed by the conversation's start {routing['key']['held_share']:.1%}, in turn "
+          f"{routing['round_robin']['held_share']:.1%}")
     for name, row in report["upstream_down"].items():
         print(f"  upstream down, {name}: {row['repeated_answered_share']:.1%} of {row['repeated_calls']} repeated calls "
               f"answered; a miss: status {row['miss_status']} in {row['miss_answered_in_s']} s; first miss after "

@@ -13,6 +13,9 @@ from urllib.parse import urlsplit
 from server.shared.generation_spec import GenerationSpec, generation_from_config
 
 KINDS = ("openai", "infercache", "kserve")
+# key: by rendezvous hashing of the call's key (a generation's: its conversation's start), so a server keeps
+# what it cached for it; round_robin: in turn, for servers that cache nothing worth returning to.
+ROUTINGS = ("key", "round_robin")
 # What each kind computes here: OpenAI's embeddings and (chat) completions routes; infercache's and KServe
 # v2's inference calls.
 KIND_TASKS = {"openai": ("embedding", "generate"), "infercache": ("embedding",), "kserve": ("embedding",)}
@@ -38,6 +41,7 @@ class UpstreamSpec:
     breaker_failures: int = 5        # failed calls in a row that take an upstream out of rotation
     breaker_open_s: float = 5.0      # for this long; then one call tries it again
     output: str = ""                 # kserve: the upstream's output tensor that holds the embedding ("" = the first)
+    routing: str = "key"             # ROUTINGS: which server a call goes to first
 
     def check(self, task: str) -> None:
         """ValueError naming the first setting out of range."""
@@ -60,6 +64,8 @@ class UpstreamSpec:
             if self.kind != "openai" and parts.path not in ("", "/"):
                 raise ValueError(f"upstream.urls: a {self.kind} upstream is a gRPC address (http://host:port), got "
                                  f"{url!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"upstream.routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.credential_env and self.credential_file:
             raise ValueError("upstream: set credential_env or credential_file, not both")
         if not (self.timeout_s > 0 and self.max_in_flight >= 1 and self.max_batch_texts >= 1 and self.retries >= 0

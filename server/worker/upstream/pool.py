@@ -1,18 +1,19 @@
 """A model's upstream servers: which one computes a text, retries, and a circuit breaker per server.
 
-A text goes to the first of the servers ranked by rendezvous hashing of its cache key (highest
-hash(key, url) first) whose breaker is closed: a key keeps its server while the set of healthy servers
-holds it (what that server caches for it stays useful), and a failing server's keys spread over the
-others, coming back when it recovers. A call that fails for a reason worth retrying (Failure.retryable)
-is tried again, on the next server of its ranking, after a jittered backoff, within the model's
-upstream.timeout_s; a server whose calls fail breaker_failures times in a row is skipped for
-breaker_open_s, then tried by one call. When every server's breaker is open, calls fail at once.
+A text goes to the first of the servers ranked by rendezvous hashing of its cache key (highest hash(key,
+url) first; with upstream.routing round_robin, the servers in turn) whose breaker is closed: a key keeps its
+server while the set of healthy servers holds it (what that server caches for it stays useful), and a
+failing server's keys spread over the others, coming back when it recovers. A call that fails for a reason
+worth retrying (Failure.retryable) is tried again, on the next server of its ranking, after a jittered
+backoff, within the model's upstream.timeout_s; a server whose calls fail breaker_failures times in a row is
+skipped for breaker_open_s, then tried by one call. When every server's breaker is open, calls fail at once.
 
 Called from the batcher's threads: the breakers' state is under one lock."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
 import threading
@@ -69,6 +70,7 @@ class UpstreamPool:
         self.counters: Counter[str] = Counter()  # GetStats' figures; written under the lock
         self._figures = Recorder()               # /metrics' (figures()); written under the lock
         self._lock = threading.Lock()
+        self._turns = itertools.count()  # upstream.routing round_robin (next() is atomic under the GIL)
 
     def figures(self) -> Recorder:
         """A copy of the calls' /metrics figures."""
@@ -82,6 +84,9 @@ class UpstreamPool:
     def _ranked(self, key: bytes) -> list[Server]:
         if len(self.servers) == 1:
             return self.servers
+        if self.spec.routing == "round_robin":
+            first = next(self._turns) % len(self.servers)
+            return self.servers[first:] + self.servers[:first]
         return sorted(self.servers, key=lambda s: hashlib.blake2b(key, digest_size=8, key=s.seed).digest(),
                       reverse=True)
 
