@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import statistics
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -35,41 +33,18 @@ from bench.doors import MODEL_INFER, check_hits, kserve_request
 from bench.fixtures import distinct_texts
 from bench.load import INFER, run_raw_load, warm
 from bench.native_load import native as native_binary, start_floor
-from bench.peer_envs import TRITON, PeerEnv, PeerServer, triton_env
+from bench.peer_envs import TRITON, triton_env
 from bench.probes import cpu_during, server_roles
+from bench.triton_peer import CACHE_BYTES, TritonPeer
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
-from server.shared.models import load_model
 from server.shared.normalize import Normalizer
 from tests.helpers import link_model
-from tests.servers import REPO, ServerProcess, free_port
+from tests.servers import REPO, ServerProcess
 
 HITS = 200  # distinct texts, each a cached entry in both servers
 GOALS = {"p50_ratio_max": 1.2, "throughput_ratio_min": 1.0}  # infercache against Triton, at 1 / 32 callers
-CACHE_BYTES = 256 << 20
 COMPARED = 50  # texts whose embeddings are compared between the two servers
-
-
-class TritonPeer(PeerServer):
-    """PyTriton serving bench/triton_model.py in its virtualenv (it stops on SIGINT)."""
-
-    def __init__(self, env: PeerEnv, workdir: Path) -> None:
-        version_dir = REPO / "models" / "minilm" / "1"
-        max_tokens = load_model(REPO / "models" / "minilm").max_tokens
-        self.port, self.metrics_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        super().__init__([str(env.python), str(REPO / "bench" / "triton_model.py"), str(version_dir), str(max_tokens),
-                          str(self.port), str(free_port()), str(self.metrics_port), str(CACHE_BYTES)],
-                         env.env, workdir, signal.SIGINT)
-        self.wait_until(lambda: b"\nready\n" in b"\n" + self.log_path.read_bytes(), "Triton", 180)
-
-    def cache_hits(self) -> int:
-        """Triton's response-cache hits of the model, from its /metrics."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith('nv_cache_num_hits_per_model{model="minilm"'):
-                    return int(float(line.rsplit(" ", 1)[1]))
-        raise RuntimeError("Triton's /metrics has no nv_cache_num_hits_per_model for minilm")
 
 
 def bench_peers_hits(workdir: Path, texts: list[str], rounds: int, quick: bool, dry: bool = False) -> dict:
