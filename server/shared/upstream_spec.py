@@ -16,9 +16,9 @@ KINDS = ("openai", "infercache", "kserve")
 # key: by rendezvous hashing of the call's key (a generation's: its conversation's start), so a server keeps
 # what it cached for it; round_robin: in turn, for servers that cache nothing worth returning to.
 ROUTINGS = ("key", "round_robin")
-# What each kind computes here: OpenAI's embeddings and (chat) completions routes; infercache's and KServe
-# v2's inference calls.
-KIND_TASKS = {"openai": ("embedding", "generate"), "infercache": ("embedding",), "kserve": ("embedding",)}
+# What each kind computes here: OpenAI's embeddings and (chat) completions routes; infercache's InferBatch
+# and Generate; KServe v2's inference calls.
+KIND_TASKS = {"openai": ("embedding", "generate"), "infercache": ("embedding", "generate"), "kserve": ("embedding",)}
 # The generate settings of an upstream generative model: a request's defaults and limits, and its queue.
 # (The context, the streams in a batch and the decoder are the upstream's.)
 UPSTREAM_GENERATE_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "normalize", "max_waiting"})
@@ -42,6 +42,8 @@ class UpstreamSpec:
     breaker_open_s: float = 5.0      # for this long; then one call tries it again
     output: str = ""                 # kserve: the upstream's output tensor that holds the embedding ("" = the first)
     routing: str = "key"             # ROUTINGS: which server a call goes to first
+    input_cost_per_mtok: float = 0.0   # a generative model's price per million prompt tokens (what hits save)
+    output_cost_per_mtok: float = 0.0  # and per million answer tokens
 
     def check(self, task: str) -> None:
         """ValueError naming the first setting out of range."""
@@ -70,9 +72,9 @@ class UpstreamSpec:
             raise ValueError("upstream: set credential_env or credential_file, not both")
         if not (self.timeout_s > 0 and self.max_in_flight >= 1 and self.max_batch_texts >= 1 and self.retries >= 0
                 and self.max_delay_ms >= 0 and self.retry_backoff_ms >= 0 and self.breaker_failures >= 1
-                and self.breaker_open_s > 0):
+                and self.breaker_open_s > 0 and self.input_cost_per_mtok >= 0 and self.output_cost_per_mtok >= 0):
             raise ValueError("upstream: timeout_s and breaker_open_s > 0; max_in_flight, max_batch_texts and "
-                             "breaker_failures >= 1; retries, max_delay_ms and retry_backoff_ms >= 0")
+                             "breaker_failures >= 1; retries, max_delay_ms, retry_backoff_ms and the costs >= 0")
 
     def upstream_model(self, name: str) -> str:
         return self.model or name

@@ -1,10 +1,11 @@
 """One upstream server of a model, by kind: each embeds a list of texts in one call and answers one float32
-vector per text, or raises Failure. They run in the batcher's threads (blocking calls, never on the event
-loop).
+vector per text, or streams a generation (openai, infercache), or raises Failure. They run in the batcher's
+threads or a generation's own (blocking calls, never on the event loop).
 
-- openai: POST {url}/embeddings (OpenAI's API; url as OpenAI clients take it, e.g. http://host:8000/v1);
-- infercache: InferBatch of another infercache's native gRPC API (url http://host:port), the caller's tenant
-  passed on, so the upstream's tiers keep tenants apart too;
+- openai: POST {url}/embeddings, {url}/chat/completions and {url}/completions (OpenAI's API; url as OpenAI
+  clients take it, e.g. http://host:8000/v1);
+- infercache: InferBatch and Generate of another infercache's native gRPC API (url http://host:port), the
+  caller's tenant passed on, so the upstream's tiers keep tenants apart too;
 - kserve: KServe v2 ModelInfer over gRPC (Triton, KServe; url http://host:port): one BYTES input of the texts,
   shape [N, 1], the embedding an FP32 [N, D] output."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import threading
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -122,7 +124,6 @@ class OpenAIClient:
 class _GrpcClient:
     """A channel to host:port (TLS for https://), the credential as call metadata, and the one method it calls."""
 
-
     def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
         parts = urlsplit(url)
         self.url = url
@@ -141,17 +142,10 @@ class _GrpcClient:
         try:
             return self.method(request, timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise Failure("timeout", f"no answer within {timeout_s:.1f} s") from None
-            if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
-                raise Failure("connect", f"cannot reach it: {exc.details()[:200]}") from None
-            raise Failure.of_status(_GRPC_AS_HTTP.get(code, 500), f"{code.name}: {(exc.details() or '')[:300]}") \
-                from None
+            raise _failure(exc, timeout_s) from None
 
     def close(self) -> None:
         self.channel.close()
-
 
     @staticmethod
     def method_of() -> tuple[str, type, type]:
@@ -159,10 +153,63 @@ class _GrpcClient:
         raise NotImplementedError
 
 
+def _failure(exc: grpc.RpcError, timeout_s: float) -> Failure:
+    code = exc.code()
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):  # (cancelled: a piece's timer)
+        return Failure("timeout", f"no answer within {timeout_s:.1f} s")
+    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+        return Failure("connect", f"cannot reach it: {exc.details()[:200]}")
+    return Failure.of_status(_GRPC_AS_HTTP.get(code, 500), f"{code.name}: {(exc.details() or '')[:300]}")
+
+
 class InfercacheClient(_GrpcClient):
+    FINISH = {pb.GenerationEnd.STOP: "stop", pb.GenerationEnd.LENGTH: "length"}
+
+    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
+        super().__init__(url, model, output, credential)
+        self._generate = self.channel.unary_stream("/infercache.v1.InferenceCache/Generate",
+                                                   request_serializer=pb.GenerateRequest.SerializeToString,
+                                                   response_deserializer=pb.GenerateResponse.FromString)
+
     @staticmethod
     def method_of() -> tuple[str, type, type]:
         return "/infercache.v1.InferenceCache/InferBatch", pb.InferBatchRequest, pb.InferBatchResponse
+
+    def generate(self, request: dict, tenant: str, on_piece, timeout_s: float) -> tuple[str, dict]:
+        """Generate of the upstream, the caller's tenant passed on; each message awaited for at most
+        timeout_s (a timer cancels the call past it)."""
+        message = pb.GenerateRequest(model=self.model, tenant=tenant, max_new_tokens=request["max_tokens"],
+                                     temperature=request["temperature"], stop=request.get("stop", []))
+        if "messages" in request:
+            message.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in request["messages"])
+        else:
+            message.prompt = request["prompt"]
+        for name in ("top_p", "top_k", "seed"):
+            if name in request:
+                setattr(message, name, request[name])
+        call = self._generate(message, metadata=self.metadata)
+        started = False
+        timer = threading.Timer(timeout_s, call.cancel)
+        timer.start()
+        try:
+            for answer in call:
+                timer.cancel()
+                if answer.text:
+                    started = True
+                    on_piece(answer.text)
+                if answer.HasField("end"):
+                    end = answer.end
+                    return self.FINISH.get(end.finish_reason, "stop"), {"prompt_tokens": end.prompt_tokens,
+                                                                        "completion_tokens": end.completion_tokens}
+                timer = threading.Timer(timeout_s, call.cancel)
+                timer.start()
+        except grpc.RpcError as exc:
+            failure = _failure(exc, timeout_s)
+            raise Failure("cut", f"the stream broke off: {failure}") if started else failure from None
+        finally:
+            timer.cancel()
+            call.cancel()  # (a stream left early: its call ends here, not when collected)
+        raise Failure("cut" if started else "malformed", "the stream ended without its last message")
 
     def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         answer = self._call(pb.InferBatchRequest(model=self.model, tenant=tenant, texts=texts), timeout_s)

@@ -1,12 +1,12 @@
-"""An upstream generative model in a worker (kind openai): its generations are streamed from the
-upstream's chat or text completions route instead of a local decoder's steps. They are flights of the
-worker's Generations (server/worker/generation/) like any other: identical ones in flight make one
-upstream call, a late joiner gets the text so far, the answer goes into L1. Here UpstreamStreams takes a
-scheduler's place: each generation runs in a thread of its own (the HTTP stream blocks; the event loop
-does not), at most upstream.max_in_flight at once; more wait for a thread, up to generate.max_waiting,
-past which RESOURCE_EXHAUSTED. Pieces reach the callers as the upstream streams them. A generation whose
-callers all left, or whose deadline passed, stops reading its stream. An answer that broke off, failed, or
-ended for a reason other than stop or length is never stored."""
+"""An upstream generative model in a worker (kind openai or infercache): its generations are streamed from the
+upstream (OpenAI's chat or text completions route, or another infercache's Generate) instead of a local
+decoder's steps. They are flights of the worker's Generations (server/worker/generation/) like any other:
+identical ones in flight make one upstream call, a late joiner gets the text so far, the answer goes into
+L1. Here UpstreamStreams takes a scheduler's place: each generation runs in a thread of its own (its
+stream's reads block; the event loop's never do), at most upstream.max_in_flight at once; more wait for a
+thread, up to generate.max_waiting, past which RESOURCE_EXHAUSTED. Pieces reach the callers as the upstream
+streams them. A generation whose callers all left, or whose deadline passed, stops reading its stream. An
+answer that broke off, failed, or ended for a reason other than stop or length is never stored."""
 
 from __future__ import annotations
 
