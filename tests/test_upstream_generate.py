@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,7 +25,8 @@ from tests.servers import ServerProcess, free_port
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
-MODEL = "chat"
+MODEL = "chat"  # through the upstream's OpenAI door (kind openai)
+NATIVE = "chat-native"  # through its native API (kind infercache)
 
 
 class Upstream:
@@ -73,18 +75,33 @@ def front(tmp_path_factory, upstream, engines_dir):
     token_file = work / "upstream.token"
     token_file.write_text(TOKEN + "\n")
     models = work / "models"
-    (models / MODEL).mkdir(parents=True)
-    (models / MODEL / "config.yaml").write_text(yaml.safe_dump({
-        "task": "generate", "serving_version": "1", "runtime": "upstream",
-        "upstream": {"kind": "openai", "urls": [f"http://127.0.0.1:{upstream.http_port}/v1"], "model": "smollm2",
-                     "credential_file": str(token_file), "timeout_s": 20, "retries": 1, "retry_backoff_ms": 20,
-                     "breaker_failures": 2, "breaker_open_s": 1.0},
-        "generate": {"max_new_tokens": 32}, "cache": {"ttl_s": 600}}))
-    http_port = free_port()
-    server = ServerProcess(work, models, engines_dir=engines_dir, frontends=1, settings=(f"server.http_port={http_port}",))
-    server.http_port = http_port
+    for name, kind, url in ((MODEL, "openai", f"http://127.0.0.1:{upstream.http_port}/v1"),
+                            (NATIVE, "infercache", f"http://127.0.0.1:{upstream.grpc_port}")):
+        (models / name).mkdir(parents=True)
+        (models / name / "config.yaml").write_text(yaml.safe_dump({
+            "task": "generate", "serving_version": "1", "runtime": "upstream",
+            "upstream": {"kind": kind, "urls": [url], "model": "smollm2", "credential_file": str(token_file),
+                         "timeout_s": 20, "retries": 1, "retry_backoff_ms": 20, "breaker_failures": 2,
+                         "breaker_open_s": 1.0},
+            "generate": {"max_new_tokens": 32}, "cache": {"ttl_s": 600}}))
+    config = yaml.safe_load((models / MODEL / "config.yaml").read_text())
+    config["upstream"].update(input_cost_per_mtok=1000.0, output_cost_per_mtok=4000.0)
+    (models / MODEL / "config.yaml").write_text(yaml.safe_dump(config))
+    http_port, metrics_port = free_port(), free_port()
+    server = ServerProcess(work, models, engines_dir=engines_dir, frontends=1,
+                           settings=(f"server.http_port={http_port}", f"server.metrics_port={metrics_port}"))
+    server.http_port, server.metrics_port = http_port, metrics_port
     yield server
     server.stop()
+
+
+def _metric(server, series: str) -> float:
+    """A series' value in the server's /metrics (0 where it has none yet)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def _openai(server, **options) -> openai.OpenAI:
@@ -110,6 +127,12 @@ def test_answers_equal_the_upstreams_streamed_as_it_streams_and_a_repeat_replays
         again = list(client.generate_stream(MODEL, question, max_new_tokens=16))
         assert len(again) == 1 and again[0].text == first  # a hit: the whole answer in one message
     assert upstream.calls() - before == 2  # the front's one call, and the direct one
+    series = 'infercache_upstream_tokens_saved_total{kind="%s",model="chat"}'
+    wait_for(lambda: _metric(front, series % "output") >= 2 * end.completion_tokens, 15, "the hits in /metrics")
+    saved = {kind: _metric(front, series % kind) for kind in ("input", "output")}  # (the two hits, at least)
+    assert saved["input"] >= 2 * end.prompt_tokens
+    cost = _metric(front, 'infercache_upstream_cost_saved_total{model="chat"}')
+    assert cost == pytest.approx((saved["input"] * 1000 + saved["output"] * 4000) / 1e6)
     assert "upstream-openai" in {e.runtime for e in front.stats().worker.engines}
 
 
@@ -126,6 +149,20 @@ def test_the_openai_door_in_front_of_an_openai_upstream_chat_and_completions(fro
     prompt = unique("Once upon a time")
     completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
     assert completion.choices[0].text == up.completions.create(model="smollm2", prompt=prompt, max_tokens=8).choices[0].text
+
+
+def test_through_the_upstreams_native_api_streamed_with_the_tenant_passed_on(front, upstream):
+    question = unique("Which cards do you accept?")
+    with front.client(timeout_s=60) as client:
+        pieces = list(client.generate_stream(NATIVE, question, max_new_tokens=16, tenant="acme"))
+        text = "".join(p.text for p in pieces)
+        assert len(pieces) >= 2 and pieces[-1].end.cache.source == 0 and text  # as the upstream streamed it
+        wait_for(lambda: client.generate(NATIVE, question, max_new_tokens=16, tenant="acme").source == "RESULT_EXACT",
+                 10, "the answer to be stored")
+    with upstream.server.client() as direct:  # stored upstream under the caller's tenant, as generated
+        stored = direct.generate("smollm2", question, max_new_tokens=16, tenant="acme")
+        assert stored.source == "RESULT_EXACT" and stored.text == text
+        assert direct.generate("smollm2", question, max_new_tokens=16, tenant="globex").source == "MISS"
 
 
 def test_identical_concurrent_generations_make_one_upstream_call(front, upstream):

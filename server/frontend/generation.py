@@ -23,7 +23,7 @@ from server.shared.errors import NotCached
 from server.shared.generated import end_only, marked
 
 Source = pb.CacheInfo.Source
-RESULT_EXACT = int(Source.RESULT_EXACT)
+RESULT_EXACT, MISS = int(Source.RESULT_EXACT), int(Source.MISS)
 
 
 def _fill(item, *, plan: GeneratePlan) -> None:
@@ -98,5 +98,7 @@ class GenerateCalls:
     def _observe(self, plan: GeneratePlan, source: int, started: float, first: float | None,
                  answer: pb.GenerateResponse) -> None:
         now = time.perf_counter()
-        self.metrics.generated(plan.model.spec.name, source, (first or now) - started, now - started,
-                               answer.end.completion_tokens)
+        spec, end = plan.model.spec, answer.end
+        self.metrics.generated(spec.name, source, (first or now) - started, now - started, end.completion_tokens)
+        if spec.upstream is not None and source != MISS:
+            self.metrics.upstream_saved(spec.name, spec.upstream, end.prompt_tokens, end.completion_tokens)

@@ -89,6 +89,13 @@ class FrontendMetrics:
         self.recorder.observe(("infercache_generate_duration_seconds", model, name), total_s)
         self.recorder.inc(("infercache_generated_tokens_total", model, name), tokens)
 
+    def upstream_saved(self, model: str, upstream, prompt_tokens: int, completion_tokens: int) -> None:
+        """A generation of a model computed upstream (its UpstreamSpec) that the upstream was not asked for."""
+        self.recorder.inc(("infercache_upstream_tokens_saved_total", model, "input"), prompt_tokens)
+        self.recorder.inc(("infercache_upstream_tokens_saved_total", model, "output"), completion_tokens)
+        cost = (prompt_tokens * upstream.input_cost_per_mtok + completion_tokens * upstream.output_cost_per_mtok) / 1e6
+        self.recorder.inc(("infercache_upstream_cost_saved_total", model), cost)
+
     def inter_token(self, model: str, gap_s: float, tokens: int) -> None:
         """`tokens` tokens of a streamed answer reached its caller `gap_s` after the previous ones."""
         if tokens:

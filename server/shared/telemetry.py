@@ -132,6 +132,13 @@ SCHEMA: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
     "infercache_upstream_call_seconds": (
         "histogram", "Duration of an upstream model's calls that its servers answered, by server.",
         ("model", "upstream"), LATENCY_BOUNDS),
+    "infercache_upstream_tokens_saved_total": (
+        "counter", "Tokens an upstream generative model was not asked for, because a cache tier answered (or "
+        "the call joined one in flight): input (the prompt, as the upstream counted it) and output.",
+        ("model", "kind"), ()),
+    "infercache_upstream_cost_saved_total": (
+        "counter", "What those tokens would have cost at the model's upstream.input_cost_per_mtok and "
+        "output_cost_per_mtok (in their unit of money).", ("model",), ()),
     "infercache_upstream_in_rotation": (
         "gauge", "1 while an upstream server takes calls, 0 while its circuit breaker has it out of rotation.",
         ("model", "upstream", "worker"), ()),
