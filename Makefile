@@ -9,7 +9,7 @@ MODEL  := models/minilm/1/model.onnx
 GEN_MODEL := models/smollm2/1/decoder.safetensors
 ARGS   ?=
 
-.PHONY: setup stubs model run test bench clean soak system-deps bench-deps
+.PHONY: setup stubs model run test test-fast bench clean soak system-deps bench-deps
 
 setup: $(STAMP) $(STUBS) $(MODEL) $(GEN_MODEL)
 
@@ -53,6 +53,10 @@ system-deps:
 
 test: setup system-deps bench-deps
 	$(PY) -m pytest -q $(ARGS)
+
+# The tests that start no process (unit and model-free tests: tests/conftest.py says which): seconds.
+test-fast: setup
+	$(PY) -m pytest -q -m "not processes" $(ARGS)
 
 # The benchmarks' C++ load generator (bench/native/loadgen.cc) builds against gRPC's C++ library (its test,
 # tests/test_bench_tools.py, too); where it is missing and this is not root, the benchmarks use the Python

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,24 @@ import pytest
 
 from tests.servers import REPO, ServerProcess
 from tests.helpers import link_model
+
+# The fast tier (`make test-fast`: `-m "not processes"`) is every test that starts no process: one is
+# marked `processes` where it uses a fixture that starts a server or trains a head, or where its module
+# starts one itself (a server, Redis, Prometheus, a peer, any subprocess).
+PROCESS_FIXTURES = frozenset({"server", "start_server", "faq_models"})
+STARTS_PROCESSES = re.compile(r"\b(ServerProcess|RedisProcess|RedisCluster|PrometheusServer|PeerServer|TritonPeer)\(|"
+                              r"\bsubprocess\.(run|Popen|call|check_call|check_output)\(|multiprocessing|run_children")
+
+
+def pytest_collection_modifyitems(config, items):
+    starts: dict[Path, bool] = {}
+    for item in items:
+        module = item.path
+        if module not in starts:
+            starts[module] = bool(STARTS_PROCESSES.search(module.read_text()))
+        if starts[module] or PROCESS_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.processes)
+
 
 MODEL_VERSION_DIR = REPO / "models" / "minilm" / "1"
 FAQ = REPO / "examples" / "faq.csv"
