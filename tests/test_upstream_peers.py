@@ -1,7 +1,8 @@
-"""Models computed by the model servers teams already run, each a real server started here: NVIDIA Triton
-(through PyTriton, in its own virtualenv: bench/peer_envs.py) serving MiniLM is the KServe v2 upstream
-(kind kserve) of an infercache that has no MiniLM files, and is called directly with the real
-`tritonclient` package to compare."""
+"""Models computed by the model servers teams already run, each a real server started here in its own
+virtualenv (bench/peer_envs.py), in front of an infercache that has no MiniLM files: NVIDIA Triton (through
+PyTriton) serving MiniLM is the KServe v2 upstream (kind kserve), called directly with the real
+`tritonclient` package to compare; infinity serving MiniLM on the CPU is the OpenAI-compatible embedding
+upstream (kind openai), called directly with the real `openai` package."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.helpers import unique, wait_cached
 from tests.servers import ServerProcess
 
 MODEL = "up-triton"
+INFINITY = "up-infinity"
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +33,39 @@ def triton(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def infinity(tmp_path_factory):
+    from bench.peer_envs import infinity_env
+    from bench.peers_infinity import InfinityPeer, minilm_source
+
+    env = infinity_env()
+    if isinstance(env, str):
+        pytest.skip(f"infinity cannot run here: {env}")
+    peer = InfinityPeer(env, minilm_source(), tmp_path_factory.mktemp("infinity") / "server", on_gpu=False)
+    yield peer
+    peer.stop()
+
+
+def _front(work, engines_dir, models: dict[str, dict]) -> ServerProcess:
+    for name, upstream in models.items():
+        (work / "models" / name).mkdir(parents=True)
+        (work / "models" / name / "config.yaml").write_text(yaml.safe_dump({
+            "task": "embedding", "serving_version": "1", "runtime": "upstream", "cache": {"ttl_s": 600},
+            "upstream": {"model": "minilm", "max_batch_texts": 32, "timeout_s": 20, **upstream}}))
+    return ServerProcess(work, work / "models", engines_dir=engines_dir, frontends=1)
+
+
+@pytest.fixture(scope="module")
 def front(tmp_path_factory, triton, engines_dir):
-    work = tmp_path_factory.mktemp("front")
-    (work / "models" / MODEL).mkdir(parents=True)
-    (work / "models" / MODEL / "config.yaml").write_text(yaml.safe_dump({
-        "task": "embedding", "serving_version": "1", "runtime": "upstream", "cache": {"ttl_s": 600},
-        "upstream": {"kind": "kserve", "urls": [f"http://{triton.address}"], "model": "minilm", "output": "embedding",
-                     "max_batch_texts": 32, "timeout_s": 20}}))
-    server = ServerProcess(work, work / "models", engines_dir=engines_dir, frontends=1)
+    server = _front(tmp_path_factory.mktemp("front"), engines_dir, {MODEL: {
+        "kind": "kserve", "urls": [f"http://{triton.address}"], "output": "embedding"}})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def infinity_front(tmp_path_factory, infinity, engines_dir):
+    server = _front(tmp_path_factory.mktemp("infinity-front"), engines_dir, {INFINITY: {
+        "kind": "openai", "urls": [f"http://127.0.0.1:{infinity.port}"]}})
     yield server
     server.stop()
 
@@ -77,3 +104,31 @@ def test_identical_concurrent_calls_make_one_triton_request(front, triton):
         answers = list(pool.map(lambda _: client.infer(MODEL, text), range(16)))
     assert {a.source for a in answers} <= {"MISS", "COALESCED", "RESULT_EXACT"}
     assert triton.metric("nv_inference_request_success") - before == 1
+
+
+def _infinity_calls(infinity) -> int:
+    """Embedding calls infinity has answered (its server's access log)."""
+    return infinity.log_path.read_text(errors="replace").count('"POST /embeddings HTTP/1.1" 200')
+
+
+def test_answers_equal_infinitys_through_the_openai_package_and_a_repeat_is_a_hit(infinity_front, infinity):
+    import openai
+
+    from server.shared.normalize import Normalizer
+
+    texts = [unique(f"Where is my refund ({n})?") for n in range(3)]
+    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{infinity.port}", api_key="unused", max_retries=0)
+    expected = [d.embedding for d in direct.embeddings.create(model="minilm", input=[Normalizer()(t) for t in texts]).data]
+    with infinity_front.client() as client:
+        first = client.infer_batch(INFINITY, texts)
+        assert [r.source for r in first] == ["MISS"] * 3
+        for result, vector in zip(first, expected):
+            np.testing.assert_allclose(result.outputs["embedding"], vector, rtol=1e-4, atol=1e-5)
+        wait_cached(client, INFINITY, texts[-1])
+        assert client.infer(INFINITY, texts[0]).source == "RESULT_EXACT"
+        text = unique("sixteen callers at once, one infinity call")
+        before = _infinity_calls(infinity)
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: client.infer(INFINITY, text), range(16)))
+    assert {a.source for a in answers} <= {"MISS", "COALESCED", "RESULT_EXACT"}
+    assert _infinity_calls(infinity) - before == 1

@@ -33,11 +33,12 @@ class Generations:
                  answers=None, busy=lambda: False) -> None:
         """runtimes: (model, version) -> a local GenerativeRuntime (server/worker/generation/scheduler.py) or
         an upstream's (server/worker/upstream/generative.py): each has spec, version, info and prefix, makes
-        its flights (flight()) and what computes them (scheduler()). cache: the worker's L1 reader (WorkerCore's: it follows the writer's store when a damaged one is
-        replaced), for answers committed since the frontend looked. metrics(): the worker's
-        telemetry.Recorder while /metrics is on, else None. answers: the worker's AnswerMatching
-        (server/worker/answer_matching.py), for models with semantic answers. busy(): whether the worker's
-        other models have work (shadow regenerations give way to it)."""
+        its flights (flight()) and what computes them (scheduler()). cache: the worker's L1 reader
+        (WorkerCore's: it follows the writer's store when a damaged one is replaced), for answers committed
+        since the frontend looked. metrics(): the worker's telemetry.Recorder while /metrics is on, else
+        None. answers: the worker's AnswerMatching (server/worker/answer_matching.py), for models with
+        semantic answers. busy(): whether the worker's other models have work (shadow regenerations give way
+        to it)."""
         self.runtimes = runtimes
         self.answers = answers
         self.busy = busy

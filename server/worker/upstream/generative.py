@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, UpstreamFailed
+from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, UpstreamFailed, WorkerUnavailable
 from server.shared.generated import whole_answer
 from server.shared.models import ModelSpec
 from server.worker.generation.request import GenerateFlight
@@ -27,6 +28,8 @@ from server.worker.upstream.clients import client_for
 from server.worker.upstream.credentials import Credential
 from server.worker.upstream.errors import Abandoned
 from server.worker.upstream.pool import UpstreamPool
+
+log = logging.getLogger("infercache.upstream")
 
 FINISHES = {"stop": pb.GenerationEnd.STOP, "length": pb.GenerationEnd.LENGTH}
 ROUTE_TURNS = 2  # a conversation's first turns (its system prompt, its first question) choose its server
@@ -131,12 +134,11 @@ class UpstreamStreams:
     async def _run(self, flight: GenerateFlight) -> None:
         loop = asyncio.get_running_loop()
         item = flight.item
-        pieces: list[str] = []
 
         def on_piece(text: str) -> None:  # (on the stream's thread)
             if flight.dropped:
                 raise Abandoned("nobody waits for this generation any more")
-            loop.call_soon_threadsafe(self._piece, flight, pieces, text)
+            loop.call_soon_threadsafe(self._piece, flight, text)
 
         request = upstream_request(item)
         call = loop.run_in_executor(self._pool, self.runtime.pool.generate, route_of(request), request, item.tenant,
@@ -153,20 +155,22 @@ class UpstreamStreams:
             self._fail(flight, UpstreamFailed("the generation was dropped"))
         except InferCacheError as exc:
             self._fail(flight, exc)
+        except Exception as exc:  # noqa: BLE001 (a bug costs this generation, never its callers' wait)
+            log.exception("upstream generation failed")
+            self._fail(flight, WorkerUnavailable(f"the upstream generation failed: {type(exc).__name__}"))
         else:
             if flight.dropped:
                 self._fail(flight, UpstreamFailed("the generation was dropped"))
             else:
-                self._end(flight, "".join(pieces), finish, usage)
+                self._end(flight, "".join(text for text, _ in flight.sent), finish, usage)
         finally:
             self.running.discard(flight)
             if self.idle:
                 self._became_idle.set()
 
     @staticmethod
-    def _piece(flight: GenerateFlight, pieces: list[str], text: str) -> None:
+    def _piece(flight: GenerateFlight, text: str) -> None:
         if not flight.dropped:
-            pieces.append(text)
             flight.send(text, [])
 
     def _end(self, flight: GenerateFlight, text: str, finish: str, usage: dict) -> None:
