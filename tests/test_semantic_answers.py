@@ -17,7 +17,7 @@ from server.shared.answer_match import answer_match_from_config, namespace_mater
 from server.worker.label_calibration import BINS, LABEL_CALIBRATION_FILE, LabelCalibration, read, same_label
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, settled, worker_counters
-from tests.servers import REPO, ServerProcess
+from tests.servers import REPO, ServerProcess, free_port
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 ANSWERS = """
@@ -115,6 +115,7 @@ def _judge_copy(target: Path, head: Path, calibration: LabelCalibration | None) 
 # Labelled pairs that bound no threshold at max_error 0.2: two of five pairs apart, whatever their probability.
 UNSURE = LabelCalibration(1.0, np.eye(BINS)[BINS - 1] * 5, np.eye(BINS)[BINS - 1] * 2)
 JUDGED = {"answers": "faq", "answers-unsure": "faq-unsure", "answers-judge-only": "faq-judge-only"}
+UPSTREAM = "answers-upstream"  # the answers model computed upstream
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +129,18 @@ def server(tmp_path_factory, faq_models, engines_dir):
     link_model(root, "faq-judge-only", judge_config, {"1": _judge_copy(copies / "only", faq_models / "faq" / "1", None)})
     for model, judge in JUDGED.items():
         link_model(root, model, ANSWERS.replace("judge: faq", f"judge: {judge}"), {"1": GEN_VERSION_DIR})
+    # The same model computed upstream (kind infercache): by this server's own plain SmolLM2, so the
+    # upstream's answers are the local model's.
+    port = free_port()
+    link_model(root, "plain", ANSWERS.split("semantic:")[0], {"1": GEN_VERSION_DIR})
+    (root / UPSTREAM).mkdir()
+    (root / UPSTREAM / "config.yaml").write_text(
+        ANSWERS.replace("context_length: 256, ", "").replace("max_streams: 4, ", "") +
+        f"runtime: upstream\nupstream: {{kind: infercache, urls: [http://127.0.0.1:{port}], model: plain}}\n")
     workdir = tmp_path_factory.mktemp("answer-server")
-    srv = ServerProcess(workdir, root, frontends=1, engines_dir=engines_dir)
+    srv = ServerProcess(workdir, root, frontends=1, engines_dir=engines_dir, port=port)
     with srv.client(timeout_s=120) as client:
-        for model in JUDGED:
+        for model in (*JUDGED, UPSTREAM):
             for text in _faq() + WARM:  # tenant "a"'s cache; its misses' questions are outcomes once neighbours exist
                 client.generate(model, messages=_user(text), tenant="a", max_new_tokens=TOKENS)
     settled(srv, "semantic.indexed")
@@ -157,6 +166,24 @@ def test_paraphrases_hit_with_the_cached_answer_similarity_age_and_verdict(serve
     for hit in semantic:
         assert hit.text in answers.values() and hit.token_ids
         assert 0 < hit.similarity <= 1 and hit.age_s > 0 and hit.verdict in ("ESTIMATED", "VERIFIED")
+
+
+def test_a_model_computed_upstream_gets_semantic_answers_too(server):
+    """Semantic answers in front of an upstream: the same paraphrases hit with the answers the upstream
+    generated, and a guarded question never takes one."""
+    with server.client(timeout_s=120) as client:
+        answers = {client.generate(UPSTREAM, messages=_user(text), tenant="a", max_new_tokens=TOKENS).text
+                   for text in _faq() + WARM}
+        hits = [client.generate(UPSTREAM, messages=_user(text), tenant="a", max_new_tokens=TOKENS)
+                for text in PARAPHRASES]
+        for _, asked in GUARDED:
+            got = client.generate(UPSTREAM, messages=_user(asked), tenant="a", max_new_tokens=TOKENS, mode="NO_STORE")
+            assert got.source == "MISS", asked
+    semantic = [h for h in hits if h.source == "RESULT_SEMANTIC"]
+    assert len(semantic) >= len(PARAPHRASES) // 2, [(p, h.source) for p, h in zip(PARAPHRASES, hits)]
+    assert all(hit.text in answers and 0 < hit.similarity <= 1 for hit in semantic)
+    counters = worker_counters(server)
+    assert counters[f"semantic.{UPSTREAM}.1.outcomes"] >= 12
 
 
 def test_negated_number_and_entity_changed_questions_never_take_the_answer(server):
