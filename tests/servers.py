@@ -127,3 +127,32 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+class UpstreamServer:
+    """An infercache that other servers call as their upstream: tokens on (`token` a client's, `token`-admin
+    an admin's), its HTTP door on, stopped and started again on the same ports with the same store."""
+
+    def __init__(self, workdir: Path, models: Path, engines_dir: Path, token: str) -> None:
+        self.workdir, self.models, self.engines_dir, self.token = workdir, models, engines_dir, token
+        self.grpc_port, self.http_port = free_port(), free_port()
+        tokens = workdir / "tokens.yaml"
+        tokens.write_text(f"- {{token: {token}, role: client}}\n- {{token: {token}-admin, role: admin}}\n")
+        self.settings = (f"security.tokens_file={tokens}", f"server.http_port={self.http_port}")
+        self.server: ServerProcess | None = None
+        self.starts = 0
+
+    def start(self) -> ServerProcess:
+        self.starts += 1
+        workdir = self.workdir / f"run{self.starts}"
+        workdir.mkdir()
+        self.server = ServerProcess(workdir, self.models, engines_dir=self.engines_dir, frontends=1,
+                                    cache_dir=self.workdir / "cache", settings=self.settings,
+                                    client_options={"token": self.token + "-admin"}, port=self.grpc_port)
+        return self.server
+
+    def asked(self, *counters: str) -> int:
+        """The sum of its frontend's `counters` (frontend.hit_exact and frontend.forwarded: the texts it
+        has been asked; frontend.generate_hits and frontend.generate_forwarded: the generations)."""
+        found = self.server.stats().frontend.counters
+        return sum(found[name] for name in counters)

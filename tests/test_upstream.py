@@ -20,11 +20,12 @@ import yaml
 
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import link_model, unique, wait_cached, wait_for
-from tests.servers import ServerProcess, free_port
+from tests.servers import ServerProcess, UpstreamServer, free_port
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
 KINDS = ("infercache", "openai", "kserve")
 SHORT_TTL_S = 1
+TEXTS_ASKED = ("frontend.hit_exact", "frontend.forwarded")  # the texts the upstream has been asked
 
 
 def _front_config(kind: str, grpc_port: int, http_port: int, cache: dict | None = None) -> str:
@@ -36,38 +37,11 @@ def _front_config(kind: str, grpc_port: int, http_port: int, cache: dict | None 
                            "upstream": upstream, "cache": cache or {"ttl_s": 600}})
 
 
-class Upstream:
-    """The upstream infercache (MiniLM, tokens on), stoppable and startable again on the same ports."""
-
-    def __init__(self, workdir, models, engines_dir) -> None:
-        self.workdir, self.models, self.engines_dir = workdir, models, engines_dir
-        self.grpc_port, self.http_port = free_port(), free_port()
-        tokens = workdir / "tokens.yaml"
-        tokens.write_text(yaml.safe_dump([{"token": TOKEN, "role": "client"}, {"token": TOKEN + "-admin", "role": "admin"}]))
-        self.settings = (f"security.tokens_file={tokens}", f"server.http_port={self.http_port}")
-        self.server: ServerProcess | None = None
-        self.starts = 0
-
-    def start(self) -> ServerProcess:
-        self.starts += 1
-        workdir = self.workdir / f"run{self.starts}"
-        workdir.mkdir()
-        self.server = ServerProcess(workdir, self.models, engines_dir=self.engines_dir, frontends=1,
-                                    cache_dir=self.workdir / "cache", settings=self.settings,
-                                    client_options={"token": TOKEN + "-admin"}, port=self.grpc_port)
-        return self.server
-
-    def texts_seen(self) -> int:
-        """Texts the upstream has been asked (exact hits and misses of its one frontend)."""
-        counters = self.server.stats().frontend.counters
-        return counters["frontend.hit_exact"] + counters["frontend.forwarded"]
-
-
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory, engines_dir):
     models = tmp_path_factory.mktemp("upstream-models")
     link_model(models, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
-    found = Upstream(tmp_path_factory.mktemp("upstream"), models, engines_dir)
+    found = UpstreamServer(tmp_path_factory.mktemp("upstream"), models, engines_dir, TOKEN)
     found.start()
     yield found
     if found.server is not None:
@@ -126,11 +100,11 @@ def test_answers_equal_the_upstreams_and_a_repeat_is_a_hit(front, upstream, kind
 @pytest.mark.parametrize("kind", ("infercache", "openai"))
 def test_identical_concurrent_calls_make_one_upstream_call(front, upstream, kind):
     text = unique(f"thirty-two callers at once ({kind})")
-    before = upstream.texts_seen()
+    before = upstream.asked(*TEXTS_ASKED)
     with front.client(timeout_s=30) as client, ThreadPoolExecutor(32) as pool:
         answers = list(pool.map(lambda _: client.infer(f"up-{kind}", text), range(32)))
     assert {a.source for a in answers} <= {"MISS", "COALESCED", "RESULT_EXACT"}
-    assert upstream.texts_seen() - before == 1
+    assert upstream.asked(*TEXTS_ASKED) - before == 1
 
 
 def test_tenants_never_share_and_the_upstream_keeps_them_apart(front, upstream):

@@ -21,47 +21,20 @@ import yaml
 
 from infercache.v1 import infercache_pb2 as pb
 from tests.helpers import link_model, unique, wait_for
-from tests.servers import ServerProcess, free_port
+from tests.servers import ServerProcess, UpstreamServer, free_port
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
 MODEL = "chat"  # through the upstream's OpenAI door (kind openai)
 NATIVE = "chat-native"  # through its native API (kind infercache)
-
-
-class Upstream:
-    """The upstream infercache (SmolLM2, tokens on), stoppable and startable again on the same ports."""
-
-    def __init__(self, workdir, models, engines_dir) -> None:
-        self.workdir, self.models, self.engines_dir = workdir, models, engines_dir
-        self.grpc_port, self.http_port = free_port(), free_port()
-        tokens = workdir / "tokens.yaml"
-        tokens.write_text(yaml.safe_dump([{"token": TOKEN, "role": "client"},
-                                          {"token": TOKEN + "-admin", "role": "admin"}]))
-        self.settings = (f"security.tokens_file={tokens}", f"server.http_port={self.http_port}")
-        self.server: ServerProcess | None = None
-        self.starts = 0
-
-    def start(self) -> ServerProcess:
-        self.starts += 1
-        workdir = self.workdir / f"run{self.starts}"
-        workdir.mkdir()
-        self.server = ServerProcess(workdir, self.models, engines_dir=self.engines_dir, frontends=1,
-                                    cache_dir=self.workdir / "cache", settings=self.settings,
-                                    client_options={"token": TOKEN + "-admin"}, port=self.grpc_port)
-        return self.server
-
-    def calls(self) -> int:
-        """Generations the upstream has been asked (its hits and its misses)."""
-        counters = self.server.stats().frontend.counters
-        return counters["frontend.generate_hits"] + counters["frontend.generate_forwarded"]
+GENERATIONS_ASKED = ("frontend.generate_hits", "frontend.generate_forwarded")  # what the upstream was asked
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory, engines_dir):
     models = tmp_path_factory.mktemp("upstream-models")
     link_model(models, "smollm2", GEN_CONFIG, {"1": GEN_VERSION_DIR})
-    found = Upstream(tmp_path_factory.mktemp("upstream"), models, engines_dir)
+    found = UpstreamServer(tmp_path_factory.mktemp("upstream"), models, engines_dir, TOKEN)
     found.start()
     yield found
     if found.server is not None:
@@ -111,7 +84,7 @@ def _openai(server, **options) -> openai.OpenAI:
 
 def test_answers_equal_the_upstreams_streamed_as_it_streams_and_a_repeat_replays_whole(front, upstream):
     question = unique("How do I reset my password?")
-    before = upstream.calls()
+    before = upstream.asked(*GENERATIONS_ASKED)
     with front.client(timeout_s=60) as client:
         pieces = list(client.generate_stream(MODEL, question, max_new_tokens=16))
         assert len(pieces) >= 3  # the upstream's pieces, passed on as they came (a miss there too), then the end
@@ -126,7 +99,7 @@ def test_answers_equal_the_upstreams_streamed_as_it_streams_and_a_repeat_replays
                  "the answer to be stored")
         again = list(client.generate_stream(MODEL, question, max_new_tokens=16))
         assert len(again) == 1 and again[0].text == first  # a hit: the whole answer in one message
-    assert upstream.calls() - before == 2  # the front's one call, and the direct one
+    assert upstream.asked(*GENERATIONS_ASKED) - before == 2  # the front's one call, and the direct one
     series = 'infercache_upstream_tokens_saved_total{kind="%s",model="chat"}'
     wait_for(lambda: _metric(front, series % "output") >= 2 * end.completion_tokens, 15, "the hits in /metrics")
     saved = {kind: _metric(front, series % kind) for kind in ("input", "output")}  # (the two hits, at least)
@@ -167,12 +140,12 @@ def test_through_the_upstreams_native_api_streamed_with_the_tenant_passed_on(fro
 
 def test_identical_concurrent_generations_make_one_upstream_call(front, upstream):
     question = unique("sixteen callers ask at once")
-    before = upstream.calls()
+    before = upstream.asked(*GENERATIONS_ASKED)
     with front.client(timeout_s=60) as client, ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda _: client.generate(MODEL, question, max_new_tokens=16), range(16)))
     assert {a.source for a in answers} <= {"MISS", "COALESCED", "RESULT_EXACT"}
     assert len({a.text for a in answers}) == 1
-    assert upstream.calls() - before == 1
+    assert upstream.asked(*GENERATIONS_ASKED) - before == 1
 
 
 def test_tenants_never_share(front, upstream):

@@ -86,15 +86,20 @@ def test_answers_equal_tritons_and_a_repeat_is_a_hit(front, triton):
     normalize = Normalizer()  # (the model's: what a miss sends is the text as keyed)
     expected = _direct(triton, [normalize(t) for t in texts])
     with front.client() as client:
-        first = client.infer_batch(MODEL, texts)
-        assert [r.source for r in first] == ["MISS"] * 3
-        for result, vector in zip(first, expected):
-            np.testing.assert_allclose(result.outputs["embedding"], vector, rtol=1e-4, atol=1e-5)
-        wait_cached(client, MODEL, texts[-1])
-        again = client.infer(MODEL, texts[0])
-        assert again.source == "RESULT_EXACT"
-        np.testing.assert_array_equal(again.outputs["embedding"], first[0].outputs["embedding"])
+        _equal_then_hit(client, MODEL, texts, expected)
     assert "upstream-kserve" in {e.runtime for e in front.stats().worker.engines}
+
+
+def _equal_then_hit(client, model: str, texts: list[str], expected) -> None:
+    """Misses answered as the upstream answers directly (`expected`), then a repeat answered from L1."""
+    first = client.infer_batch(model, texts)
+    assert [r.source for r in first] == ["MISS"] * len(texts)
+    for result, vector in zip(first, expected):
+        np.testing.assert_allclose(result.outputs["embedding"], vector, rtol=1e-4, atol=1e-5)
+    wait_cached(client, model, texts[-1])
+    again = client.infer(model, texts[0])
+    assert again.source == "RESULT_EXACT"
+    np.testing.assert_array_equal(again.outputs["embedding"], first[0].outputs["embedding"])
 
 
 def test_identical_concurrent_calls_make_one_triton_request(front, triton):
@@ -120,12 +125,7 @@ def test_answers_equal_infinitys_through_the_openai_package_and_a_repeat_is_a_hi
     direct = openai.OpenAI(base_url=f"http://127.0.0.1:{infinity.port}", api_key="unused", max_retries=0)
     expected = [d.embedding for d in direct.embeddings.create(model="minilm", input=[Normalizer()(t) for t in texts]).data]
     with infinity_front.client() as client:
-        first = client.infer_batch(INFINITY, texts)
-        assert [r.source for r in first] == ["MISS"] * 3
-        for result, vector in zip(first, expected):
-            np.testing.assert_allclose(result.outputs["embedding"], vector, rtol=1e-4, atol=1e-5)
-        wait_cached(client, INFINITY, texts[-1])
-        assert client.infer(INFINITY, texts[0]).source == "RESULT_EXACT"
+        _equal_then_hit(client, INFINITY, texts, expected)
         text = unique("sixteen callers at once, one infinity call")
         before = _infinity_calls(infinity)
         with ThreadPoolExecutor(16) as pool:
