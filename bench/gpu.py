@@ -322,7 +322,7 @@ def alternating(server: ServerProcess, texts: list[str], total: int, in_flight: 
                 rounds: int) -> dict:
     """MiniLM one text per call against the raw-bytes server, in adjacent pairs at the same calls in
     flight per load process, `rounds` times: the raw-bytes server's own figure moved by 20% between runs
-    (43-63k calls/s on the H200 host), as much as the ratio's distance from its target, so a ratio is
+    (43-63k calls/s on an H200 host), as much as the ratio's distance from its target, so a ratio is
     taken of each pair and the median reported. Each raw-bytes run waits until the server's writers have
     caught up with the misses before it (the server's idle processes are left running), and so does each
     server run: every pair starts from the same state."""

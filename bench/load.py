@@ -186,7 +186,7 @@ async def _raw_callers(address: str, method: str, payloads: list[bytes], concurr
     """Callers sending pre-serialized requests and taking raw response bytes: the generator itself does
     no protobuf work, so it is not what a run measures. One connection per caller up to
     CHANNELS_PER_PROCESS: SO_REUSEPORT hashes connections onto the server's processes, and with few of
-    them some frontends get several and others none (measured on the H200 host: 32 connections over 16
+    them some frontends get several and others none (measured on an H200 host: 32 connections over 16
     frontends left the busiest frontend saturated while the mean was half busy)."""
     channels, calls = await _raw_calls(address, method, concurrency)
     latencies: list[float] = []

@@ -1,7 +1,7 @@
 """The benchmarks' C++ programs (bench/native/), built on first use: the load generator (loadgen.cc), run
 as a child process here, and the native gRPC floor (floor.cc) of the peers section.
 
-Where the benchmark host shares its cores with the server (the 2-core machine), the Python generator's
+Where the benchmark host shares its cores with the server (a 2-core host), the Python generator's
 own CPU per call (about 0.8 ms there, as much as the server's frontends) is taken from the server; this
 one costs a small fraction of that. It needs gRPC's C++ library and headers (Debian: libgrpc++-dev,
 which `make bench` installs when it runs as root); without them `loadgen()` says why and returns None,

@@ -14,7 +14,7 @@ are read against them (on 2 cores the burst itself, not the server, takes much o
 
 And it floods a bare grpc.aio server with gRPC's default options (one process, every call sleeps 1 s or
 half the deadline, no work): with a few thousand calls waiting for the application to take them up, gRPC
-core cancels a random share (about 550 of 3,000 on the 2-core machine). The frontends raise that limit
+core cancels a random share (about 550 of 3,000 on a 2-core host). The frontends raise that limit
 (server.max_pending_calls), so the server's row should show no CANCELLED.
 """
 

@@ -12,7 +12,7 @@ call on sending a metadata header (measured: 200 -> 240-280 us per call), which 
 slows whatever it measures. So the "off" server is called twice: as is ("off") and with the same token
 header it ignores ("off_token"): on / off_token is the server's cost (the target), on / off adds the
 Python client's. Each round starts a fresh pair of servers and alternates which is measured first: a
-process keeps its place on the machine's cores for its life, and on the H200 host that alone moved
+process keeps its place on the machine's cores for its life, and on an H200 host that alone moved
 one-caller p50 between 0.70 and 0.97 ms across identical servers. On a host of 8 CPUs or more the load
 generator runs on two physical cores of its own and the servers on the rest (bench/cores.py). Medians over rounds at 1 and 32 callers; each frontend's CPU per hit (its CPU seconds
 over a 32-caller run, from /proc). Then redaction alone, in this process, over every

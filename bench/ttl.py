@@ -58,7 +58,7 @@ PREFILL = 20_000         # entries in the writer's store before a run
 WRITER_PUTS = 30_000     # puts a writer run measures
 SWEEP_ENTRIES = 30_000   # entries put and swept by the in-process store rounds
 JITTER_TEXTS = 2_000     # entries written together, per class and server (about a second on 2 cores)
-# The fleet tier's budgets for this part: at the defaults (5 ms a lookup or lease) a 2-core machine writing
+# The fleet tier's budgets for this part: at the defaults (5 ms a lookup or lease) a 2-core host writing
 # as fast as it can trips the breaker, and the copies this part reads are dropped.
 FLEET_BUDGETS = ("fleet.timeout_ms=200", "fleet.write_timeout_ms=1000")
 NS = Namespace("bench", "minilm", "1")

@@ -134,7 +134,7 @@ class WriteBehind:
         self._flush_every = settings.sync_interval_s if settings.sync else 0.0
         self._unflushed_since: float | None = None
         # The interval's flushes run on a thread of their own, so commits go on while the disk syncs (an
-        # fsync of a few megabytes took tens of milliseconds on the 2-core machine's disk, and the commits
+        # fsync of a few megabytes took tens of milliseconds on a 2-core host's disk, and the commits
         # waited for it). One at a time: commits made while one runs wait for the next.
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="store-flush") if self._flush_every else None
         self._flushing: Future | None = None

@@ -45,7 +45,7 @@ def _config(args: argparse.Namespace):
 
 # The server's numpy work is small (a head's matrix product, a batch's padding): OpenBLAS's own threads
 # only spin beside the engine's and the event loops, and cost more CPU than the product (a head on a
-# batch of 32 on the 2-core machine: 694 us of CPU per call with them, 88 us with one thread). Set before
+# batch of 32 on a 2-core host: 694 us of CPU per call with them, 88 us with one thread). Set before
 # numpy loads, so the processes the server spawns inherit it; an operator's own setting is kept.
 BLAS_THREADS = {"OPENBLAS_NUM_THREADS": "1"}
 

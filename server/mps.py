@@ -2,7 +2,7 @@
 
 Without MPS, the CUDA contexts of several processes on one GPU are time-sliced: one process's
 kernels run at a time, and each switch costs. With MPS (NVIDIA's Multi-Process Service), every client
-process submits through one server context, so their kernels run side by side: on the H200, four
+process submits through one server context, so their kernels run side by side: on an H200, four
 workers through MPS carried as many MiniLM texts/s as time-sliced ones or more, with the GPU less busy.
 
 The supervisor starts the control daemon in the foreground as its own child (`nvidia-cuda-mps-control

@@ -80,7 +80,7 @@ def test_the_http_load_processes_send_each_request_once_and_count_every_answer()
 
 def test_the_gpu_generate_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_path):
     """bench/generate_gpu.py's dry run: random weights written, the raw loop in its child, the server's waves
-    from client processes, the figures and their ratios (torch on the CPU; the H200 runs the real shapes)."""
+    from client processes, the figures and their ratios (torch on the CPU; an H200 runs the real shapes)."""
     pytest.importorskip("torch")
     from bench.generate_gpu import NEW_TOKENS, bench_generate_gpu
 
@@ -96,7 +96,7 @@ def test_the_gpu_generate_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_p
 
 def test_the_gpu_prefix_bench_runs_every_step_on_a_cpu_with_a_tiny_model(tmp_path):
     """bench/prefix.py's GPU part, dry: tiers (computed, device, host, disk after a restart), waves with the
-    cache on and off, conversations; every figure there (torch on the CPU; the H200 runs the 8B shape)."""
+    cache on and off, conversations; every figure there (torch on the CPU; an H200 runs the 8B shape)."""
     pytest.importorskip("torch")
     from bench.prefix import bench_prefix_gpu
 

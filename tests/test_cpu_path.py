@@ -207,7 +207,7 @@ def test_workers_per_gpu_feed_each_gpu_equally():
 
 
 def test_automatic_workers_per_gpu_follow_the_cpus_per_gpu():
-    assert auto_per_gpu(1, cpus=16) == 4 and auto_per_gpu(1, cpus=64) == 4   # the H200 host: 4, never more
+    assert auto_per_gpu(1, cpus=16) == 4 and auto_per_gpu(1, cpus=64) == 4   # an H200 host: 4, never more
     assert auto_per_gpu(2, cpus=16) == 2 and auto_per_gpu(1, cpus=8) == 2
     assert auto_per_gpu(8, cpus=16) == 1 and auto_per_gpu(1, cpus=2) == 1    # at least one
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.engines.decoding import Chunk, Row, Step
+from server.engines.decoding import Chunk, Step, StepRow
 from tests.servers import REPO
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
@@ -32,7 +32,7 @@ def alone(decoder, prompt: list[int], new: int) -> list[int]:
     """Greedy tokens of one sequence in slot 0, its prompt in one chunk."""
     got = decoder.collect(decoder.launch(Step(chunks=[Chunk(0, list(prompt), 0, last=True)]))).tokens
     while len(got) < new:
-        got += decoder.collect(decoder.launch(Step(rows=[Row(0, len(prompt) + len(got) - 1)]))).tokens
+        got += decoder.collect(decoder.launch(Step(rows=[StepRow(0, len(prompt) + len(got) - 1)]))).tokens
     decoder.release(0)
     return got
 
@@ -65,7 +65,7 @@ def together(decoder, prompts: list[list[int]], new: int, budget: int, joins: li
                     s["planned"] += last
                     left -= n
             elif s["planned"] < new:
-                step.rows.append(Row(s["slot"], len(prompt) + s["planned"] - 1))
+                step.rows.append(StepRow(s["slot"], len(prompt) + s["planned"] - 1))
                 rows.append(i)
                 s["planned"] += 1
         entries = chunked + rows
@@ -270,5 +270,5 @@ def test_gpu_prefix_blocks_kept_exported_and_restored_give_the_same_answer(monke
         restores = [Restore(slot, i * block, source) for i, source in enumerate(sources)]
         got = decoder.collect(decoder.launch(Step(restores=restores, chunks=[Chunk(slot, prompt[48:], 48, last=True)]))).tokens
         while len(got) < 12:
-            got += decoder.collect(decoder.launch(Step(rows=[Row(slot, len(prompt) + len(got) - 1)]))).tokens
+            got += decoder.collect(decoder.launch(Step(rows=[StepRow(slot, len(prompt) + len(got) - 1)]))).tokens
         assert got == expected, slot

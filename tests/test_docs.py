@@ -319,6 +319,28 @@ def _bench_flags(module: str) -> set[str]:
 BENCH_SECTIONS = set(SECTIONS)
 
 
+def test_the_layout_names_every_module_in_its_folders_row():
+    """docs/contributing.md's layout: each module of server/ and cachestore/ is named in the row of its folder."""
+    page = (DOCS / "contributing.md").read_text()
+    block = page[page.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    rows: dict[str, str] = {}
+    folder = None
+    for line in block[:block.index("```")].splitlines():
+        if line and not line[0].isspace():
+            folder, _, line = line.partition(" ")
+            rows[folder] = ""
+        if folder is not None:
+            rows[folder] += " " + line
+    missing = []
+    for root in ("server", "cachestore"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            folder = path.parent.relative_to(REPO).as_posix() + "/"
+            if path.name != "__init__.py" and not re.search(rf"\b{path.stem}\b", rows.get(folder, "")):
+                missing.append(path.relative_to(REPO).as_posix())
+    assert not missing, f"docs/contributing.md's layout does not name {missing} in its folder's row"
+
+
 def test_the_upstream_configs_load_as_written(tmp_path):
     """docs/upstreams.md's configs are complete: each loads as a model's config.yaml."""
     from server.shared.models import load_model

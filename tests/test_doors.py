@@ -30,7 +30,7 @@ from tests.helpers import link_model, unique, wait_cached, wait_for
 from tests.servers import REPO, ServerProcess, free_port
 
 TOKENS = {role: f"{role}-{os.urandom(16).hex()}" for role in ("admin", "client", "acme")}
-NEW_TOKENS = 12  # short answers: a 2-core machine generates them in about a second
+NEW_TOKENS = 12  # short answers: a 2-core host generates them in about a second
 
 needs_generator = pytest.mark.skipif(not (GEN_VERSION_DIR / "decoder.onnx").is_file(),
                                      reason="the generative model is not prepared: run `make model` (make test does)")

@@ -375,7 +375,7 @@ def test_the_device_lru_gathers_rows_across_slabs_in_order():
 def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
     torch = pytest.importorskip("torch", reason="the device LRU needs torch (a GPU host's cuda extra)")
     if not torch.cuda.is_available():
-        pytest.skip("the device LRU needs a CUDA GPU (run on the H200 through bench/device.sh)")
+        pytest.skip("the device LRU needs a CUDA GPU (run on an H200 through bench/device.sh)")
     _check_lru("cuda")
     before = torch.cuda.memory_allocated()
     cap = 64 << 20

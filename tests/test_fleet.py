@@ -21,7 +21,7 @@ from tests.servers import ServerProcess
 from server.config import ConfigError
 from server.config import load as load_config
 from server.fleet import generations
-from server.fleet.generations import Generations
+from server.fleet.generations import NamespaceGenerations
 from server.shared.normalize import DEFAULT_STEPS, Normalizer
 
 pytestmark = pytest.mark.skipif(redis_servers.available() is not None, reason=redis_servers.available() or "")
@@ -76,7 +76,7 @@ def pods(start_server):
     """start(url, n=2, settings=()) -> n servers on one fleet, each with its own cache directory."""
 
     def start(url: str, n: int = 2, settings: tuple[str, ...] = ()) -> list[ServerProcess]:
-        # A budget far above the 5 ms default: this 2-core machine runs up to 10 processes here, and a
+        # A budget far above the 5 ms default: this 2-core host runs up to 10 processes here, and a
         # lookup that a scheduling hiccup pushes past its budget is (rightly) a miss, which these
         # tests of what the tier does would read as a failure.
         common = (f"fleet.redis={url}", f"fleet.timeout_ms={TEST_BUDGET_MS}")
@@ -126,7 +126,7 @@ class Load:
 def test_generations_cover_each_selector_and_only_grow():
     from cachestore.keys import Namespace
 
-    gens = Generations("p")
+    gens = NamespaceGenerations("p")
     ns = Namespace("acme", "minilm", "1")
     assert len(set(generations.covering(ns))) == 8
     key = entry("hello", "acme")

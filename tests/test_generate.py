@@ -24,7 +24,7 @@ serving_version: "1"
 generate: {context_length: 96, max_new_tokens: 64, max_streams: 1, max_waiting: 0}
 cache: {ttl_s: 600}
 """
-ANSWER_TOKENS = 24  # long enough to diverge where a runtime differs, short enough for a 2-core machine
+ANSWER_TOKENS = 24  # long enough to diverge where a runtime differs, short enough for a 2-core host
 
 pytestmark = pytest.mark.skipif(not (GEN_VERSION_DIR / "decoder.onnx").is_file(),
                                 reason="the generative model is not prepared: run `make model` (make test does)")

@@ -125,7 +125,7 @@ class Image:
 
 
 def serving_config(root: Path, models: Path, engines: Path) -> tuple[Path, dict]:
-    """The image's config.yaml with paths under root, free ports and one frontend (2-core machine)."""
+    """The image's config.yaml with paths under root, free ports and one frontend (2-core host)."""
     settings = yaml.safe_load(IMAGE_CONFIG.read_text())
     server = settings["server"]
     server.update(models_dir=str(models), port=free_port(), frontends=1)

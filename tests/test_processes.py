@@ -225,7 +225,7 @@ def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
     frame, so once the first refusals came back the frontend refuses without sending."""
     # At the frontends' priority: this test is of the frontend's part of admission, not of the worker's
     # priority (bench/priority.py measures that). It fell short of a frontend refusal in six waves at
-    # both settings alike (2 of 3 runs each, one loaded 2-core machine).
+    # both settings alike (2 of 3 runs each, one loaded 2-core host).
     server = start_server(frontends=1, settings=("server.max_queue_wait_s=0.3", "server.cpu_worker_nice=0"))
     long_text = " ".join(["a customer asks about a delayed refund"] * 6)
 
@@ -245,7 +245,7 @@ def test_overload_is_refused_at_once_and_admitted_calls_finish(start_server):
     # fills its queue up to that bound and no further: a narrow window, which a wave misses when every
     # call reaches the worker before its first refusal comes back (3 in 10 two-wave runs, once the
     # worker's writes left its GIL). So up to 30 waves, until the frontend has refused some (six waves
-    # fell short in 1 of 2 runs on a loaded 2-core machine; a wave takes about a second).
+    # fell short in 1 of 2 runs on a loaded 2-core host; a wave takes about a second).
     answers = []
     for wave in range(30):
         answers += asyncio.run(flood(wave))
@@ -403,7 +403,7 @@ def _filled_store(start_server, cache_dir: Path, count: int) -> list[str]:
     server = start_server(cache_dir=cache_dir, settings=("cache.sync=false",))
     texts = [unique(f"filling the store {i} " + "with a longer question about card payments " * 8) for i in range(count)]
     # Calls of 50 with a minute each: 150 such texts in one 10 s call were refused by admission control
-    # (about 6.7 s of queue) on a 2-core machine running the encoder 3x slower than usual.
+    # (about 6.7 s of queue) on a 2-core host running the encoder 3x slower than usual.
     with server.client(timeout_s=60) as client:
         for start in range(0, count, 50):
             client.infer_batch(MODEL, texts[start:start + 50])

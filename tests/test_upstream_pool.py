@@ -13,7 +13,7 @@ from server.shared.models import ModelConfigError
 from server.shared.upstream_spec import UpstreamSpec
 from server.worker.upstream.credentials import read_credential
 from server.worker.upstream.errors import Failure
-from server.worker.upstream.pool import Row, UpstreamPool
+from server.worker.upstream.pool import TextRow, UpstreamPool
 
 
 class Client:
@@ -42,8 +42,8 @@ def _pool(n: int = 2, **settings) -> tuple[UpstreamPool, list[Client]]:
     return UpstreamPool("m", "1", spec, clients), clients
 
 
-def _rows(n: int) -> list[Row]:
-    return [Row.of(f"text {i}", i.to_bytes(16, "little"), "") for i in range(n)]
+def _rows(n: int) -> list[TextRow]:
+    return [TextRow.of(f"text {i}", i.to_bytes(16, "little"), "") for i in range(n)]
 
 
 def test_keys_stick_to_their_server_and_a_failing_one_s_keys_move_and_come_back():

@@ -1,7 +1,7 @@
 """Capturing a CUDA graph, for the torch engines (encoders: torch_cuda.py; decoders: torch_decoder.py).
 
 torch.cuda.graph prepares each capture with a full garbage collection and an emptied allocator cache:
-about 60 ms of the 70 ms a MiniLM graph took on the H200, and an engine captures dozens. Here the graph
+about 60 ms of the 70 ms a MiniLM graph took on an H200, and an engine captures dozens. Here the graph
 is captured without them (the engines capture before anything they allocate is freed), in thread_local
 mode: other threads of the process keep serving, waiting on their events, while it is captured.
 """

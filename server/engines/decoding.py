@@ -38,7 +38,7 @@ class Chunk:
 
 
 @dataclass(slots=True)
-class Row:
+class StepRow:
     """One new token of the sequence in `slot`, at `position`."""
 
     slot: int
@@ -68,7 +68,7 @@ class Keep:
 @dataclass(slots=True)
 class Step:
     chunks: list[Chunk] = field(default_factory=list)
-    rows: list[Row] = field(default_factory=list)
+    rows: list[StepRow] = field(default_factory=list)
     restores: list[Restore] = field(default_factory=list)
     keeps: list[Keep] = field(default_factory=list)
     exports: list[tuple[int, object]] = field(default_factory=list)  # (memory block, tag): copied out first
@@ -78,7 +78,7 @@ class Step:
 
 
 @dataclass(slots=True)
-class Outcome:
+class StepOutcome:
     """Of one step: argmax tokens in the step's order (chunks, then rows; a chunk's is its last token's,
     meaningful where the chunk ends its prompt), and scores by that index where they were asked for."""
 
@@ -100,7 +100,7 @@ class Decoder(ABC):
         """Starts a step; a handle for `collect`."""
 
     @abstractmethod
-    def collect(self, handle) -> Outcome:
+    def collect(self, handle) -> StepOutcome:
         """Waits for a launched step (in launch order) and answers it."""
 
     def open_blocks(self, tokens: int, budget_bytes: int) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.engines.decoding import Decoder, Outcome, Step
+from server.engines.decoding import Decoder, Step, StepOutcome
 from server.shared.generation_spec import GENERATION_FILE
 from server.shared.models import TOKENIZER_FILE, ModelSpec, load_model
 
@@ -98,13 +98,13 @@ class FakeDecoder(Decoder):
             self._allowed = None
             self._turn.notify_all()
 
-    def launch(self, step: Step) -> Outcome:
+    def launch(self, step: Step) -> StepOutcome:
         with self._turn:
             self._turn.wait_for(lambda: self._allowed != 0)
             if self._allowed is not None:
                 self._allowed -= 1
         self.steps.append(step)
-        outcome = Outcome([], exports=[(tag, self.blocks[index].copy()) for index, tag in step.exports])
+        outcome = StepOutcome([], exports=[(tag, self.blocks[index].copy()) for index, tag in step.exports])
         self._restore(step)
         for chunk in step.chunks:
             held = self._held.get(chunk.slot) if chunk.start else None
@@ -134,7 +134,7 @@ class FakeDecoder(Decoder):
         self._counts["steps"] += 1
         return outcome
 
-    def _answer(self, slot: int, outcome: Outcome, scores: bool) -> None:
+    def _answer(self, slot: int, outcome: StepOutcome, scores: bool) -> None:
         token = self._next[slot] = self.token(self._held[slot])
         if scores:
             outcome.scores[len(outcome.tokens)] = self._scores(token)
@@ -151,7 +151,7 @@ class FakeDecoder(Decoder):
         for slot, blocks in by_slot.items():
             self._held[slot] = [int(i) for block in blocks for i in block[:, 0]]
 
-    def collect(self, handle: Outcome) -> Outcome:
+    def collect(self, handle: StepOutcome) -> StepOutcome:
         return handle
 
     def release(self, slot: int) -> None:

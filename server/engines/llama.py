@@ -233,7 +233,7 @@ class Llama(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel (memory-efficient attention with a mask): as fast as explicit products for
-        # decode steps and faster for prompt chunks on the H200 (docs/benchmarks.md), and as exact on a CPU
+        # decode steps and faster for prompt chunks on an H200 (docs/benchmarks.md), and as exact on a CPU
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.arch.head_dim ** -0.5)
 
 

@@ -54,7 +54,7 @@ class OrtEngine(Engine):
     """Two batches at once: while one is between runs (cut, padded, answered in Python), the other
     computes. A batch that runs alone (low load) gets all of `threads`: its latency. One that starts
     while another runs goes to a second session of the same model with `shared_threads` (the cores
-    shared out; one such session per slot where that is more than one thread): split over threads, a batch's operators cost more CPU in all (on the 2-core machine, a
+    shared out; one such session per slot where that is more than one thread): split over threads, a batch's operators cost more CPU in all (on a 2-core host, a
     Banking77 text in batches of like lengths: 11.5-12.9 ms on 2 threads, 9.2-10.3 ms on 1), and at
     full load that decides the throughput. Before, on 2 cores (Banking77 misses at 32 callers,
     bench/l2.py's setup, an earlier session): 2 threads x 2 slots 277-296 misses/s, 2 threads x 1 slot

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from server.engines.decoding import Decoder, Outcome, Step
+from server.engines.decoding import Decoder, Step, StepOutcome
 from server.shared.generation_spec import DECODER_CONFIG_FILE, DECODER_FILE
 
 
@@ -48,8 +48,8 @@ class OrtDecoder(Decoder):
         self.blocks = np.empty((0,), np.float32)  # prefix blocks (open_blocks)
         self.block_tokens = 0
 
-    def launch(self, step: Step) -> Outcome:
-        outcome = Outcome([], exports=[(tag, self.blocks[index].copy()) for index, tag in step.exports])
+    def launch(self, step: Step) -> StepOutcome:
+        outcome = StepOutcome([], exports=[(tag, self.blocks[index].copy()) for index, tag in step.exports])
         self._restore(step.restores)
         for chunk in step.chunks:
             sequence = self._sequences.get(chunk.slot)
@@ -115,13 +115,13 @@ class OrtDecoder(Decoder):
                     self.blocks[keep.block, 0, layer] = past[2 * layer][0, :, keep.start:end]
                     self.blocks[keep.block, 1, layer] = past[2 * layer + 1][0, :, keep.start:end]
 
-    def collect(self, handle: Outcome) -> Outcome:
+    def collect(self, handle: StepOutcome) -> StepOutcome:
         return handle
 
     def release(self, slot: int) -> None:
         self._sequences.pop(slot, None)  # its past's memory goes now
 
-    def _forward(self, sequence: _Sequence, ids: list[int], outcome: Outcome, scores: bool) -> None:
+    def _forward(self, sequence: _Sequence, ids: list[int], outcome: StepOutcome, scores: bool) -> None:
         new = len(ids)
         total = sequence.length + new
         feeds = {

@@ -14,7 +14,7 @@ are padding). A shape without its graph yet runs eagerly, at the same padded sha
 kernels: the answer is the one its graph gives. warm_behind_traffic() captures the graphs in a
 thread of their own, the shapes that live traffic ran eagerly first (then the largest first), each
 under the engine's lock, let go between captures: a batch waits for one capture at most (about 50 ms
-on the H200). Nothing of a capture outlives the process (CUDA graphs are not serializable), so only
+on an H200). Nothing of a capture outlives the process (CUDA graphs are not serializable), so only
 the weights are stored. The graphs share one memory pool; they replay on one stream, so they never
 run at the same time.
 
@@ -92,7 +92,7 @@ class _Slot:
                         for name, dim in output_dims.items()}
         # Blocking: its caller sleeps until the GPU is done instead of spinning on a core (CUDA spins
         # by default when a process has fewer contexts than the host has CPUs). Spinning cost each
-        # worker about half a core on the H200 host, taken from the frontends (docs/benchmarks.md, GPU).
+        # worker about half a core on an H200 host, taken from the frontends (docs/benchmarks.md, GPU).
         self.done = torch.cuda.Event(blocking=True)
 
 

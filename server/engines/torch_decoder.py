@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from server.engines.cuda_graphs import capture
-from server.engines.decoding import Decoder, Outcome, Step
+from server.engines.decoding import Decoder, Step, StepOutcome
 from server.engines.llama import Llama, LlamaArchitecture
 from server.shared.generation_spec import DECODER_WEIGHTS_FILE
 from server.engines.torch_cuda import batch_classes
@@ -69,7 +69,7 @@ class _Launched:
         self.tokens = None                 # host tensor: argmax of chunks then rows
         self.scores: dict[int, torch.Tensor] = {}
         self.exports: list = []            # (tag, pinned host block)
-        self.outcome: Outcome | None = None  # computed already (CPU)
+        self.outcome: StepOutcome | None = None  # computed already (CPU)
 
 
 class TorchDecoder(Decoder):
@@ -148,7 +148,7 @@ class TorchDecoder(Decoder):
                 handle.event = torch.cuda.Event(blocking=True)
                 handle.event.record(self.stream)
             else:
-                handle.outcome = Outcome([] if tokens is None else tokens.tolist(),
+                handle.outcome = StepOutcome([] if tokens is None else tokens.tolist(),
                                          {i: row.float().numpy().copy() for i, row in scores}, exports)
         c = self._counters
         c["steps"] += 1
@@ -159,11 +159,11 @@ class TorchDecoder(Decoder):
         c["blocks_exported"] += len(step.exports)
         return handle
 
-    def collect(self, handle: _Launched) -> Outcome:
+    def collect(self, handle: _Launched) -> StepOutcome:
         if handle.outcome is not None:
             return handle.outcome
         handle.event.synchronize()  # blocking event: sleeps, without the GIL
-        return Outcome([] if handle.tokens is None else handle.tokens.tolist(),
+        return StepOutcome([] if handle.tokens is None else handle.tokens.tolist(),
                        {i: t.numpy() for i, t in handle.scores.items()}, handle.exports)
 
     # -- prefix blocks -----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def covering(ns: Namespace) -> list[str]:
 SUMS_KEPT = 10_000  # namespaces whose sum is remembered (recomputed after: eight dict lookups)
 
 
-class Generations:
+class NamespaceGenerations:
     """This process's copy of the generations hash. One writer: the tier's subscription task (and the
     tier's own invalidations, on the same event loop)."""
 

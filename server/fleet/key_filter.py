@@ -158,7 +158,7 @@ class Owner:
 
     def __init__(self, path: Path, gens, redis_url: str, link, keys: int, fp_rate: float,
                  refresh_s: float, counters: Counter) -> None:
-        """gens: the tier's Generations (generations.py), which names the channel and the keys."""
+        """gens: the tier's NamespaceGenerations (generations.py), which names the channel and the keys."""
         self.path = path
         self.channel = gens.keys_channel
         self.pattern = gens.value_pattern

@@ -50,7 +50,7 @@ from cachestore.sealing import KeyRing
 from cachestore.results import now_us
 from server.config import Config, FleetSection
 from server.fleet import generations, key_filter
-from server.fleet.generations import Generations, ns_hex
+from server.fleet.generations import NamespaceGenerations, ns_hex
 from server.fleet.link import FleetUnavailable, Link, describe, subscribed
 
 log = logging.getLogger("infercache.fleet")
@@ -110,7 +110,7 @@ class FleetTier:
         self.state_path = state_path
         self.origin = os.urandom(8).hex()  # this process, in broadcasts: its own are not applied twice
         self.counters: Counter[str] = Counter()
-        self.gens = Generations(settings.prefix)
+        self.gens = NamespaceGenerations(settings.prefix)
         self.ready = False                 # subscribed and generations read: the tier may be used
         self.link: Link | None = None
         self.pending: list[tuple] = []

@@ -153,7 +153,7 @@ class Planner:
     def prepare_models(self) -> None:
         """What the frontend needs of every version of the served models (tokenizers, heads), made before
         it listens: made at a version's first request, it held the event loop (and every call of this
-        frontend) for the tokenizer's loading, 85 ms on the 2-core machine. A version that cannot be
+        frontend) for the tokenizer's loading, 85 ms on a 2-core host. A version that cannot be
         prepared is left to its requests, which say why; it never stops the frontend."""
         for spec in self.repository.servable():
             if spec.task == "generate":  # (server/frontend/prompts.py)

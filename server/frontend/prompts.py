@@ -47,7 +47,7 @@ MAX_MESSAGES = 256
 PREPARED_KEPT = 1024        # serialized requests whose plan is kept (see Prompts.prepared); past it, start over
 PREPARED_MAX_BYTES = 4096   # longer requests are planned anew each time
 # Prompts longer than this (in characters) are tokenized on a thread, off the event loop: a 4,160-word
-# prompt took about 10 ms of the loop on the H100 host (2 ms here), while other calls waited behind it.
+# prompt took about 10 ms of the loop on an H100 host (2 ms on a 2-core one), while other calls waited behind it.
 TOKENIZE_INLINE_CHARS = 8192
 
 GENERATE_REQUEST = lenient(pb.GenerateRequest)  # Generate's requests arrive serialized (server/frontend/servicer.py)

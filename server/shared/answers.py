@@ -74,7 +74,7 @@ class Answers:
     last field, and per label its bytes differ only in the probability's four. An answer the template
     would not reproduce (a probability of 0, which protobuf leaves out; scores wider than float32) goes
     through protobuf, which made about a third of a frontend's own work per FEATURE answer (22 of 60 us
-    on the 2-core machine)."""
+    on a 2-core host)."""
 
     def __init__(self, spec: ModelSpec, version: str, labels: list[str]) -> None:
         self.spec = spec

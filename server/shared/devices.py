@@ -80,7 +80,7 @@ CPUS_PER_AUTO_WORKER = 4    # one per this many CPUs (the frontends need most of
 
 def auto_per_gpu(gpus: int, cpus: int | None = None) -> int:
     """Worker processes per GPU when `server.workers_per_gpu` is 0: one per 4 CPUs per GPU, 1 to 4. On
-    the H200 host one worker's Python, not the GPU, bounds MiniLM misses; four (through MPS) carry more,
+    an H200 host one worker's Python, not the GPU, bounds MiniLM misses; four (through MPS) carry more,
     with the 16 frontends on the same cores (docs/benchmarks.md, GPU)."""
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     return max(1, min(AUTO_MAX_PER_GPU, cpus // (CPUS_PER_AUTO_WORKER * max(1, gpus))))

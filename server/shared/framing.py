@@ -1,6 +1,6 @@
 """Length-prefixed protobuf frames over a unix stream socket: the frontend <-> worker item path.
 
-Why not a gRPC stream: measured on the H200 host, a grpc.aio bidirectional stream costs the worker's
+Why not a gRPC stream: measured on an H200 host, a grpc.aio bidirectional stream costs the worker's
 event loop tens of microseconds per message read or written, and with one text per call there is about
 one item per message, so the worker spent most of its time on the transport. A bare asyncio protocol
 (uvloop) parses every complete frame of each read in one callback and writes with one syscall per loop

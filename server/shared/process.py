@@ -24,7 +24,7 @@ def setup_logging(level: str, role: str) -> None:
 # Allocations between the collector's young passes (CPython's default: 700). A worker keeps each computed
 # item's flight until its write is committed (milliseconds: the writer fsyncs), so at 700 most of what a
 # flight holds lived through two passes and was promoted, and passes over the promoted followed. The
-# worker core with its real writer process (2-core machine, 32 items per frame, fsync on): 25-27 us of
+# worker core with its real writer process (a 2-core host, 32 items per frame, fsync on): 25-27 us of
 # CPU per item at 700, 22-24 at 10,000, 19-21 at 100,000, 19.5-20 with the collector off. A young pass
 # over 100,000 objects takes 1-5 ms; only cyclic garbage waits for it (the rest is freed at once).
 GC_YOUNG = 100_000

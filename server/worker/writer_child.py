@@ -27,8 +27,8 @@ ROWS_PER_FRAME = 10_000  # semantic rows per StoreEvents frame (a 384-float row 
 # Bytes each side of the worker's socket buffers (server/worker/writer.py sets them), and the most one
 # read takes. With the kernel's default (about 200 KB, an eighth of a frame of 256 MiniLM puts) the two
 # processes took turns: the writer waited in select for the worker's loop to refill the socket, and on
-# the 2-core machine committed 15,800 puts/s where it commits 28,000 with 4 MiB (bench/write_path.py's
-# puts, no flushes). The kernel caps it at net.core.wmem_max / rmem_max (4 MiB on the machines here).
+# a 2-core host committed 15,800 puts/s where it commits 28,000 with 4 MiB (bench/write_path.py's
+# puts, no flushes). The kernel caps it at net.core.wmem_max / rmem_max (4 MiB where it was measured).
 SOCKET_BUFFER = 4 << 20
 
 

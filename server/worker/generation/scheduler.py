@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
-from server.engines.decoding import Chunk, Decoder, Outcome, Row, Step
+from server.engines.decoding import Chunk, Decoder, Step, StepOutcome, StepRow
 from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, WorkerUnavailable
 from server.shared.generated import whole_answer
 from server.shared.generation_spec import PromptFormat
@@ -161,7 +161,7 @@ class Scheduler:
                 self._read(entries, outcome)
             await asyncio.sleep(0)  # new items and cancels are read between steps
 
-    def _work(self, step: Step, pending) -> tuple[object, Outcome | None]:
+    def _work(self, step: Step, pending) -> tuple[object, StepOutcome | None]:
         """On the scheduler's thread: launches `step`; answers the step read now (the pending one when the
         decoder is pipelined, else this one)."""
         decoder = self.decoder
@@ -224,7 +224,7 @@ class Scheduler:
                         prefix.keep(generation, prompt, len(prompt), step)
                 chunked.append(generation if last else None)
             elif generation.planned < generation.limit and not generation.awaiting:
-                step.rows.append(Row(generation.slot, len(prompt) + generation.planned - 1, generation.next_token,
+                step.rows.append(StepRow(generation.slot, len(prompt) + generation.planned - 1, generation.next_token,
                                      scores=generation.sampled))
                 generation.planned += 1
                 generation.next_token = None
@@ -235,7 +235,7 @@ class Scheduler:
             generation.last_step = number
         return step, chunked + answering
 
-    def _read(self, entries: list[Generation | None], outcome: Outcome) -> None:
+    def _read(self, entries: list[Generation | None], outcome: StepOutcome) -> None:
         """A step's outcome: each generation's next token, sent; then the slots no step uses any more."""
         self._collected += 1
         emitted = 0

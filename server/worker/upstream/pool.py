@@ -48,14 +48,14 @@ class Server:
         return self.client.url
 
 
-class Row(str):
+class TextRow(str):
     """A text to compute, with what routes it (its cache key) and whom it is for (its tenant)."""
 
     key: bytes = b""
     tenant: str = ""
 
     @classmethod
-    def of(cls, text: str, key: bytes, tenant: str) -> "Row":
+    def of(cls, text: str, key: bytes, tenant: str) -> "TextRow":
         row = cls(text)
         row.key, row.tenant = key, tenant
         return row
@@ -136,7 +136,7 @@ class UpstreamPool:
                 server.open_until = time.monotonic() + self.spec.breaker_open_s
             server.trial = False
 
-    def embed(self, rows: list[Row]) -> list[np.ndarray | InferCacheError]:
+    def embed(self, rows: list[TextRow]) -> list[np.ndarray | InferCacheError]:
         """A vector, or the error its caller gets, for each row: rows go to their key's first usable
         server, each server's share in one call (per tenant), tried again as the module says. An input
         the upstream refuses fails its own row alone: a refused call of several texts is sent again one

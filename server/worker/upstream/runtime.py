@@ -17,7 +17,7 @@ from server.worker.batcher import Batcher
 from server.worker.model_runtime import ModelRuntime
 from server.worker.upstream.clients import client_for
 from server.worker.upstream.credentials import Credential
-from server.worker.upstream.pool import Row, UpstreamPool
+from server.worker.upstream.pool import TextRow, UpstreamPool
 
 
 class _UpstreamEngine(Engine):
@@ -58,13 +58,13 @@ class UpstreamRuntime(ModelRuntime):
             max_delay_s=spec.max_queue_delay_ms / 1000, max_queue=config.server.max_queue,
             concurrency=upstream.max_in_flight, name=f"{spec.name}-{version}", max_wait_s=config.server.max_queue_wait_s)
 
-    def input_of(self, item) -> Row:
-        return Row.of(item.text, item.key, item.tenant)
+    def input_of(self, item) -> TextRow:
+        return TextRow.of(item.text, item.key, item.tenant)
 
     def phases(self) -> dict[str, float]:
         return {}
 
-    def _run_batch(self, rows: list[Row]) -> list[dict[str, np.ndarray] | Exception]:
+    def _run_batch(self, rows: list[TextRow]) -> list[dict[str, np.ndarray] | Exception]:
         name = self.spec.outputs[0]
         return [{name: found} if isinstance(found, np.ndarray) else found for found in self.pool.embed(rows)]
 
