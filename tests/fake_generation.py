@@ -131,11 +131,8 @@ class FakeWorker:
         return answer
 
     def cancel(self, item_id: int, sink: Sink | None = None) -> None:
-        """The item's caller went away (as WorkerCore.cancel tells Generations)."""
-        sink = sink or self.sink
-        flight = sink.waiting.pop(item_id, None)
-        if flight is not None:
-            self.generations.cancel(sink, item_id, flight)
+        """The item's caller went away (as WorkerCore.cancel tells the flights)."""
+        self.generations.flights.leave(sink or self.sink, item_id)
 
     @staticmethod
     async def until(condition, what: str, timeout: float = 30.0) -> None:

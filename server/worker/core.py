@@ -37,10 +37,9 @@ from server.shared.errors import InferCacheError, ModelNotFound, WorkerUnavailab
 from server.shared.models import ModelRepository
 from server.shared.telemetry import Recorder
 from server.worker.features import FeatureTier, feature_selector
-from server.worker.flights import Flight, Outcome, Replies, Source, may_join
+from server.worker.flights import Flight, FlightRegistry, Outcome, Replies, Source
 from server.worker.answer_matching import AnswerMatching
 from server.worker.generation.generations import Generations
-from server.worker.generation.request import GenerateFlight
 from server.worker.heads import HeadRuntime
 from server.worker.matching import Matching
 from server.worker.model_runtime import ModelRuntime
@@ -81,11 +80,11 @@ class WorkerCore:
             writer.on_store.append(self.cache.use)
         self.counters: Counter[str] = Counter()
         self.metrics: Recorder | None = None  # /metrics on (server/worker/metrics.py)
-        self._inflight: dict[bytes, Flight] = {}
+        self.flights = FlightRegistry(self.counters)  # encoder items' and generations' alike
         self.matching = Matching(self)  # head and semantic models' misses, the calibrated rule's checks
-        # Generative models (server/worker/generation/): their own flights and schedulers.
+        # Generative models (server/worker/generation/): their schedulers, their flights in the one registry.
         self.generations = Generations(generative, writer, self.cache, self.counters, lambda: self.metrics,
-                                       AnswerMatching(self), self._encoders_busy) if generative else None
+                                       AnswerMatching(self), self._encoders_busy, self.flights) if generative else None
 
     def _encoders_busy(self) -> bool:
         return any(not runtime.batcher.idle for runtime in self.runtimes.values())
@@ -144,9 +143,7 @@ class WorkerCore:
                 replies.fail(item.id, exc)
             return
         try:
-            flight = self._inflight.get(item.key)
-            if flight is not None and not may_join(flight, item):
-                flight = None  # it wants a fresher answer than this flight may give: compute anew
+            flight = self.flights.joinable(item)  # (None where it wants a fresher answer than one may give)
             joined = flight is not None
             if flight is None:
                 runtime = self.runtime(item.model, item.version)
@@ -186,16 +183,7 @@ class WorkerCore:
 
     def cancel(self, replies: Replies, item_id: int) -> None:
         """The item's caller went away; the computation is dropped when nobody else waits for it."""
-        flight = replies.waiting.pop(item_id, None)
-        if flight is None:
-            return
-        if isinstance(flight, GenerateFlight):
-            self.generations.cancel(replies, item_id, flight)
-            return
-        flight.waiters.pop((replies, item_id), None)
-        if not flight.waiters and flight.outcome is None:
-            flight.future.cancel()  # the batcher drops it before the engine
-            self._forget(flight)    # at once: an identical item arriving meanwhile starts a new flight
+        self.flights.leave(replies, item_id)
 
     def _start(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> Flight:
         flight = Flight(item.key, runtime, item)
@@ -204,7 +192,7 @@ class WorkerCore:
         else:
             flight.future = self._compute(runtime, item, deadline)
         flight.future.add_done_callback(lambda future: self._finished(flight, future))
-        self._inflight[item.key] = flight
+        self.flights.add(flight)
         return flight
 
     def _compute(self, runtime: ModelRuntime, item: worker_pb2.ComputeItem, deadline: float | None) -> asyncio.Future:
@@ -251,7 +239,7 @@ class WorkerCore:
         else:
             exc = future.exception()
         if exc is not None:
-            self._forget(flight)
+            self.flights.forget(flight)
             self._release(flight)
             for (replies, item_id) in flight.waiters:
                 replies.waiting.pop(item_id, None)
@@ -272,7 +260,7 @@ class WorkerCore:
             self._store(flight, outcome, shared=joined > 0)
             flight.item = None  # (nor the request: the collector sees fewer objects per flight in flight)
         else:
-            self._forget(flight)
+            self.flights.forget(flight)
             self._release(flight)
 
     def _release(self, flight: Flight) -> None:
@@ -288,7 +276,7 @@ class WorkerCore:
     def _store(self, flight: Flight, outcome: Outcome, shared: bool) -> None:
         item = flight.item
         ns = namespace(item.tenant, item.model, item.version)
-        done = partial(self._forget, flight)  # told on the loop once the entry is committed (or dropped)
+        done = partial(self.flights.forget, flight)  # told on the loop once the entry is committed (or dropped)
         if outcome.matched is not None:
             # A copy of the record it came from (a near-duplicate's, the fleet's): the same text next
             # time is a frontend RESULT_EXACT.
@@ -305,10 +293,6 @@ class WorkerCore:
         if self.fleet is not None:
             self.fleet.put(flight.key, ns, record, release=flight.leased)
             flight.leased = False
-
-    def _forget(self, flight: Flight) -> None:
-        if self._inflight.get(flight.key) is flight:
-            del self._inflight[flight.key]
 
     # ---- the rest of the API -----------------------------------------------------------------------
 
@@ -405,7 +389,6 @@ class WorkerCore:
             await self.generations.close()
         for runtime in self.runtimes.values():
             await runtime.batcher.close()
-        pending = [f.future for f in list(self._inflight.values()) if f.future is not None and f.outcome is None]
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*self.flights.pending(), return_exceptions=True)
         if self.fleet is not None:
             await self.fleet.close()

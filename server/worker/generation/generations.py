@@ -18,6 +18,7 @@ from infercache.v1 import worker_pb2
 from server.shared.answers import answer_record
 from server.shared.errors import InferCacheError, WorkerUnavailable
 from server.shared.generated import marked
+from server.worker.flights import FlightRegistry
 from server.worker.generation.request import GenerateFlight
 
 log = logging.getLogger("infercache.generation")
@@ -30,7 +31,7 @@ class Generations:
     answers into L1. Event loop only."""
 
     def __init__(self, runtimes: dict, writer, cache: ResultCache | None, counters: Counter, metrics=lambda: None,
-                 answers=None, busy=lambda: False) -> None:
+                 answers=None, busy=lambda: False, flights: FlightRegistry | None = None) -> None:
         """runtimes: (model, version) -> a local GenerativeRuntime (server/worker/generation/scheduler.py) or
         an upstream's (server/worker/upstream/generative.py): each has spec, version, info and prefix, makes
         its flights (flight()) and what computes them (scheduler()). cache: the worker's L1 reader
@@ -38,7 +39,7 @@ class Generations:
         since the frontend looked. metrics(): the worker's telemetry.Recorder while /metrics is on, else
         None. answers: the worker's AnswerMatching (server/worker/answer_matching.py), for models with
         semantic answers. busy(): whether the worker's other models have work (shadow regenerations give way
-        to it)."""
+        to it). flights: the worker's one FlightRegistry (server/worker/flights.py), WorkerCore's."""
         self.runtimes = runtimes
         self.answers = answers
         self.busy = busy
@@ -46,7 +47,7 @@ class Generations:
         self.writer = writer
         self.cache = cache
         self.counters = counters
-        self._flights: dict[bytes, GenerateFlight] = {}
+        self.flights = flights if flights is not None else FlightRegistry(counters)
         self._schedulers = {key: runtime.scheduler(self._done, counters, metrics, busy)
                             for key, runtime in runtimes.items()}
 
@@ -54,10 +55,7 @@ class Generations:
         runtime = self.runtimes.get((item.model, item.version))
         if runtime is None:
             raise WorkerUnavailable(f"model {item.model!r} version {item.version!r} is not loaded by this worker")
-        shared = item.cached_ok or item.store  # deterministic: its key names its answer
-        flight = self._flights.get(item.key) if shared else None
-        if flight is not None and flight.dropped:
-            flight = None
+        flight = self.flights.joinable(item)
         if flight is None and item.cached_ok and self.cache is not None:
             now = now_us()
             record = self.cache.get(item.key, now, item.max_age_us if item.HasField("max_age_us") else None)
@@ -70,7 +68,7 @@ class Generations:
                 and self.answers.enabled(runtime.spec)):
             self.background(self._semantic(replies, item, deadline, runtime))
             return
-        self._start(replies, item, deadline, runtime, flight, shared)
+        self._start(replies, item, deadline, runtime, flight)
 
     async def _semantic(self, replies, item: worker_pb2.ComputeItem, deadline: float | None,
                         runtime) -> None:
@@ -87,22 +85,16 @@ class Generations:
         if found is not None and found.answer is not None:
             replies.finish(item.id, Source.RESULT_SEMANTIC, found.answer)
             return
-        shared = item.cached_ok or item.store
-        flight = self._flights.get(item.key) if shared else None
-        if flight is not None and flight.dropped:
-            flight = None
         try:
-            self._start(replies, item, deadline, runtime, flight, shared,
+            self._start(replies, item, deadline, runtime, self.flights.joinable(item),
                         found.companion if found is not None else None)
         except InferCacheError as exc:
             replies.fail(item.id, exc)
 
     def _start(self, replies, item: worker_pb2.ComputeItem, deadline: float | None, runtime,
-               flight: GenerateFlight | None, shared: bool, companion=None) -> None:
-        """Joins the flight of the item's key, or starts one."""
+               flight: GenerateFlight | None, companion=None) -> None:
+        """Joins `flight` (the one of the item's key that may answer it), or starts one."""
         joined = flight is not None
-        if flight is not None and flight.answer is not None and not item.cached_ok:
-            joined, flight = False, None  # finished, and this caller wants a fresh answer
         if flight is None:
             flight = runtime.flight(item, deadline)
             flight.companion = companion
@@ -111,8 +103,8 @@ class Generations:
             for other in self._schedulers.values():  # the device is the foreground's: every regeneration
                 if other is not scheduler:           # gives way (its own scheduler's did in admit)
                     other.preempt()
-            if shared:
-                self._flights[item.key] = flight
+            if item.cached_ok or item.store:  # deterministic: its key names its answer
+                self.flights.add(flight)
         flight.store = flight.store or item.store
         if joined:
             self.counters["generate_coalesced"] += 1
@@ -156,14 +148,6 @@ class Generations:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def cancel(self, replies, item_id: int, flight: GenerateFlight) -> None:
-        """A caller went away: a generation nobody waits for is dropped at its scheduler's next step."""
-        flight.listeners.pop((replies, item_id), None)
-        if not flight.listeners and flight.answer is None:
-            flight.dropped = True
-            self.counters["generate_cancelled"] += 1
-            self._forget(flight)
-
     def _done(self, flight: GenerateFlight) -> None:
         """A flight ended: its callers get the answer; it is stored, and forgotten once committed."""
         if flight.background is not None:  # a shadow regeneration: its answer to the check alone
@@ -175,7 +159,7 @@ class Generations:
                     self.counters["regenerated"] += 1
             return
         if flight.answer is None:  # failed or dropped
-            self._forget(flight)
+            self.flights.forget(flight)
             return
         shared = len(flight.listeners) > 1
         for (replies, item_id), joined in flight.listeners.items():
@@ -189,10 +173,10 @@ class Generations:
             item = flight.item
             record = answer_record(flight.model.spec, flight.created_us, flight.answer, item.ttl_class)
             ns = namespace(item.tenant, item.model, item.version)
-            self.writer.put(flight.key, ns, record, on_done=partial(self._forget, flight), ttl_class=item.ttl_class,
+            self.writer.put(flight.key, ns, record, on_done=partial(self.flights.forget, flight), ttl_class=item.ttl_class,
                             shared=shared)
         else:
-            self._forget(flight)
+            self.flights.forget(flight)
         companion = flight.companion
         if companion is None:
             return
@@ -208,10 +192,6 @@ class Generations:
         question = answer_record(flight.model.spec, flight.created_us, payload, item.ttl_class)
         self.writer.put(key, namespace(item.tenant, item.model, item.version), question, semantic=entry,
                         ttl_class=item.ttl_class, shared=shared)
-
-    def _forget(self, flight: GenerateFlight) -> None:
-        if self._flights.get(flight.key) is flight:
-            del self._flights[flight.key]
 
     async def close(self) -> None:
         for task in list(self._tasks):

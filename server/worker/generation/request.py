@@ -22,6 +22,8 @@ class GenerateFlight:
 
     __slots__ = ("key", "item", "model", "listeners", "sent", "answer", "dropped", "deadline", "created_us", "store",
                  "companion", "background")
+    CANCELLED = "generate_cancelled"  # the counter of generations nobody waited for any more
+    pending = None  # (no future of its own to wait for at close: its scheduler closes with it)
 
     def __init__(self, item: worker_pb2.ComputeItem, model, deadline: float | None) -> None:
         """model: the model version's runtime (spec, version; a local one's tokenizer and format)."""
@@ -39,6 +41,20 @@ class GenerateFlight:
         self.companion = None
         # A shadow regeneration: the future its whole answer goes to (None: a foreground generation).
         self.background: asyncio.Future | None = None
+
+    def may_join(self, item: worker_pb2.ComputeItem) -> bool:
+        """Whether an item may take this generation's answer: a deterministic one (its key names its
+        answer), while the generation runs, or once it ended where the item may use a stored answer."""
+        return (item.cached_ok or item.store) and not self.dropped and (self.answer is None or item.cached_ok)
+
+    def leave(self, replies, item_id: int) -> bool:
+        """A caller went away; True when nobody waits any more for a generation still running (it is
+        dropped at its scheduler's next step)."""
+        self.listeners.pop((replies, item_id), None)
+        if self.listeners or self.answer is not None:
+            return False
+        self.dropped = True
+        return True
 
     def fail(self, exc: BaseException) -> None:
         """Every caller gets `exc`; the flight is dropped (its computation stops)."""
