@@ -176,7 +176,7 @@ class UpstreamStreams:
     def _end(self, flight: GenerateFlight, text: str, finish: str, usage: dict) -> None:
         item = flight.item
         reason = FINISHES.get(finish)
-        if reason is None:  # (content_filter, tool_calls, ...): answered as stop, stored never
+        if reason is None:  # (content_filter, tool_calls, ...): answered as stop, never stored
             flight.store = False
             self.counters["upstream_unusual_finish"] += 1
         prompt_tokens, completion_tokens = (_count(usage.get(name)) for name in ("prompt_tokens", "completion_tokens"))
