@@ -36,12 +36,12 @@ from server.frontend.prompts import ROLES
 from server.frontend.tally import NO_TALLY, measured
 from server.shared.auth import CLIENT, Gate, Grant, bind_tenant
 from server.shared.errors import InvalidArgument, http_status_of, quoted, status_of
+from server.shared.generated import FINISH_NAMES
 
 Mode = pb.CachePolicy.Mode
 MODES = {b"default": Mode.DEFAULT, b"bypass": Mode.BYPASS, b"no-store": Mode.NO_STORE,
          b"only-if-cached": Mode.ONLY_IF_CACHED}
 SOURCES = {value: name.encode() for name, value in pb.CacheInfo.Source.items()}
-FINISH = {pb.GenerationEnd.STOP: "stop", pb.GenerationEnd.LENGTH: "length"}
 # Parameters of OpenAI's API this server cannot honour: refused, never silently ignored.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "audio", "modalities", "prediction", "echo", "suffix", "best_of")
@@ -487,7 +487,7 @@ class _Shape:
                 "total_tokens": end.prompt_tokens + end.completion_tokens}
 
     def whole(self, text: str, end: pb.GenerationEnd) -> Response:
-        body = self._envelope(self._choice(text, FINISH.get(end.finish_reason), False), False)
+        body = self._envelope(self._choice(text, FINISH_NAMES.get(end.finish_reason), False), False)
         body["usage"] = self.usage(end)
         return Response(200, orjson.dumps(body), cache_headers([end.cache]))
 
@@ -527,7 +527,7 @@ async def _events(shape: _Shape, call: _Generate, hit: bytes | None, first: byte
         yield DONE
         return
     end = answer.end
-    yield shape.event(None, FINISH.get(end.finish_reason), infercache=_cache_json(end.cache))
+    yield shape.event(None, FINISH_NAMES.get(end.finish_reason), infercache=_cache_json(end.cache))
     if call.usage_chunk:
         yield shape.usage_event(end)
     yield DONE

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from infercache.v1 import infercache_pb2 as pb
 
+# An answer's finish reason as OpenAI's API names it (its doors answer so; its upstreams answer so).
+FINISH_NAMES = {pb.GenerationEnd.STOP: "stop", pb.GenerationEnd.LENGTH: "length"}
+
 
 def whole_answer(text: str, token_ids: list[int], finish_reason: int, prompt_tokens: int, version: str,
                  key: bytes, completion_tokens: int | None = None) -> bytes:

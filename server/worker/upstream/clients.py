@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import struct
 import threading
+import time
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ import grpc
 import numpy as np
 
 from infercache.v1 import infercache_pb2 as pb
+from server.shared.generated import FINISH_NAMES
 from server.shared.upstream_spec import UpstreamSpec
 from server.worker.upstream.credentials import Credential
 from server.worker.upstream.errors import Failure
@@ -162,9 +164,31 @@ def _failure(exc: grpc.RpcError, timeout_s: float) -> Failure:
     return Failure.of_status(_GRPC_AS_HTTP.get(code, 500), f"{code.name}: {(exc.details() or '')[:300]}")
 
 
-class InfercacheClient(_GrpcClient):
-    FINISH = {pb.GenerationEnd.STOP: "stop", pb.GenerationEnd.LENGTH: "length"}
+class _Watchdog:
+    """Calls `expire` once `timeout_s` pass without a feed(): one thread for a whole stream, however many
+    messages it brings."""
 
+    def __init__(self, timeout_s: float, expire) -> None:
+        self._timeout_s = timeout_s
+        self._due = time.monotonic() + timeout_s
+        self._expire = expire
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="upstream-watchdog", daemon=True).start()
+
+    def feed(self) -> None:
+        self._due = time.monotonic() + self._timeout_s
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(max(0.0, self._due - time.monotonic())):
+            if time.monotonic() >= self._due:
+                self._expire()
+                return
+
+
+class InfercacheClient(_GrpcClient):
     def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
         super().__init__(url, model, output, credential)
         self._generate = self.channel.unary_stream("/infercache.v1.InferenceCache/Generate",
@@ -189,25 +213,22 @@ class InfercacheClient(_GrpcClient):
                 setattr(message, name, request[name])
         call = self._generate(message, metadata=self.metadata)
         started = False
-        timer = threading.Timer(timeout_s, call.cancel)
-        timer.start()
+        watchdog = _Watchdog(timeout_s, call.cancel)
         try:
             for answer in call:
-                timer.cancel()
+                watchdog.feed()
                 if answer.text:
                     started = True
                     on_piece(answer.text)
                 if answer.HasField("end"):
                     end = answer.end
-                    return self.FINISH.get(end.finish_reason, "stop"), {"prompt_tokens": end.prompt_tokens,
+                    return FINISH_NAMES.get(end.finish_reason, "stop"), {"prompt_tokens": end.prompt_tokens,
                                                                         "completion_tokens": end.completion_tokens}
-                timer = threading.Timer(timeout_s, call.cancel)
-                timer.start()
         except grpc.RpcError as exc:
             failure = _failure(exc, timeout_s)
             raise Failure("cut", f"the stream broke off: {failure}") if started else failure from None
         finally:
-            timer.cancel()
+            watchdog.stop()
             call.cancel()  # (a stream left early: its call ends here, not when collected)
         raise Failure("cut" if started else "malformed", "the stream ended without its last message")
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import worker_pb2
 from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, UpstreamFailed, WorkerUnavailable
-from server.shared.generated import whole_answer
+from server.shared.generated import FINISH_NAMES, whole_answer
 from server.shared.models import ModelSpec
 from server.worker.generation.request import GenerateFlight
 from server.worker.shadow import Preempted
@@ -31,7 +31,7 @@ from server.worker.upstream.pool import UpstreamPool
 
 log = logging.getLogger("infercache.upstream")
 
-FINISHES = {"stop": pb.GenerationEnd.STOP, "length": pb.GenerationEnd.LENGTH}
+FINISHES = {name: reason for reason, name in FINISH_NAMES.items()}  # (an upstream names it as OpenAI does)
 ROUTE_TURNS = 2  # a conversation's first turns (its system prompt, its first question) choose its server
 
 

@@ -67,19 +67,21 @@ class JsonEndpoint:
         `data: [DONE]`; each awaited for at most timeout_s. Failure otherwise: one raised after the first
         event has kind "cut" (never retried: the caller has those events)."""
         response = self._send(path, body, timeout_s, accept="text/event-stream")
-        if response.status >= 400:
-            data = response.read(MAX_ANSWER_BYTES)
-            self._drop()
-            raise Failure.of_status(response.status, _message(data))
         started = False
+
+        def broken(message: str) -> Failure:  # (after the first event the caller has some of the answer)
+            return Failure("cut" if started else "malformed", message)
+
         try:
+            if response.status >= 400:
+                raise Failure.of_status(response.status, _message(response.read(MAX_ANSWER_BYTES)))
             while True:
                 line = response.readline(MAX_EVENT_BYTES + 1)
                 if not line:
                     raise (Failure("cut", "the stream ended before its [DONE]") if started else
                            Failure("malformed", "answered no event (data:) before the end of its answer"))
                 if len(line) > MAX_EVENT_BYTES:
-                    raise Failure("cut" if started else "malformed", f"an event over {MAX_EVENT_BYTES} bytes")
+                    raise broken(f"an event over {MAX_EVENT_BYTES} bytes")
                 if not line.startswith(b"data:"):
                     continue  # blank lines between events, comments, event names
                 data = line[5:].strip()
@@ -88,22 +90,16 @@ class JsonEndpoint:
                 try:
                     event = json.loads(data)
                 except ValueError:
-                    raise Failure("cut" if started else "malformed", "an event that is not JSON") from None
+                    raise broken("an event that is not JSON") from None
                 if not isinstance(event, dict):
-                    raise Failure("cut" if started else "malformed", "an event that is not a JSON object")
+                    raise broken("an event that is not a JSON object")
                 started = True
                 yield event
-        except Failure:
-            self._drop()
-            raise
         except (OSError, http.client.HTTPException) as exc:
-            self._drop()
             failure = _lost(exc, timeout_s)
             raise (Failure("cut", f"the stream broke off: {failure}") if started else failure) from None
-        except BaseException:  # (the consumer stopped early: the rest of the stream is not read)
+        finally:  # (read to its [DONE] or not, failed or left early: the next call opens a fresh connection)
             self._drop()
-            raise
-        self._drop()  # (what follows [DONE] on the connection is not worth reading: a fresh one next time)
 
     def _send(self, path: str, body: dict, timeout_s: float, accept: str = "application/json"):
         """The upstream's response to a POST of `body` (its head read); Failure otherwise."""
