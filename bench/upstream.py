@@ -40,7 +40,7 @@ from bench.peer_envs import PeerServer, litellm_env
 from tests.helpers import link_model, worker_counters
 from tests.redis_servers import RedisProcess
 from tests.redis_servers import available as redis_missing
-from tests.servers import REPO, ServerProcess, free_port
+from tests.servers import REPO, ServerProcess, UpstreamServer, free_port
 
 TARGETS = {"hit_p50_ratio_max": 0.5, "hit_throughput_ratio_min": 3.0, "identical_misses_upstream_calls": 1,
            "miss_overhead_ms_max": 1.0}
@@ -70,19 +70,19 @@ def _chat(question: str) -> bytes:
                                                     "messages": [{"role": "user", "content": question}]}).encode())
 
 
-def _exchange(port: int, request: bytes, timeout_s: float = 60.0) -> tuple[int, str]:
-    """One pre-built request on a connection of its own: (status, x-infercache-source); status 0 where no
-    answer came (refused, reset, timed out)."""
+def _exchange(port: int, request: bytes, timeout_s: float = 60.0) -> tuple[int, str, bytes]:
+    """One pre-built request on a connection of its own: (status, x-infercache-source, body); status 0
+    where no answer came (refused, reset, timed out)."""
     head, body = request.split(b"\r\n\r\n", 1)
     path = head.split(b" ", 2)[1].decode()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         connection.request("POST", path, body, {"content-type": "application/json"})
         response = connection.getresponse()
-        response.read()
-        return response.status, response.getheader("x-infercache-source") or ""
+        answer = response.read()
+        return response.status, response.getheader("x-infercache-source") or "", answer
     except (OSError, http.client.HTTPException):
-        return 0, ""
+        return 0, "", b""
     finally:
         connection.close()
 
@@ -114,29 +114,13 @@ def _litellm_config(path: Path, url: str, redis_port: int) -> Path:
     return path
 
 
-class _Upstream:
-    """The upstream infercache, stoppable and started again on the same ports with the same store."""
+# The upstream's frontend counters that count the calls it answered (hits and misses), by route.
+ASKED = {"embeddings": ("frontend.hit_exact", "frontend.forwarded"),
+         "chat": ("frontend.generate_hits", "frontend.generate_forwarded")}
 
-    def __init__(self, workdir: Path) -> None:
-        self.workdir, self.models = workdir, _upstream_models(workdir / "models")
-        self.port, self.http_port = free_port(), free_port()
-        self.starts = 0
-        self.server = self.start()
 
-    def start(self) -> ServerProcess:
-        self.starts += 1
-        run = self.workdir / f"run{self.starts}"
-        run.mkdir()
-        self.server = ServerProcess(run, self.models, frontends=1, port=self.port, cache_dir=self.workdir / "cache",
-                                    engines_dir=self.workdir / "engines",
-                                    settings=(f"server.http_port={self.http_port}",))
-        return self.server
-
-    def calls(self) -> dict[str, int]:
-        """Calls the upstream has answered, by route (its hits and its misses)."""
-        counters = self.server.stats().frontend.counters
-        return {"embeddings": counters["frontend.hit_exact"] + counters["frontend.forwarded"],
-                "chat": counters["frontend.generate_hits"] + counters["frontend.generate_forwarded"]}
+def _calls(upstream: UpstreamServer) -> dict[str, int]:
+    return {route: upstream.asked(*counters) for route, counters in ASKED.items()}
 
 
 def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
@@ -148,7 +132,10 @@ def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
         return {"skipped": env}
     sizes = SIZES[trial]
     processes = os.cpu_count() or 1
-    upstream = _Upstream(workdir / "upstream")
+    (workdir / "upstream").mkdir()
+    upstream = UpstreamServer(workdir / "upstream", _upstream_models(workdir / "upstream" / "models"),
+                              workdir / "upstream" / "engines")
+    upstream.start()
     url = f"http://127.0.0.1:{upstream.http_port}/v1"
     redis = RedisProcess(workdir)
     litellm_port, front_http = free_port(), free_port()
@@ -186,7 +173,7 @@ def bench_upstream(workdir: Path, rounds: int, trial: str) -> dict:
     return report
 
 
-def _hits(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int, run: str) -> tuple[dict, list[bytes]]:
+def _hits(targets: dict[str, int], upstream: UpstreamServer, sizes: dict, rounds: int, run: str) -> tuple[dict, list[bytes]]:
     routes = {"embeddings": [_embedding(f"{run} a text to embed, number {i}") for i in range(sizes["texts"])],
               "chat": [_chat(f"{run} question {i}: how do I change my card's PIN?") for i in range(sizes["questions"])]}
     for port in targets.values():  # each cache's misses, then its entries (infercache stores behind the reply)
@@ -196,7 +183,7 @@ def _hits(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int
     for requests in routes.values():
         _settled(targets["infercache"], requests[-1])
     time.sleep(1.0)  # (LiteLLM writes Redis behind its reply too)
-    before = upstream.calls()
+    before = _calls(upstream)
     runs: dict = {route: {name: {c: [] for c in CALLERS} for name in targets} for route in routes}
     for _ in range(rounds):
         for route, requests in routes.items():
@@ -205,7 +192,7 @@ def _hits(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int
                     result = uvloop.run(run_http_load("127.0.0.1", port, requests, concurrency=callers,
                                                       total=sizes[callers]))
                     runs[route][name][callers].append(result.summary())
-    after = upstream.calls()
+    after = _calls(upstream)
     out: dict = {"upstream_calls_during": {route: after[route] - before[route] for route in routes}}
     for route in routes:
         out[route] = {name: {str(c): _median(runs[route][name][c]) for c in CALLERS} for name in targets}
@@ -213,7 +200,7 @@ def _hits(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int
 
 
 def _answered(port: int, request: bytes) -> None:
-    status, _ = _exchange(port, request)
+    status, _, _ = _exchange(port, request)
     if status != 200:
         raise RuntimeError(f"the server on port {port} answered {status or 'nothing'} to {request[-120:]!r}")
 
@@ -234,22 +221,22 @@ def _median(summaries: list[dict]) -> dict:
             "errors": sum(s["errors"] for s in summaries), "rounds": [s["p50_ms"] for s in summaries]}
 
 
-def _identical(targets: dict[str, int], upstream: _Upstream, run: str) -> dict:
+def _identical(targets: dict[str, int], upstream: UpstreamServer, run: str) -> dict:
     out: dict = {}
     for route, make in (("embeddings", _embedding), ("chat", _chat)):
         out[route] = {}
         for name, port in targets.items():
             request = make(f"{run} {IDENTICAL} callers ask this at once through {name}: what is my balance?")
-            before = upstream.calls()[route]
+            before = _calls(upstream)[route]
             result = uvloop.run(run_http_load("127.0.0.1", port, [request], concurrency=IDENTICAL, total=IDENTICAL))
             time.sleep(0.2)
             out[route][name] = {"calls": IDENTICAL, "errors": result.errors,
-                                "upstream_calls": upstream.calls()[route] - before,
+                                "upstream_calls": _calls(upstream)[route] - before,
                                 "p50_ms": result.summary()["p50_ms"]}
     return out
 
 
-def _overhead(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds: int, run: str) -> dict:
+def _overhead(targets: dict[str, int], upstream: UpstreamServer, sizes: dict, rounds: int, run: str) -> dict:
     """Embedding misses at each cache (each its own texts, cached upstream first) against the same calls
     straight to the upstream (its hits), one caller."""
     ports = {"direct": upstream.http_port, **targets}
@@ -270,13 +257,13 @@ def _overhead(targets: dict[str, int], upstream: _Upstream, sizes: dict, rounds:
             for name, values in p50.items()}
 
 
-def _down(targets: dict[str, int], upstream: _Upstream, cached: list[bytes], seconds: float, run: str) -> dict:
+def _down(targets: dict[str, int], upstream: UpstreamServer, cached: list[bytes], seconds: float, run: str) -> dict:
     out: dict = {name: {} for name in targets}
     assert upstream.server.stop() == 0
     for name, port in targets.items():
         answered, errors = uvloop.run(run_http_for("127.0.0.1", port, cached, concurrency=4, seconds=seconds))
         began = time.monotonic()
-        status, _ = _exchange(port, _embedding(f"{run} a miss while the upstream is down ({name})"))
+        status, _, _ = _exchange(port, _embedding(f"{run} a miss while the upstream is down ({name})"))
         out[name].update(repeated_calls=answered + errors, repeated_answered_share=round(answered / max(1, answered + errors), 4),
                          miss_status=status, miss_answered_in_s=round(time.monotonic() - began, 3))
     upstream.start()
@@ -341,17 +328,10 @@ def _conversation(port: int, model: str, name: str, turns: int) -> None:
     messages = [{"role": "system", "content": system}]
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn}: what happens to my card payment number {turn}?"})
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        try:
-            connection.request("POST", "/v1/chat/completions", json.dumps(
-                {"model": model, "messages": messages, "max_tokens": TURN_TOKENS, "temperature": 0}),
-                {"content-type": "application/json"})
-            response = connection.getresponse()
-            body = response.read()
-        finally:
-            connection.close()
-        if response.status != 200:
-            raise RuntimeError(f"a conversation's turn answered {response.status}: {body[:300]!r}")
+        status, _, body = _exchange(port, post("/v1/chat/completions", json.dumps(
+            {"model": model, "messages": messages, "max_tokens": TURN_TOKENS, "temperature": 0}).encode()), 120)
+        if status != 200:
+            raise RuntimeError(f"a conversation's turn answered {status or 'nothing'}: {body[:300]!r}")
         messages.append({"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]})
 
 

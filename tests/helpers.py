@@ -63,6 +63,20 @@ def link_model(root: Path, name: str, config: str, versions: dict[str, Path]) ->
     return root / name
 
 
+def serving_upstream(tmp_path_factory, engines_dir: Path, token: str, model: str, config: str, version_dir: Path):
+    """A test module's upstream infercache serving `model` (tests/servers.py UpstreamServer), started, then
+    stopped once the module is done: a module fixture's body (`yield from`)."""
+    from tests.servers import UpstreamServer
+
+    models = tmp_path_factory.mktemp("upstream-models")
+    link_model(models, model, config, {"1": version_dir})
+    upstream = UpstreamServer(tmp_path_factory.mktemp("upstream"), models, engines_dir, token)
+    upstream.start()
+    yield upstream
+    if upstream.server is not None:
+        upstream.server.stop()
+
+
 def worker_counters(server) -> dict[str, int]:
     """Every worker's GetStats counters, summed by name."""
     counters: dict[str, int] = {}

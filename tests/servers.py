@@ -130,15 +130,18 @@ class ServerProcess:
 
 
 class UpstreamServer:
-    """An infercache that other servers call as their upstream: tokens on (`token` a client's, `token`-admin
-    an admin's), its HTTP door on, stopped and started again on the same ports with the same store."""
+    """An infercache that other servers call as their upstream (the tests' and the bench's), one frontend,
+    its HTTP door on, stopped and started again on the same ports with the same store; with `token`, tokens
+    on (`token` a client's, `token`-admin an admin's)."""
 
-    def __init__(self, workdir: Path, models: Path, engines_dir: Path, token: str) -> None:
+    def __init__(self, workdir: Path, models: Path, engines_dir: Path, token: str | None = None) -> None:
         self.workdir, self.models, self.engines_dir, self.token = workdir, models, engines_dir, token
         self.grpc_port, self.http_port = free_port(), free_port()
-        tokens = workdir / "tokens.yaml"
-        tokens.write_text(f"- {{token: {token}, role: client}}\n- {{token: {token}-admin, role: admin}}\n")
-        self.settings = (f"security.tokens_file={tokens}", f"server.http_port={self.http_port}")
+        self.settings: tuple[str, ...] = (f"server.http_port={self.http_port}",)
+        if token is not None:
+            tokens = workdir / "tokens.yaml"
+            tokens.write_text(f"- {{token: {token}, role: client}}\n- {{token: {token}-admin, role: admin}}\n")
+            self.settings += (f"security.tokens_file={tokens}",)
         self.server: ServerProcess | None = None
         self.starts = 0
 
@@ -148,7 +151,8 @@ class UpstreamServer:
         workdir.mkdir()
         self.server = ServerProcess(workdir, self.models, engines_dir=self.engines_dir, frontends=1,
                                     cache_dir=self.workdir / "cache", settings=self.settings,
-                                    client_options={"token": self.token + "-admin"}, port=self.grpc_port)
+                                    client_options={"token": self.token + "-admin"} if self.token else None,
+                                    port=self.grpc_port)
         return self.server
 
     def asked(self, *counters: str) -> int:

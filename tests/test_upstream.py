@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, unique, wait_cached, wait_for
-from tests.servers import ServerProcess, UpstreamServer, free_port
+from tests.helpers import serving_upstream, unique, wait_cached, wait_for
+from tests.servers import ServerProcess, free_port
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
 KINDS = ("infercache", "openai", "kserve")
@@ -39,13 +39,7 @@ def _front_config(kind: str, grpc_port: int, http_port: int, cache: dict | None 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory, engines_dir):
-    models = tmp_path_factory.mktemp("upstream-models")
-    link_model(models, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
-    found = UpstreamServer(tmp_path_factory.mktemp("upstream"), models, engines_dir, TOKEN)
-    found.start()
-    yield found
-    if found.server is not None:
-        found.server.stop()
+    yield from serving_upstream(tmp_path_factory, engines_dir, TOKEN, "minilm", MINILM_CONFIG, MODEL_VERSION_DIR)
 
 
 @pytest.fixture(scope="module")

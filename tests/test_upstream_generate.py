@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from infercache.v1 import infercache_pb2 as pb
-from tests.helpers import link_model, unique, wait_for
-from tests.servers import ServerProcess, UpstreamServer, free_port
+from tests.helpers import serving_upstream, unique, wait_for
+from tests.servers import ServerProcess, free_port
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
@@ -32,13 +32,7 @@ GENERATIONS_ASKED = ("frontend.generate_hits", "frontend.generate_forwarded")  #
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory, engines_dir):
-    models = tmp_path_factory.mktemp("upstream-models")
-    link_model(models, "smollm2", GEN_CONFIG, {"1": GEN_VERSION_DIR})
-    found = UpstreamServer(tmp_path_factory.mktemp("upstream"), models, engines_dir, TOKEN)
-    found.start()
-    yield found
-    if found.server is not None:
-        found.server.stop()
+    yield from serving_upstream(tmp_path_factory, engines_dir, TOKEN, "smollm2", GEN_CONFIG, GEN_VERSION_DIR)
 
 
 @pytest.fixture(scope="module")
