@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.servers import REPO
+from harness.servers import REPO
 
 # The Banking77 train split (bench/data/banking77/: its licence and source beside it). BENCH_BANKING77 names
 # another copy (not an INFERCACHE_ variable: the server reads those as settings).

@@ -29,9 +29,9 @@ import grpc
 
 from bench import BANKING77, banking77_missing
 from bench.load import minilm_only
-from tests.helpers import link_model
-from tests.servers import REPO, ServerProcess, free_port
-from tests.prometheus_server import PrometheusProcess
+from harness.servers import link_model
+from harness.servers import REPO, ServerProcess, free_port
+from harness.prometheus_server import PrometheusProcess
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))
 from render import render  # noqa: E402

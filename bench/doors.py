@@ -30,10 +30,11 @@ from bench import echo
 from bench.gpu import load_one
 from bench.http_load import post, run_http_load
 from bench.load import INFER, run_raw_load, warm
+from bench.sections import Run
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
-from tests.helpers import link_model
-from tests.servers import REPO, ServerProcess, free_port
+from harness.servers import link_model
+from harness.servers import REPO, ServerProcess, free_port
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 HITS = 200  # distinct texts, each a cached entry
@@ -203,3 +204,11 @@ def print_doors(report: dict) -> None:
           f"native ({'met' if met['kserve_p50'] else 'not met'})")
     for name, why in report.get("stacks_skipped", {}).items():
         print(f"  stack {name} skipped: {why}")
+
+
+def section(run: Run) -> None:
+    print("benchmarking the doors (OpenAI-compatible HTTP, KServe v2) on exact hits ...", flush=True)
+    (run.workdir / "doors").mkdir()
+    run.report["doors"] = bench_doors(run.workdir / "doors", run.texts, run.rounds, run.quick)
+    run.save()
+    print_doors(run.report["doors"])

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from infercache.v1 import infercache_pb2 as pb
-from tests.servers import free_port
+from harness.servers import free_port
 from infercache.v1 import infercache_pb2_grpc
 from server.shared import process
 

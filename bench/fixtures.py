@@ -14,7 +14,7 @@ import grpc
 from bench import BANKING77, banking77_missing
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from tests.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess
 
 
 INFER_BATCH = "/infercache.v1.InferenceCache/InferBatch"
@@ -89,6 +89,19 @@ def make_gpu_models(root: Path, on_gpu: bool) -> Path:
         write_torch_source(target, BERT_BASE, module.state_dict())
     return root
 
+
+
+def make_models(root: Path) -> Path:
+    """minilm as shipped, and minilm-b1: the same weights with max_batch_size 1 (the no-batching baseline)."""
+    source = REPO / "models" / "minilm"
+    for name, batch in (("minilm", None), ("minilm-b1", 1)):
+        (root / name).mkdir(parents=True)
+        config = (source / "config.yaml").read_text()
+        if batch is not None:
+            config = config.replace("max_batch_size: 32", f"max_batch_size: {batch}")
+        (root / name / "config.yaml").write_text(config)
+        (root / name / "1").symlink_to(source / "1")
+    return root
 
 
 def load_texts() -> list[str]:

@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 from bench.load import minilm_only, run_load, warm
-from tests import redis_servers
-from tests.servers import ServerProcess
+from bench.sections import Run
+from harness import redis_servers
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.normalize import DEFAULT_STEPS, Normalizer
 
@@ -219,3 +220,10 @@ def print_fleet(report: dict) -> None:
         f = key_filter["filter"]
         print(f"  the filter: {f['mib_per_million_keys']} MiB per million keys at {f['fp_rate_configured']} "
               f"configured; measured false positives {f['fp_rate_measured']}; a lookup {f['lookup_us']} us")
+
+
+def section(run: Run) -> None:
+    print("benchmarking the fleet tier (two pods on one Redis) ...", flush=True)
+    run.report["fleet"] = bench_fleet(run.workdir / "fleet", run.texts, run.scale)
+    run.save()
+    print_fleet(run.report["fleet"])

@@ -20,8 +20,9 @@ import grpc
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from tests.helpers import link_model
-from tests.servers import REPO, ServerProcess
+from harness.servers import link_model
+from harness.servers import REPO, ServerProcess
+from bench.sections import Run
 
 GEN_DIR = REPO / "models" / "smollm2" / "1"
 NEW_TOKENS = 128
@@ -188,3 +189,23 @@ def print_generate(report: dict) -> None:
     print(f"generate hits: a {hits['answer_tokens']}-token answer whole {hits['whole_answer_p50_ms']} ms p50 vs an "
           f"embedding exact hit {hits['embedding_exact_hit_p50_ms']} ms ({hits['ratio_to_embedding_hit']}x); hit TTFT "
           f"{hits['ttft_p50_ms']} ms, miss TTFT {hits['miss_ttft_over_hit_ttft']}x that")
+
+
+def section(run: Run) -> None:
+    from bench.probes import gpu_available
+
+    if gpu_available():
+        from bench.generate_gpu import bench_generate_gpu, print_generate_gpu
+
+        print("benchmarking generation on the GPU (the server against the engine's raw decode loop) ...", flush=True)
+        run.report["generate"] = {}
+        bench_generate_gpu(run.workdir / "generate", run.rounds, run.quick, tuple(run.args.generate_models.split(",")),
+                           report=run.report["generate"], checkpoint=run.save)
+        run.save()
+        print_generate_gpu(run.report["generate"])
+        return
+    print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
+    run.report["generate"] = bench_generate(run.workdir / "generate", run.texts, run.rounds, run.quick,
+                                            **({"new_tokens": 8} if run.dry else {}))
+    run.save()
+    print_generate(run.report["generate"])

@@ -228,7 +228,7 @@ def wave_figures(calls: list[dict]) -> dict:
 def bench_server(root: Path, workdir: Path, name: str, streams: tuple[int, ...], rounds: int, vocab: int,
                  frontends: int = 8) -> dict:
     from bench.probes import GpuSampler, cpu_seconds, server_roles
-    from tests.servers import ServerProcess
+    from harness.servers import ServerProcess
 
     workdir.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(workdir, root, frontends=frontends, settings=("server.drain_s=5",), wait=False)

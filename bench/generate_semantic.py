@@ -36,12 +36,13 @@ import numpy as np
 
 from bench import BANKING77, proportion
 from bench.peers import close_gptcache, open_gptcache
+from bench.sections import Run
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
 from server.worker import label_calibration
 from server.worker.label_calibration import LABEL_CALIBRATION_FILE, same_label
-from tests.helpers import settled, worker_counters
-from tests.servers import REPO, ServerProcess
+from harness.servers import settled, worker_counters
+from harness.servers import REPO, ServerProcess
 
 SEED = 7
 MAX_ERROR = 0.01
@@ -305,3 +306,13 @@ def print_generate_semantic(report: dict) -> None:
         print(f"  gptcache {threshold}: hit rate {row['hit_rate']}; {fidelity(row)}")
     print(f"  comparison: {report['comparison']}")
     print(f"  latency: {report.get('latency')}")
+
+
+def section(run: Run) -> None:
+    print("benchmarking semantic answers for generated text against GPTCache (Banking77, SmolLM2) ...", flush=True)
+    (run.workdir / "generate-semantic").mkdir()
+    dry = {"rows": 100, "latency_calls": 2, "judge_limit": 500} if run.dry else {}
+    run.report["generate_semantic"] = bench_generate_semantic(run.workdir / "generate-semantic",
+                                                              run.quick and not run.dry, **dry)
+    run.save()
+    print_generate_semantic(run.report["generate_semantic"])

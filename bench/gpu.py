@@ -32,7 +32,8 @@ from bench.fixtures import (INFER_BATCH, batch_payloads, distinct_texts, first_s
                             single_payloads)
 from bench.load import INFER, run_load_processes
 from bench.probes import gpu_available, measured, writers_caught_up
-from tests.servers import REPO, ServerProcess
+from bench.sections import Run
+from harness.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 T = TypeVar("T")
@@ -433,3 +434,16 @@ def print_gpu(report: dict) -> None:
               f"{row['start_to_ready_s']} s, full speed {row['start_to_full_speed_s']} s, engines built "
               f"{row['engines_built_at_start']}; worker phases {[w['start_seconds'] for w in row['workers']]}")
     print(f"  ratios {report['ratios']}")
+
+
+def section(run: Run) -> None:
+    print("benchmarking the GPU path ...", flush=True)
+    run.report["gpu"] = {}
+    args = run.args
+    bench_gpu(run.workdir, run.texts, run.report["gpu"], quick=run.quick, parts=tuple(args.gpu_parts.split(",")),
+              workers=tuple(int(n) for n in args.gpu_workers.split(",")),
+              callers=tuple(int(n) for n in args.gpu_callers.split(",")),
+              rounds=args.rounds or (1 if run.dry else ALTERNATING_ROUNDS), checkpoint=run.save,
+              seconds=0.5 if run.dry else None)
+    run.save()
+    print_gpu(run.report["gpu"])

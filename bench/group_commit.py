@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.probes import cpu_seconds
+from bench.sections import Run
 from cachestore import records
 from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
@@ -127,3 +128,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def section(run: Run) -> None:
+    print("benchmarking group commit (the writer process at paced put rates) ...", flush=True)
+    (run.workdir / "commit").mkdir()
+    run.report["group_commit"] = bench_group_commit(run.workdir / "commit", run.rounds,
+                                                    0.5 if run.dry else 2.0 if run.quick else 5.0)
+    run.save()
+    print_group_commit(run.report["group_commit"])

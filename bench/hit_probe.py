@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server import config as settings
 from server.frontend.core import FrontendCore

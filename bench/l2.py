@@ -36,7 +36,8 @@ import numpy as np
 from bench import BANKING77
 from bench.load import run_each_once
 from bench.native_load import loadgen, run_each_once_native
-from tests.servers import REPO, ServerProcess
+from bench.sections import Run
+from harness.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.normalize import Normalizer
 
@@ -410,3 +411,17 @@ def print_l2(result: dict) -> None:
               f"{d['gather_us']} us, gather + head {d['gather_and_head_us']} us | the head on {d['batch']} host "
               f"features (copied in): {d['head_on_host_features_us']} us |")
     print(json.dumps(result.get("engines", [])))
+
+
+def section(run: Run) -> None:
+    from server.shared.devices import GPU_RUNTIMES, visible_gpus
+
+    print("benchmarking the feature tier (L2) ...", flush=True)
+    settings = tuple(filter(None, run.args.l2_settings.split(",")))
+    runtime = next((s.split("=", 1)[1] for s in settings if s.startswith("engines.runtime=")), "auto")
+    run.report["l2"] = {}
+    bench_l2(run.workdir / "l2", run.rounds, run.quick, run.report["l2"], settings=settings,
+             gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=run.save,
+             generator=run.args.load_generator, dry=run.dry)
+    run.save()
+    print_l2(run.report["l2"])

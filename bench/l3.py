@@ -10,11 +10,12 @@ from pathlib import Path
 import onnxruntime as ort
 
 from cachestore.engine_store import EngineStore
-from tests.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess
 from server.engines.artifacts import get_runtime, prepare
 from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine
 from server.shared.models import load_model
+from bench.sections import Run
 
 
 def _timed(fn) -> float:
@@ -87,3 +88,10 @@ def print_l3(result: dict) -> None:
     start = result["server_start_to_ready"]
     print(f"  server start to ready            {start['empty_store_s']:7.3f}   {start['warm_store_s']:7.3f}   "
           f"{start['speedup']}x  (empty vs warm engine store)")
+
+
+def section(run: Run) -> None:
+    print("benchmarking the L3 engine store ...", flush=True)
+    run.report["l3_engines"] = bench_l3(run.workdir, run.models, run.rounds)
+    run.save()
+    print_l3(run.report["l3_engines"])

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from bench.l2 import CALLERS, LOAD_PROCESSES, _requests, distinct_texts
 from bench.load import minilm_only, run_each_once
-from tests.servers import ServerProcess
+from bench.sections import Run
+from harness.servers import ServerProcess
 
 VARIANTS = {"groups": (), "buckets": ("server.length_groups=false",)}
 
@@ -66,3 +67,11 @@ def print_length_groups(result: dict) -> None:
           f"| {buckets['throughput_rps']:.0f} |")
     print(f"| p50 / p99 | {groups['p50_ms']:.0f} / {groups['p99_ms']:.0f} ms | {buckets['p50_ms']:.0f} / "
           f"{buckets['p99_ms']:.0f} ms |")
+
+
+def section(run: Run) -> None:
+    print("benchmarking batches by length group against by bucket (ONNX Runtime misses) ...", flush=True)
+    run.report["length_groups"] = {}
+    bench_length_groups(run.workdir / "groups", run.rounds, run.quick, run.report["length_groups"], checkpoint=run.save)
+    run.save()
+    print_length_groups(run.report["length_groups"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from tests.servers import REPO
+from harness.servers import REPO
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 

@@ -23,8 +23,9 @@ from pathlib import Path
 from bench import cores
 from bench.load import minilm_only, run_load, warm
 from bench.security import HITS, frontend_cpu_us_per_hit
-from tests import prometheus_server
-from tests.servers import ServerProcess, free_port
+from bench.sections import Run
+from harness import prometheus_server
+from harness.servers import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 
 
@@ -191,3 +192,10 @@ def print_metrics_cost(report: dict) -> None:
     rec = report["recording_in_process"]
     print(f"  the hit path in one process (no gRPC): off {rec['us_per_hit_off']} us, on {rec['us_per_hit_on']} us: "
           f"recording adds {rec['added_us_per_hit']} us per hit")
+
+
+def section(run: Run) -> None:
+    print("benchmarking /metrics on vs off on exact hits ...", flush=True)
+    run.report["metrics_cost"] = bench_metrics_cost(run.workdir / "metrics", run.texts, run.rounds, run.scale)
+    run.save()
+    print_metrics_cost(run.report["metrics_cost"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.load import CHANNELS_PER_PROCESS, INFER, LoadResult, answered_sources
-from tests.servers import REPO
+from harness.servers import REPO
 from infercache.v1 import infercache_pb2 as pb
 
 NATIVE = Path(__file__).with_name("native")  # C++ sources: loadgen.cc, floor.cc
@@ -95,7 +95,7 @@ def run_each_once_native(binary: Path, address: str, requests: list[pb.InferRequ
 
 def start_floor(binary: Path, answer: bytes, workdir: Path) -> tuple[str, subprocess.Popen]:
     """bench/native/floor.cc answering every call with `answer`: (address, process) once it listens."""
-    from tests.servers import free_port
+    from harness.servers import free_port
 
     workdir.mkdir(parents=True, exist_ok=True)
     answer_file = workdir / "floor-answer"

@@ -33,7 +33,8 @@ import numpy as np
 from bench import echo
 from bench.probes import cpu_during, frontend_pids
 from bench.load import minilm_only
-from tests.servers import ServerProcess, free_port
+from bench.sections import Run
+from harness.servers import ServerProcess, free_port
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.config import Config
@@ -178,3 +179,11 @@ def print_overload(report: dict) -> None:
     print(f"  refused by one of the frontends: {report['refused_by_one_frontend']}, by the worker: "
           f"{report['refused_by_worker']} on arrival and {report['worker_batcher'].get('shed', 0)} shed from its "
           f"queue; mean batch {report['mean_batch']}")
+
+
+def section(run: Run) -> None:
+    print("benchmarking overload (misses at once against one worker) ...", flush=True)
+    run.report["overload"] = bench_overload(run.workdir / "overload", run.texts, run.scale, run.args.overload_deadline,
+                                            tuple(filter(None, run.args.overload_settings.split(","))))
+    run.save()
+    print_overload(run.report["overload"])

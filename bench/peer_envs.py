@@ -16,7 +16,7 @@ from typing import Callable
 
 import psutil
 
-from tests.servers import REPO
+from harness.servers import REPO
 
 ROOT = REPO / "build" / "peers"
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import BANKING77, proportion
+from bench.sections import Run
 from server.shared.normalize import Normalizer
-from tests.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)
 HOLDOUT = 5
@@ -190,3 +191,29 @@ def print_peers(report: dict) -> None:
         print(f"  {theirs['package']} at {threshold}: {row['hit_rate']:.1%}, fidelity {row['fidelity']['rate']} "
               f"{row['fidelity']['interval95']}")
     print(f"  comparison: {semantic['comparison']}; GPTCache hit p50 {theirs.get('hit_p50_ms')}")
+
+
+def section(run: Run) -> None:
+    """The parts --peers-parts names: hits (against Triton's response cache), infinity (misses), semantic."""
+    parts = set(run.args.peers_parts.split(","))
+    report = run.report["peers"] = {}
+    if "hits" in parts:
+        from bench.peers_hits import bench_peers_hits, print_peers_hits
+
+        print("benchmarking exact hits against Triton's response cache ...", flush=True)
+        report["hits"] = bench_peers_hits(run.workdir / "peers-hits", run.texts, run.rounds, run.quick, dry=run.dry)
+        run.save()
+        print_peers_hits(report["hits"])
+    if "infinity" in parts:
+        from bench.peers_infinity import bench_peers_infinity, minilm_source, print_peers_infinity
+
+        print("benchmarking misses against infinity ...", flush=True)
+        report["infinity"] = bench_peers_infinity(run.workdir / "peers-infinity", run.texts, minilm_source(),
+                                                  max(2, run.rounds), run.quick)
+        run.save()
+        print_peers_infinity(report["infinity"])
+    if "semantic" in parts:
+        print("benchmarking semantic hits against GPTCache (Banking77) ...", flush=True)
+        report["semantic"] = bench_peers_semantic(run.models, run.workdir / "peers", run.quick, dry=run.dry)
+        run.save()
+        print_peers(report)

@@ -39,8 +39,8 @@ from bench.triton_peer import CACHE_BYTES, TritonPeer
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.normalize import Normalizer
-from tests.helpers import link_model
-from tests.servers import REPO, ServerProcess
+from harness.servers import link_model
+from harness.servers import REPO, ServerProcess
 
 HITS = 200  # distinct texts, each a cached entry in both servers
 GOALS = {"p50_ratio_max": 1.2, "throughput_ratio_min": 1.0}  # infercache against Triton, at 1 / 32 callers

@@ -23,7 +23,7 @@ from bench.fixtures import distinct_texts, make_gpu_models
 from bench.http_load import post, run_http_processes
 from bench.peer_envs import INFINITY, PeerEnv, PeerServer, infinity_env
 from bench.probes import cpu_during, gpu_available, server_roles
-from tests.servers import REPO, ServerProcess, free_port
+from harness.servers import REPO, ServerProcess, free_port
 
 GOALS = {"single_ratio_min": 1.5, "batch32_ratio_min": 1.0}  # infercache's texts/s over infinity's
 SHAPES = {"single": (1, 32), "batch32": (32, 4)}  # texts per call, calls in flight per load process

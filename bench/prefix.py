@@ -32,8 +32,9 @@ import grpc
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from bench.generate_gpu import fan_out, model_config
-from tests.helpers import link_model
-from tests.servers import REPO, ServerProcess
+from bench.sections import Run
+from harness.servers import link_model
+from harness.servers import REPO, ServerProcess
 
 NO_STORE = pb.CachePolicy(mode=pb.CachePolicy.NO_STORE)
 
@@ -371,3 +372,17 @@ def print_prefix(report: dict) -> None:
               f"wall on/off {report['no_reuse']['wall_ratio_on_off']}")
         print(f"conversations: mean TTFT ms {report['conversations']['mean_ttft_ms']}, off/on "
               f"{report['conversations']['off_over_on']}x")
+
+
+def section(run: Run) -> None:
+    from bench.probes import gpu_available
+
+    print("benchmarking the prefix cache ...", flush=True)
+    if gpu_available():
+        run.report["prefix"] = {}
+        bench_prefix_gpu(run.workdir / "prefix", run.rounds, run.quick, run.report["prefix"], checkpoint=run.save,
+                         parts=tuple(run.args.prefix_parts.split(",")))
+    else:
+        run.report["prefix"] = bench_prefix_cpu(run.workdir / "prefix", run.rounds, run.quick)
+    run.save()
+    print_prefix(run.report["prefix"])

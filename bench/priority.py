@@ -27,7 +27,7 @@ from bench import default_out, recorded
 from bench.fixtures import load_texts
 from bench.load import minilm_only, run_each_once, run_load
 from bench.overload import bench_overload
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 MISS_CALLERS, HIT_TEXTS, HITS = 32, 300, 600

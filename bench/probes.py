@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from infercache.v1 import infercache_pb2 as pb
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 
 T = TypeVar("T")
 

@@ -37,7 +37,8 @@ import yaml
 from bench import cores
 from bench.probes import cpu_during, frontend_pids
 from bench.load import minilm_only, run_load, warm
-from tests.servers import ServerProcess
+from bench.sections import Run
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 HITS = 200
@@ -174,3 +175,12 @@ def print_security(report: dict) -> None:
     red = report["redaction"]
     print(f"redaction on {red['texts']} Banking77 texts: {red['redact_step_us']} us per text for the step; normalizer "
           f"{red['normalizer_us']} -> {red['normalizer_with_redaction_us']} us; {red['texts_changed']} texts changed")
+
+
+def section(run: Run) -> None:
+    print("benchmarking auth + encryption + redaction on the hit path ...", flush=True)
+    run.report["security"] = {"hit_path": bench_hit_path(run.workdir / "security", run.texts, 2 * run.rounds - 1,
+                                                         run.scale),
+                              "redaction": bench_redaction(run.texts)}
+    run.save()
+    print_security(run.report["security"])

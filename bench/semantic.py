@@ -12,12 +12,13 @@ import numpy as np
 
 from bench import BANKING77
 from bench.load import run_load
+from bench.sections import Run
 from cachestore import records
 from cachestore.env import Store, StoreSettings
 from cachestore.keys import Namespace, entry_key
 from cachestore.semantic_log import SemanticEntry
 from cachestore.writer import WriteBehind
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.answers import to_tensors
 from server.shared.normalize import Normalizer
@@ -203,3 +204,24 @@ def print_semantic(result: dict) -> None:
             r = rb[label]
             print(f"  {label:<14} {r['rebuild_s']:7.2f} s; exact hit p50 {r['exact_hit_p50_ms_during_rebuild']} ms "
                   f"during, {r['exact_hit_p50_ms_after']} ms after")
+
+
+def section(run: Run) -> None:
+    from bench.shadow import bench_shadow, print_shadow
+
+    print("benchmarking the semantic tier (Banking77 held-out and novel-label replays, index rebuild) ...", flush=True)
+    # --quick and --dry-run train the head on the rows they replay (not on all 10,003) and start fewer
+    # servers (one round of each pair)
+    rows, entries = (300, 500) if run.dry else (2000, 10_000) if run.quick else (None, 100_000)
+    if rows:
+        train_banking77(run.models, limit=rows)
+    paired = run.rounds if run.quick else max(2, run.rounds)
+    run.report["semantic"] = {
+        "eval": bench_eval(run.models, run.workdir, limit=rows),
+        "rebuild": bench_rebuild(run.models, run.workdir, entries),
+        "hit_latency": bench_hit_latency(run.models, run.workdir, paired, limit=rows or 5000),
+        "shadow": bench_shadow(run.models, run.workdir, paired, limit=rows or 5000, misses=30 if run.dry else 150),
+    }
+    run.save()
+    print_semantic(run.report["semantic"])
+    print_shadow(run.report["semantic"]["shadow"])

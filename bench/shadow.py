@@ -35,7 +35,7 @@ import numpy as np
 from bench import BANKING77
 from bench.load import run_load
 from bench.semantic import banking77_with, train_banking77
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.tools.labelled_csv import read_labelled_csv

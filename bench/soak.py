@@ -43,7 +43,7 @@ from bench.fixtures import load_texts
 from bench.load import INFER
 from bench.probes import server_roles
 from bench.load import warm
-from tests.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 
 INVALIDATE = "/infercache.v1.InferenceCache/Invalidate"

@@ -25,6 +25,7 @@ import time
 from collections import Counter, defaultdict
 
 from bench import BANKING77
+from bench.sections import Run
 from cachestore.keys import entry_key, namespace_id
 from server.shared.normalize import Normalizer
 from server.shared.synonyms import Synonyms, parse, problems
@@ -162,3 +163,10 @@ def print_synonyms(report: dict) -> None:
     cost = report["normalizer_cost"]
     print(f"  normalizer per text: {cost['without']['us_per_text']} us without, {cost['with']['us_per_text']} us "
           f"with ({cost['with_over_without']}x)")
+
+
+def section(run: Run) -> None:
+    print("benchmarking synonym dictionaries (Banking77 exact hits, the normalizer's cost) ...", flush=True)
+    run.report["synonyms"] = bench_synonyms(run.rounds)
+    run.save()
+    print_synonyms(run.report["synonyms"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench.peer_envs import PeerEnv, PeerServer
 from server.shared.models import load_model
-from tests.servers import REPO, free_port
+from harness.servers import REPO, free_port
 
 CACHE_BYTES = 256 << 20
 

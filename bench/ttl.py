@@ -40,6 +40,7 @@ import numpy as np
 
 from bench.load import run_load, warm
 from bench.probes import cpu_seconds
+from bench.sections import Run
 from cachestore import records, results
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from cachestore.keys import Namespace, entry_key
@@ -48,8 +49,8 @@ from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.config import CacheSection
 from server.shared.normalize import DEFAULT_STEPS, Normalizer
-from tests import redis_servers
-from tests.servers import REPO, ServerProcess
+from harness import redis_servers
+from harness.servers import REPO, ServerProcess
 
 CLASSES = {"static": 3600, "dynamic": 30, "realtime": 0}
 HIT_TEXTS = 200          # texts a round hits, per kind of request
@@ -443,3 +444,11 @@ def print_ttl(report: dict) -> None:
             sw = row["dynamic_sweeps"]
             print(f"  {name:<15} dynamic entries swept by {sw['sweeps_that_removed']} sweeps, {sw['first_at_s']} s to "
                   f"{sw['last_at_s']} s after the first was made; most in one sweep {sw['most_in_one_sweep']}")
+
+
+def section(run: Run) -> None:
+    print("benchmarking TTL classes and expiry jitter ...", flush=True)
+    run.report["ttl"] = {}
+    bench_ttl(run.workdir / "ttl", run.texts, run.rounds, run.scale, run.report["ttl"], checkpoint=run.save)
+    run.save()
+    print_ttl(run.report["ttl"])

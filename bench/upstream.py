@@ -37,10 +37,11 @@ import yaml
 
 from bench.http_load import post, run_http_for, run_http_load
 from bench.peer_envs import PeerServer, litellm_env
-from tests.helpers import link_model, worker_counters
-from tests.redis_servers import RedisProcess
-from tests.redis_servers import available as redis_missing
-from tests.servers import REPO, ServerProcess, UpstreamServer, free_port
+from bench.sections import Run
+from harness.servers import link_model, worker_counters
+from harness.redis_servers import RedisProcess
+from harness.redis_servers import available as redis_missing
+from harness.servers import REPO, ServerProcess, UpstreamServer, free_port
 
 TARGETS = {"hit_p50_ratio_max": 0.5, "hit_throughput_ratio_min": 3.0, "identical_misses_upstream_calls": 1,
            "miss_overhead_ms_max": 1.0}
@@ -383,3 +384,11 @@ def print_upstream(report: dict) -> None:
         print(f"  upstream down, {name}: {row['repeated_answered_share']:.1%} of {row['repeated_calls']} repeated calls "
               f"answered; a miss: status {row['miss_status']} in {row['miss_answered_in_s']} s; first miss after "
               f"it returned: {row['first_miss_after_return_s']} s")
+
+
+def section(run: Run) -> None:
+    print("benchmarking infercache in front of an upstream server against LiteLLM's proxy cache ...", flush=True)
+    (run.workdir / "upstream").mkdir()
+    run.report["upstream"] = bench_upstream(run.workdir / "upstream", run.rounds, run.size)
+    run.save()
+    print_upstream(run.report["upstream"])

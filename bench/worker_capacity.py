@@ -21,8 +21,9 @@ import numpy as np
 
 from bench.fixtures import make_gpu_models
 from bench.probes import _task_children, cpu_seconds
+from bench.sections import Run
 from cachestore.keys import entry_key, namespace_id
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import worker_pb2
 from server.shared.framing import HEADER, complete_frames
 
@@ -151,3 +152,14 @@ def print_worker_capacity(reports: dict) -> None:
             print(f"  {name:<26} {row['items_per_s']:>8} items/s  worker {row['worker_cores']} cores "
                   f"({row['worker_us_per_item']} us/item)  writer process {row['writer_process_cores']} cores")
         print(f"  stored / not stored: {report['stored_vs_not_stored']}")
+
+
+def section(run: Run) -> None:
+    from bench.probes import gpu_available
+
+    print("benchmarking one worker's capacity (items straight to its socket) ...", flush=True)
+    seconds = 0.5 if run.dry else 2.0 if run.quick else 5.0
+    run.report["worker_capacity"] = bench_worker_capacity(run.workdir / "worker", seconds,
+                                                          ("null", "torch-cuda") if gpu_available() else ("null",))
+    run.save()
+    print_worker_capacity(run.report["worker_capacity"])

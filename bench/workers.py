@@ -21,7 +21,8 @@ from bench import ratio
 from bench.fixtures import INFER_BATCH, batch_payloads, distinct_texts, long_texts, make_gpu_models
 from bench.probes import gpu_available, measured
 from bench.load import run_load_processes
-from tests.servers import ServerProcess
+from bench.sections import Run
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.devices import visible_gpus
 
@@ -139,3 +140,12 @@ def print_workers(report: dict) -> None:
     print(f"  kill -9 of worker 1 under load: {kill['calls']} calls ok, errors {kill['error_codes']}, "
           f"p99 {kill['p99_ms']} ms, max {kill['max_ms']} ms (deadline {kill['deadline_s']} s); restarted {kill.get('restarted')}, "
           f"computed after it {kill.get('restarted_worker_computed_after')}")
+
+
+def section(run: Run) -> None:
+    print("benchmarking one worker against two, and a kill -9 of one ...", flush=True)
+    run.report["workers"] = {}
+    bench_workers(run.workdir, run.texts, run.report["workers"], quick=run.quick, checkpoint=run.save,
+                  seconds=0.5 if run.dry else None)
+    run.save()
+    print_workers(run.report["workers"])

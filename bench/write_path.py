@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench.sections import Run
 
 RECORD_BYTES = 1600
 EMBEDDING_DIMS = 384
@@ -256,3 +257,12 @@ def print_write_path(result: dict) -> None:
 
 if __name__ == "__main__":  # a baseline's run: python bench/write_path.py STORE PUTS READ_S (imports from its tree)
     print(json.dumps(asyncio.run(_writer_run(Path(sys.argv[1]), 0.0, int(sys.argv[2]), float(sys.argv[3])))))
+
+
+def section(run: Run) -> None:
+    print("benchmarking the write path (the writer process flat out, against py-lmdb's ceiling) ...", flush=True)
+    (run.workdir / "write").mkdir()
+    run.report["write_path"] = bench_write_path(run.workdir / "write", run.rounds, run.quick,
+                                                baseline=run.args.write_baseline)
+    run.save()
+    print_write_path(run.report["write_path"])

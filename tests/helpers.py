@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from cachestore import records
+from harness.servers import UpstreamServer, link_model
 from infercache.client import Client, Result
 
 
@@ -54,20 +55,9 @@ def reseal_crc(raw: bytes) -> bytes:
     return records.HEADER.pack(version, flags, kid, zlib.crc32(payload), created, expires) + payload
 
 
-def link_model(root: Path, name: str, config: str, versions: dict[str, Path]) -> Path:
-    """A model in a test repository: `config` as its config.yaml, each version a link to existing files."""
-    (root / name).mkdir(parents=True)
-    (root / name / "config.yaml").write_text(config)
-    for version, target in versions.items():
-        (root / name / version).symlink_to(target)
-    return root / name
-
-
 def serving_upstream(tmp_path_factory, engines_dir: Path, token: str, model: str, config: str, version_dir: Path):
-    """A test module's upstream infercache serving `model` (tests/servers.py UpstreamServer), started, then
+    """A test module's upstream infercache serving `model` (harness/servers.py UpstreamServer), started, then
     stopped once the module is done: a module fixture's body (`yield from`)."""
-    from tests.servers import UpstreamServer
-
     models = tmp_path_factory.mktemp("upstream-models")
     link_model(models, model, config, {"1": version_dir})
     upstream = UpstreamServer(tmp_path_factory.mktemp("upstream"), models, engines_dir, token)
@@ -77,28 +67,8 @@ def serving_upstream(tmp_path_factory, engines_dir: Path, token: str, model: str
         upstream.server.stop()
 
 
-def worker_counters(server) -> dict[str, int]:
-    """Every worker's GetStats counters, summed by name."""
-    counters: dict[str, int] = {}
-    for worker in server.stats().workers:
-        for name, value in worker.counters.items():
-            counters[name] = counters.get(name, 0) + value
-    return counters
 
 
-def settled(server, counter: str, idle: tuple[str, ...] = ("writer.backlog",), timeout: float = 30.0,
-            poll_s: float = 0.1) -> int:
-    """Every worker's `counter` (summed) once background work has settled: each counter in `idle` is 0
-    and `counter` holds between two reads `poll_s` apart."""
-    deadline, last = time.monotonic() + timeout, None
-    while True:
-        counters = worker_counters(server)
-        now = counters.get(counter, 0)
-        if now == last and not any(counters.get(name, 0) for name in idle):
-            return now
-        assert time.monotonic() < deadline, f"the workers did not settle within {timeout:g} s ({counter}, {idle})"
-        last = now
-        time.sleep(poll_s)
 
 
 def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.05):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.servers import REPO
+from harness.servers import REPO
 
 DEPLOY = REPO / "deploy" / "prometheus"
 ALERTS = DEPLOY / "alerts.yml"

@@ -13,8 +13,8 @@ import pytest
 
 from server.shared.answer_match import answer_match_from_config, namespace_material
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, settled, worker_counters
-from tests.servers import REPO, ServerProcess
+from harness.servers import link_model, settled, worker_counters
+from harness.servers import REPO, ServerProcess
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 EQUIVALENCE = """

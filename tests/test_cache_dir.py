@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.servers import REPO
+from harness.servers import REPO
 
 
 @pytest.mark.parametrize("setting", ["cache.dir", "l2.dir"])

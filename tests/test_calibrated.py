@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from cachestore.results import now_us
 from server.worker.calibration import EDGES, Calibration, learn, load, save, wilson_upper
 from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from server.shared.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model, settled, unique, wait_for
+from harness.servers import link_model, settled
+from tests.helpers import unique, wait_for
 
 
 def test_interpolation_is_exact_for_a_linear_head_inside_the_neighbours_hull():

@@ -16,7 +16,7 @@ from server.engines.null import NullEngine
 from server.worker.model_runtime import ModelRuntime
 from server.shared.models import ModelRepository
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model
+from harness.servers import link_model
 
 
 class Answers:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.servers import REPO
+from harness.servers import REPO
 from server import mps
 from server.shared.devices import WorkerPlacement, auto_per_gpu, plan_workers, resolve_runtime, visible_gpus
 from tests.helpers import running, unique

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from server.shared.telemetry import SCHEMA
-from tests.servers import REPO
+from harness.servers import REPO
 
 GRAFANA = REPO / "deploy" / "grafana"
 DASHBOARD = json.loads((GRAFANA / "infercache.json").read_text())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from server.engines.decoding import Chunk, Step, StepRow
-from tests.servers import REPO
+from harness.servers import REPO
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 PROMPTS = [  # token ids of several lengths (SmolLM2's vocabulary)
@@ -208,7 +208,7 @@ def test_gpu_server_streams_from_the_torch_decoder(tmp_path):
     torch = _cuda()
     from bench.generate_gpu import write_random_model
     from server.engines import torch_decoder
-    from tests.servers import ServerProcess
+    from harness.servers import ServerProcess
 
     version = write_random_model(tmp_path / "models", "smollm2-135m", 8)
     prompts = [[(7 * i + 13 * j) % 40000 + 5 for j in range(60 + 20 * i)] for i in range(8)]

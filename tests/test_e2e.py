@@ -318,7 +318,7 @@ def test_a_frontend_prepares_every_version_before_it_listens_with_one_tokenizer_
     from server.frontend.core import FrontendCore
     from server.shared.models import ModelRepository
     from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-    from tests.helpers import link_model
+    from harness.servers import link_model
 
     root = tmp_path / "models"
     missing, garbled = tmp_path / "missing", tmp_path / "garbled"

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from infercache.v1 import infercache_pb2 as pb
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 
 LIMIT = 64 * 1024  # server.max_request_bytes of the small-limit server
 

@@ -25,7 +25,7 @@ from server.engines.onnxruntime import OrtEngine
 from server.shared.models import load_model
 from server.shared.tokenization import TextEncoder, pad_batch
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model
+from harness.servers import link_model
 
 SPEC = load_model(REPO / "models" / "minilm")
 

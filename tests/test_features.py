@@ -18,13 +18,14 @@ from cachestore import records
 from cachestore.env import DB_RESULTS, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import Namespace
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from server.worker.batcher import Batcher
 from server.config import Config, feature_store_settings
 from server.worker.feature_lru import DeviceRow, FeatureLRU
 from server.shared.feature_records import decode, encode, feature_key, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, reseal_crc, settled, unique, wait_cached
+from harness.servers import link_model, settled
+from tests.helpers import reseal_crc, unique, wait_cached
 
 QUESTIONS = ["how do I reset my password", "where is my parcel", "can I pay by card", "cancel my subscription",
              "what are your opening hours", "I was charged twice", "change my delivery address",
@@ -159,7 +160,7 @@ def test_a_feature_answer_a_frontend_copies_is_shared_through_the_fleet(start_se
     """As a worker's answers are: a text's second FEATURE answer made in pod A's frontend reaches pod B
     through Redis, which then answers it as a fleet hit."""
     pytest.importorskip("redis")
-    from tests import redis_servers
+    from harness import redis_servers
     from tests.test_fleet import TEST_BUDGET_MS, fleet_usable, until, worker_counter
 
     redis = redis_servers.RedisProcess(tmp_path / "redis")

@@ -16,8 +16,8 @@ import pytest
 from cachestore import records
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from cachestore.keys import entry_key, namespace_id
-from tests import redis_servers
-from tests.servers import ServerProcess
+from harness import redis_servers
+from harness.servers import ServerProcess
 from server.config import ConfigError
 from server.config import load as load_config
 from server.fleet import generations

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from server.fleet import key_filter
-from tests import redis_servers
+from harness import redis_servers
 from tests.helpers import unique
 from tests.test_fleet import entry, pods, redis_server, until  # noqa: F401 (fixtures)
 

@@ -13,8 +13,9 @@ import grpc
 import pytest
 
 from infercache.v1 import infercache_pb2 as pb
-from tests.helpers import link_model, unique, wait_for
-from tests.servers import REPO
+from harness.servers import link_model
+from tests.helpers import unique, wait_for
+from harness.servers import REPO
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 GEN_CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()
@@ -74,7 +75,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(gen_models, tmp_path_factory, engines_dir):
-    from tests.servers import ServerProcess
+    from harness.servers import ServerProcess
 
     workdir = tmp_path_factory.mktemp("gen-server")
     srv = ServerProcess(workdir, gen_models, frontends=2, engines_dir=engines_dir, wait=False)
@@ -281,7 +282,7 @@ def test_the_doors_agree_on_roles_and_refuse_an_infinite_temperature(server):
 
 
 def test_a_killed_worker_fails_its_streams_with_unavailable_never_a_hang(gen_models, tmp_path, engines_dir):
-    from tests.servers import ServerProcess
+    from harness.servers import ServerProcess
 
     srv = ServerProcess(tmp_path, gen_models, frontends=1, engines_dir=engines_dir)
     try:
@@ -358,7 +359,7 @@ def test_a_long_prompt_is_tokenized_beside_the_event_loop_a_short_one_on_it(tmp_
 def test_the_callers_deadline_bounds_a_generation_not_the_servers_default(tmp_path, engines_dir):
     """server.worker_timeout_s bounds only calls that carry no deadline: a generation whose caller allows
     longer runs to its end; one whose caller sets none ends at worker_timeout_s."""
-    from tests.servers import ServerProcess
+    from harness.servers import ServerProcess
 
     models = tmp_path / "models"
     link_model(models, "smollm2-small", SMALL, {"1": GEN_VERSION_DIR})

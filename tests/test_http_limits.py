@@ -13,8 +13,8 @@ import time
 import pytest
 
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model
-from tests.servers import ServerProcess, free_port
+from harness.servers import link_model
+from harness.servers import ServerProcess, free_port
 
 HEADER_TIMEOUT_S, REQUEST_TIMEOUT_S, CLIENT_CONNECTIONS = 1.0, 2.0, 4
 

@@ -38,7 +38,7 @@ import pytest
 import yaml
 
 from infercache.client import Client
-from tests.servers import REPO, free_port
+from harness.servers import REPO, free_port
 from tests.helpers import unique, wait_cached
 
 DOCKER = REPO / "deploy" / "docker"

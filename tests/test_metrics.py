@@ -18,15 +18,16 @@ import grpc
 import pytest
 
 from cachestore.keys import KEY_BYTES
-from tests import prometheus_server
-from tests.servers import ServerProcess, free_port
-from tests.prometheus_server import PrometheusProcess, sample_value
+from harness import prometheus_server
+from harness.servers import ServerProcess, free_port
+from harness.prometheus_server import PrometheusProcess, sample_value
 from server.frontend.metrics import FrontendMetrics
 from server.frontend.hot_keys import HotKeys, merge_tops
 from server.shared.telemetry import Recorder
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
-from tests.helpers import link_model, unique, wait_cached, wait_for
+from harness.servers import link_model
+from tests.helpers import unique, wait_cached, wait_for
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))
 from queries import panel_queries  # noqa: E402

@@ -10,7 +10,7 @@ import textwrap
 
 from server.shared.printable import printable
 from tests.helpers import wait_cached
-from tests.servers import REPO
+from harness.servers import REPO
 
 # ESC [ (colour, cursor), OSC 0 (window title) and OSC 52 (clipboard) ended by BEL and by ST, a CR that
 # rewrites the line, a LF that forges the next one, a bidi override

@@ -1,4 +1,4 @@
-"""tests/prometheus_server.py against a real prometheus process that scrapes its own /metrics
+"""harness/prometheus_server.py against a real prometheus process that scrapes its own /metrics
 (no infercache server needed) and evaluates deploy/prometheus/alerts.yml."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tests import prometheus_server
-from tests.servers import REPO, free_port
-from tests.prometheus_server import PrometheusError, PrometheusProcess, sample_value
+from harness import prometheus_server
+from harness.servers import REPO, free_port
+from harness.prometheus_server import PrometheusError, PrometheusProcess, sample_value
 
 pytestmark = pytest.mark.skipif(prometheus_server.available() is not None,
                                 reason=prometheus_server.available() or "")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers import unique, wait_cached
-from tests.servers import REPO
+from harness.servers import REPO
 
 WORKER_ONLY = ("server.worker", "server.engines", "server.supervisor", "cachestore.writer", "cachestore.engine_store",
                "torch", "onnxruntime", "hnswlib")

@@ -21,7 +21,7 @@ from cachestore.env import DB_RESULTS
 from cachestore.keys import parse_hex_key
 from cachestore.sealing import key_id
 from infercache.client import Client
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server import config as config_mod
 from server.shared.auth import TokenFileError, read_tokens

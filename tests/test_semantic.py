@@ -16,13 +16,14 @@ from cachestore.keys import Namespace
 from cachestore.results import now_us
 from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.writer import WriteBehind
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.match_policy import MatchPolicy, Neighbor
 from server.shared.answers import to_tensors
 from server.worker.semantic_index import INITIAL_CAPACITY, SemanticTier, _Index
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from tests.helpers import link_model, settled, unique
+from harness.servers import link_model, settled
+from tests.helpers import unique
 
 
 @pytest.fixture(scope="module")

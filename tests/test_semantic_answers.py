@@ -16,8 +16,8 @@ from server.shared import question_guards as guards
 from server.shared.answer_match import answer_match_from_config, namespace_material
 from server.worker.label_calibration import BINS, LABEL_CALIBRATION_FILE, LabelCalibration, read, same_label
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, settled, worker_counters
-from tests.servers import REPO, ServerProcess, free_port
+from harness.servers import link_model, settled, worker_counters
+from harness.servers import REPO, ServerProcess, free_port
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 ANSWERS = """

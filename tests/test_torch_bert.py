@@ -109,7 +109,7 @@ def minilm() -> Path:
 def faq_head(tmp_path_factory, minilm) -> Path:
     """models/faq/1 trained by train-head on examples/faq.csv as one graph with minilm/1 (a link)."""
     from server.tools.train_head import train
-    from tests.helpers import link_model
+    from harness.servers import link_model
 
     root = tmp_path_factory.mktemp("torch-models")
     link_model(root, "minilm", (REPO / "models" / "minilm" / "config.yaml").read_text(), {"1": minilm})
@@ -152,7 +152,7 @@ def test_head_version_gets_a_torch_source_matching_its_onnx_scores(faq_head):
 @needs_torch
 def test_train_head_without_an_encoder_torch_source_writes_none(tmp_path, minilm):
     from server.tools.train_head import train
-    from tests.helpers import link_model
+    from harness.servers import link_model
 
     onnx_only = tmp_path / "onnx-only"
     onnx_only.mkdir()

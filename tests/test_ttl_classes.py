@@ -17,8 +17,9 @@ from cachestore.writer import WriteBehind
 from server.shared import ttl_classes
 from server.shared.models import ModelConfigError, load_model
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from tests.helpers import link_model, unique, wait_cached
-from tests.servers import REPO, free_port
+from harness.servers import link_model
+from tests.helpers import unique, wait_cached
+from harness.servers import REPO, free_port
 
 CLASSES = "cache:\n  classes: {static: 3600, dynamic: 2, realtime: 0}\n  default_class: static\n"
 CLASSY_CONFIG = MINILM_CONFIG.split("cache:")[0] + CLASSES
@@ -142,7 +143,7 @@ def test_ten_thousand_entries_written_together_expire_spread_over_the_jitter_win
 def test_jitter_spreads_stored_entries_locally_and_in_the_fleet(start_server, tmp_path):
     """Through the server (null engine: the answers cost nothing): 2,000 texts in 8 calls; their L1
     records' lifetimes and their Redis keys' remaining TTLs cover the jitter window."""
-    from tests import redis_servers
+    from harness import redis_servers
 
     why = redis_servers.available()
     if why is not None:

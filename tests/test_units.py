@@ -16,7 +16,7 @@ from infercache.v1 import infercache_pb2 as pb
 from server import config
 from server.shared import errors
 from server.shared.normalize import DEFAULT_STEPS, Normalizer
-from tests.servers import REPO
+from harness.servers import REPO
 
 
 @pytest.mark.parametrize("variant", [

@@ -20,7 +20,7 @@ import yaml
 
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.helpers import serving_upstream, unique, wait_cached, wait_for
-from tests.servers import ServerProcess, free_port
+from harness.servers import ServerProcess, free_port
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"
 KINDS = ("infercache", "openai", "kserve")
@@ -181,7 +181,7 @@ def test_an_unreadable_credential_stops_the_start_with_one_line(tmp_path, engine
     import subprocess
     import sys
 
-    from tests.servers import REPO
+    from harness.servers import REPO
 
     models = tmp_path / "models"
     (models / "up").mkdir(parents=True)

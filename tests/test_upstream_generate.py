@@ -21,7 +21,7 @@ import yaml
 
 from infercache.v1 import infercache_pb2 as pb
 from tests.helpers import serving_upstream, unique, wait_for
-from tests.servers import ServerProcess, free_port
+from harness.servers import ServerProcess, free_port
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
 
 TOKEN = f"upstream-{os.urandom(16).hex()}"

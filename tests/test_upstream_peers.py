@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.helpers import unique, wait_cached
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 
 MODEL = "up-triton"
 INFINITY = "up-infinity"

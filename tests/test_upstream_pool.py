@@ -110,7 +110,7 @@ def test_a_credential_that_cannot_go_in_a_header_is_refused_without_its_value(tm
 
 def test_an_upstream_model_cannot_be_an_embedder(tmp_path):
     from server.shared.models import ModelRepository
-    from tests.servers import REPO
+    from harness.servers import REPO
 
     (tmp_path / "minilm").mkdir()
     (tmp_path / "minilm" / "config.yaml").write_text(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from tests.servers import REPO
+from harness.servers import REPO
 from server.shared.tokenization import TextEncoder
 from server.shared.wordpiece import FastWordPiece
 

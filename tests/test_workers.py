@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from infercache.client import to_result
-from tests.servers import ServerProcess
+from harness.servers import ServerProcess
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from tests.helpers import is_cached, unique, wait_for

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from tests.helpers import is_cached, running, settled, unique, wait_for
+from harness.servers import settled
+from tests.helpers import is_cached, running, unique, wait_for
 
 CALLERS = 4
 

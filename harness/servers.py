@@ -1,4 +1,5 @@
-"""Run a real infercache server as a child process (for integration tests and benchmarks).
+"""Run a real infercache server as a child process (for integration tests and benchmarks), a model
+repository of links for it, and what its workers report.
 
     server = ServerProcess(workdir, models_dir)
     with server.client() as client: ...
@@ -160,3 +161,36 @@ class UpstreamServer:
         has been asked; frontend.generate_hits and frontend.generate_forwarded: the generations)."""
         found = self.server.stats().frontend.counters
         return sum(found[name] for name in counters)
+
+
+def link_model(root: Path, name: str, config: str, versions: dict[str, Path]) -> Path:
+    """A model in a test repository: `config` as its config.yaml, each version a link to existing files."""
+    (root / name).mkdir(parents=True)
+    (root / name / "config.yaml").write_text(config)
+    for version, target in versions.items():
+        (root / name / version).symlink_to(target)
+    return root / name
+
+
+def worker_counters(server) -> dict[str, int]:
+    """Every worker's GetStats counters, summed by name."""
+    counters: dict[str, int] = {}
+    for worker in server.stats().workers:
+        for name, value in worker.counters.items():
+            counters[name] = counters.get(name, 0) + value
+    return counters
+
+
+def settled(server, counter: str, idle: tuple[str, ...] = ("writer.backlog",), timeout: float = 30.0,
+            poll_s: float = 0.1) -> int:
+    """Every worker's `counter` (summed) once background work has settled: each counter in `idle` is 0
+    and `counter` holds between two reads `poll_s` apart."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        counters = worker_counters(server)
+        now = counters.get(counter, 0)
+        if now == last and not any(counters.get(name, 0) for name in idle):
+            return now
+        assert time.monotonic() < deadline, f"the workers did not settle within {timeout:g} s ({counter}, {idle})"
+        last = now
+        time.sleep(poll_s)

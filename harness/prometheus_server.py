@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from tests.servers import free_port
+from harness.servers import free_port
 
 READY_TIMEOUT_S = 30.0
 

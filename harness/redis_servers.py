@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.servers import free_port
+from harness.servers import free_port
 
 READY_TIMEOUT_S = 20.0
 
