@@ -130,7 +130,8 @@ async def _serve(config: Config, index: int, socket_paths: list[Path], ready, st
     http = None
     if config.server.http_port:  # httptools and orjson are imported only then
         from server.frontend import http1
-        from server.frontend.openai_api import SINGLE_HEADERS, OpenAIDoor
+        from server.frontend.openai_api import OpenAIDoor
+        from server.frontend.openai_wire import SINGLE_HEADERS
 
         limits = http1.Limits(config.server.max_request_bytes, config.server.http_header_timeout_s,
                               config.server.http_request_timeout_s, config.server.http_max_client_connections,

@@ -1,0 +1,1 @@
+"""Decoder prefix key/value blocks reused across requests: in memory (device, host) and on disk."""
