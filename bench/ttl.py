@@ -10,7 +10,7 @@ expiry jitter spreads entries written together. The model is minilm with the des
    plan (plans are kept by model, tenant, mode and class), so this is the request path's whole share.
 2. The store writer: puts that carry a class (the store counts entries by class in the same
    transaction: one more read and write per put) against puts that carry none, in a real writer
-   process (server/worker/writer.py, fsync on, the server's batch and group-commit defaults) on a store
+   process (server/worker/store/writer.py, fsync on, the server's batch and group-commit defaults) on a store
    of PREFILL entries; the writer's CPU per put, rounds alternating. Then the store's own transactions
    in this process (no process, no fsync): CPU per put and per expired entry swept (a swept entry's
    class is counted down), with and without classes, rounds alternating.
@@ -44,7 +44,8 @@ from bench.sections import Run
 from cachestore import records, results
 from cachestore.env import DB_RESULTS, Store, StoreSettings
 from cachestore.keys import Namespace, entry_key
-from cachestore.writer import EVICT_PER_OP, WriteBehind
+from cachestore.space import EVICT_PER_OP
+from cachestore.writer import WriteBehind
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from server.config import CacheSection
@@ -142,7 +143,7 @@ def _hits(address: str, requests: list[pb.InferRequest], callers: int, total: in
 # ---- 2. the store writer ----------------------------------------------------------------------------------
 
 async def _writer_run(path: Path, ttl_class: str) -> dict:
-    from server.worker.writer import WriterProcess
+    from server.worker.store.writer import WriterProcess
 
     defaults = CacheSection()
     writer = await WriterProcess.start(StoreSettings(path, 2 << 30, 3 << 29, sync=True),

@@ -9,9 +9,7 @@ entries. A failed write is logged and dropped: a lost cache write is a future mi
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import shutil
 import threading
 import time
 from collections import Counter
@@ -22,41 +20,19 @@ from typing import Callable
 
 import lmdb
 
-from cachestore import diskspace, integrity, records, results, semantic_log
+from cachestore import integrity, records, results, semantic_log
 from cachestore.errors import CORRUPTION, corrupted
 from cachestore.log_limit import RateLimitedLog
 from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.env import Store
+from cachestore.space import StoreSpace
 from cachestore.keys import Namespace, Selector
 
 log = logging.getLogger("infercache.writer")
 
-LOW_WATER = 0.9  # eviction brings usage down to this fraction of the budget (EVICT_PER_OP at a time)
-# A commit evicts at most EVICT_PER_OP times the operations a commit may take: more than it can put, so
-# a full store still comes down to a lower budget, over several commits when the budget falls a lot.
-EVICT_PER_OP = 2
-EVICT_STEP = 32  # entries evicted between two looks at the live size (big records: a few fill the budget)
 # One sweep deletes at most this many expired entries (in commits no bigger than an eviction's); the
 # next sweep goes on.
 SWEEP_MAX = 20_000
-# On a disk smaller than the budget the data file, not the budget, is the limit: it must stay below
-# DISK_SHARE of the disk it can use (its own size plus the free space), the rest being headroom (readers
-# that keep old pages alive, the lock file, other files). The file holds the live pages plus the pages of
-# the last few commits: copy-on-write gives every page a commit touches a new copy, and the old one is
-# reusable only two commits later. Under random keys a put or a delete touches about one leaf page of its
-# own (more when a page splits), whatever the record's size, so the live budget is the share less
-# CHURN_COMMITS commits of the most operations and evictions one may take, at PAGES_PER_OP pages each
-# (1.0-1.4 pages per operation measured with 1.5 KB records). Re-checked after every commit, so it
-# shrinks before the disk fills and grows back, up to the configured budget, when space returns.
-DISK_SHARE = 0.7
-CHURN_COMMITS = 3
-PAGES_PER_OP = 2
-# Where that room is short (the configured budget does not fit beside the churn of full-size commits, or
-# less than a runway is free), commits take at most SMALL_COMMIT_OPS operations: less churn, more budget.
-SMALL_COMMIT_OPS = 32
-# Blocks held ahead of the data file's end (cachestore/diskspace.py), within the disk share: room for the
-# copy-on-write pages of the next commits that another process filling the disk cannot take.
-RUNWAY = 16 * 1024 * 1024
 # How long an invalidation keeps refusing entries created before it: a result computed before an
 # Invalidate (here or on another pod, arriving through the fleet tier) must not be stored after it.
 FENCE_S = 120.0
@@ -105,7 +81,7 @@ class WriteBehind:
                  on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None,
                  max_ttl_s: int = 0, threaded: bool = True, fences: list[tuple[Selector, int]] = (),
                  what: str = "store", on_replaced: Callable[[str], None] | None = None) -> None:
-        """threaded=False: no thread of its own; whoever owns it calls `drain` (server/worker/writer.py,
+        """threaded=False: no thread of its own; whoever owns it calls `drain` (server/worker/store/writer.py,
         where py-lmdb's releasing the GIL on every call would hand it back and forth between two threads).
         fences: invalidations made before (a writer that died made them), as (selector, microseconds).
         on_replaced(why): told once the store was found damaged, set aside and replaced by a fresh one
@@ -120,12 +96,9 @@ class WriteBehind:
         self.batch_max = batch_max
         self.sweep_interval_s = sweep_interval_s
         self.counters: Counter[str] = Counter()
-        self.budget = store.settings.budget  # the effective budget: the configured one, or less on a small disk
-        self._holding = True                 # the file system can hold blocks ahead of the file
-        self._commit_ops = batch_max         # operations one commit may take: batch_max, or SMALL_COMMIT_OPS
+        self.space = StoreSpace(store, batch_max, self.counters)  # (writer thread only, after this)
         self._over = False                   # the last commit left the store over its budget
         self._fences: list[tuple[Selector, int]] = list(fences)  # recent invalidations (writer thread only)
-        self._check_disk()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._next_sweep = time.monotonic()  # one sweep at start: a retention cap lowered while down applies at once
         # Flushing to disk every sync_interval_s instead of at each commit (StoreSettings): since when
@@ -142,6 +115,11 @@ class WriteBehind:
         if threaded:
             self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
             self._thread.start()
+
+    @property
+    def budget(self) -> int:
+        """The store's effective byte budget (cachestore/space.py)."""
+        return self.space.budget
 
     # ---- called from any thread; never block -------------------------------------------------------
 
@@ -196,7 +174,7 @@ class WriteBehind:
 
     def drain(self) -> None:
         """Without a thread of its own: handles everything queued so far in the caller's thread (one
-        transaction per `_commit_ops` operations), and sweeps when a sweep is due."""
+        transaction per `space.commit_ops` operations), and sweeps when a sweep is due."""
         while not self._step(0.0) and not self._queue.empty():
             pass
 
@@ -208,7 +186,7 @@ class WriteBehind:
         self.sync_to_disk(force=True)
 
     def _step(self, wait: float | None) -> bool:
-        """Takes up to `_commit_ops` queued operations (batch_max, or SMALL_COMMIT_OPS where the disk is
+        """Takes up to `space.commit_ops` queued operations (batch_max, or SMALL_COMMIT_OPS where the disk is
         short; waiting for the first until the next sweep is due, at most `wait` seconds), applies them in
         one transaction (then evicts in commits of their own while the store is still over its budget),
         sweeps when due; True once stopped."""
@@ -220,7 +198,7 @@ class WriteBehind:
             batch.append(self._queue.get(timeout=timeout if wait is None else min(wait, timeout)))
         except queue.Empty:
             pass
-        while batch and len(batch) < self._commit_ops:
+        while batch and len(batch) < self.space.commit_ops:
             try:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
@@ -235,7 +213,7 @@ class WriteBehind:
                     self._guarded(op.on_done)
         swept = time.monotonic() >= self._next_sweep
         if swept:  # also under constant load, not only when idle
-            self._guarded(self._check_disk)  # space may have come back while nothing was written
+            self._guarded(self.space.check, self.store)  # space may have come back while nothing was written
             self._guarded(self._sweep)
             self._next_sweep = time.monotonic() + self.sweep_interval_s
         if self._flush_every and (ops or swept) and self._unflushed_since is None:
@@ -290,7 +268,7 @@ class WriteBehind:
         finally:  # the fresh store, or (when the files could not be moved) the damaged one again
             self.store = Store(settings, readonly=False)
         self.counters["replaced"] += 1
-        self._check_disk()
+        self.space.check(self.store)
         if self.on_replaced is not None:
             self.on_replaced(why)
 
@@ -327,7 +305,7 @@ class WriteBehind:
             for op in batch:
                 if isinstance(op, (_Invalidate, _Check)) and not op.done.done():
                     op.done.set_exception(exc)
-            self._check_disk()  # a full disk: the next commits evict to the smaller budget
+            self.space.check(self.store)  # a full disk: the next commits evict to the smaller budget
             raise
         finally:
             for op in batch:  # "handled", committed or dropped: failures are counted, not raised
@@ -357,12 +335,12 @@ class WriteBehind:
                     self._fence(op.selector)
                     namespaces.clear()  # it may have deleted namespace rows: later puts write theirs again
             semantic_log.save_labels(self.store, txn, labels)
-            evicted, over = self._enforce_budget(txn, removed)
+            evicted, over = self.space.enforce(self.store, txn, removed)
         self.counters["writes"] += sum(isinstance(op, _Put) for op in batch)
         self.counters["write_txns"] += 1
         self.counters["evicted"] += evicted  # (counted once committed: a failed commit evicted nothing)
         self._over = over
-        self._check_disk()
+        self.space.check(self.store)
         self._notify(added, removed)
         if invalidated and self._flush_every:  # on disk before it is told done: power loss never undoes it
             self._guarded(self.store.flush_to_disk)
@@ -394,73 +372,6 @@ class WriteBehind:
     def _invalidate(self, txn: lmdb.Transaction, selector: Selector, removed: list) -> int:
         return results.delete_selected(self.store, txn, selector, removed)
 
-    def _check_disk(self) -> None:
-        """Sets the effective budget and the commit size from the disk (see DISK_SHARE) and holds blocks
-        ahead of the data file (RUNWAY); logs when the budget changes by more than a tenth or crosses the
-        configured one."""
-        configured = self.store.settings.budget
-        data_path = self.store.settings.path / "data.mdb"
-        try:
-            free = shutil.disk_usage(self.store.settings.path).free
-            stat = os.stat(data_path)
-        except OSError:
-            return
-        held = diskspace.allocated_bytes(stat)
-        usable = free + held  # what this store may count on: its own blocks and the free ones
-        self._hold(data_path, stat.st_size, held, free, usable)
-        share = int(usable * DISK_SHARE)
-        ops = self.batch_max
-        if free < RUNWAY or configured > share - self._churn(ops):
-            ops = min(ops, SMALL_COMMIT_OPS)
-        self._commit_ops = ops
-        budget = min(configured, max(0, share - self._churn(ops)))
-        if abs(budget - self.budget) > self.budget / 10 or (budget == configured) != (self.budget == configured):
-            mb = 1024 * 1024
-            if budget < configured:
-                log.warning("store budget limited by the disk: %.0f MiB (configured %.0f MiB; %.0f MiB free)",
-                            budget / mb, configured / mb, free / mb)
-            else:
-                log.info("store budget back to the configured %.0f MiB", configured / mb)
-        self.budget = budget
-        self.counters["budget_bytes"] = budget
-
-    def _hold(self, data_path, size: int, held: int, free: int, usable: int) -> None:
-        """Keeps up to RUNWAY of blocks allocated past the file's end, within the disk share (one
-        fallocate per quarter runway of growth)."""
-        target = min(self.store.settings.map_size, size + RUNWAY, int(usable * DISK_SHARE), held + free)
-        if not self._holding or target - held < RUNWAY // 4:
-            return
-        try:
-            self._holding = diskspace.hold(data_path, target)
-        except OSError as exc:
-            self.counters["hold_errors"] += 1
-            log.warning("could not hold disk blocks for the store: %s", exc)
-            return
-        if self._holding:
-            self.counters["held_bytes"] = target
-        else:
-            log.info("this file system cannot hold blocks ahead of the store's data file; a disk filled by "
-                     "another process stops the store's writes until space returns")
-
-    def _enforce_budget(self, txn: lmdb.Transaction, removed: list) -> tuple[int, bool]:
-        """Once over the budget, evicts down to LOW_WATER of it, at most EVICT_PER_OP times the commit
-        size per commit: the entries evicted, and whether that cap left the store still over the budget."""
-        budget = self.budget
-        if self.store.used_bytes(txn) <= budget:
-            return 0, False
-        evicted, most = 0, EVICT_PER_OP * self._commit_ops
-        while evicted < most and self.store.used_bytes(txn) > budget * LOW_WATER:
-            n = results.evict_oldest(self.store, txn, min(EVICT_STEP, most - evicted), removed)
-            evicted += n
-            if n == 0:
-                break
-        log.debug("evicted %d least-recently-stored entries to stay under %d bytes", evicted, budget)
-        return evicted, evicted >= most and self.store.used_bytes(txn) > budget
-
-    def _churn(self, ops: int) -> int:
-        """Bytes of pages the data file holds beyond the live ones with commits of `ops` operations."""
-        return CHURN_COMMITS * (1 + EVICT_PER_OP) * ops * PAGES_PER_OP * self.store.page_size
-
     def _evict_fraction(self, fraction: float) -> None:
         removed: list[tuple[bytes, int]] = []
         with self.store.begin(write=True) as txn:
@@ -472,7 +383,7 @@ class WriteBehind:
         """Deletes expired entries (and, with a retention cap, older ones) in commits no bigger than an
         eviction's, up to SWEEP_MAX a sweep; frees the reader slots of processes that died."""
         self.store.clear_stale_readers()
-        chunk, swept = EVICT_PER_OP * self._commit_ops, 0
+        chunk, swept = self.space.evict_chunk, 0
         while swept < SWEEP_MAX:
             removed: list[tuple[bytes, int]] = []
             now = results.now_us()
@@ -481,7 +392,7 @@ class WriteBehind:
                 if self.max_ttl_us and n < chunk:  # entries stored before the cap was lowered
                     n += results.sweep_created_before(self.store, txn, now - self.max_ttl_us, chunk - n, removed)
             self._notify([], removed)
-            self._check_disk()
+            self.space.check(self.store)
             swept += n
             if n < chunk:
                 break

@@ -17,7 +17,8 @@ from cachestore.errors import CorruptRecord, StoreError, StoreFormatError
 from cachestore.keys import KEY_BYTES, Namespace, entry_key, parse_hex_key
 from cachestore.keys import Selector
 from cachestore.sealing import KeyRing
-from cachestore.writer import FLUSH_POLL_S, RUNWAY, WriteBehind
+from cachestore.space import RUNWAY
+from cachestore.writer import FLUSH_POLL_S, WriteBehind
 
 MB = 1 << 20
 
@@ -326,7 +327,7 @@ def test_the_writer_holds_disk_blocks_ahead_of_the_data_file(tmp_path):
     store = open_store(tmp_path / "held")
     writer = WriteBehind(store)
     put_all(writer, Namespace("t", "m", "1"), [str(i) for i in range(200)])
-    if not writer._holding:
+    if not writer.space.holding:
         pytest.skip("this file system cannot allocate blocks past a file's end (fallocate KEEP_SIZE)")
     stat = os.stat(tmp_path / "held" / "data.mdb")
     with store.begin() as txn:
