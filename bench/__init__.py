@@ -97,7 +97,7 @@ def ratio(a: float, b: float, digits: int = 3) -> float | None:
 
 def proportion(agreed: int, n: int) -> dict:
     """A rate with its 95% Wilson interval (None where n is 0)."""
-    from server.worker.calibration import wilson_lower, wilson_upper
+    from server.worker.semantic.calibration import wilson_lower, wilson_upper
 
     return {"rate": round(agreed / n, 4) if n else None, "n": n, "agreed": agreed,
             "interval95": [round(wilson_lower(agreed, n), 4), round(wilson_upper(agreed, n, 1.96), 4)] if n else None}

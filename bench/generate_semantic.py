@@ -7,7 +7,7 @@ systems hold the same warm questions and answers, and embed with the same MiniLM
 on the normalized question). Replays do not store, so both caches hold the warm set alone.
 
 - infercache: the model's semantic answers at `max_error` 0.01 (server/shared/answer_match.py), under
-  the judge as train-head wrote it (with its label calibration: server/worker/label_calibration.py);
+  the judge as train-head wrote it (with its label calibration: server/worker/semantic/label_calibration.py);
 - infercache, judge only: a second model in the same server, its judge the same head without its label
   calibration (a head trained before train-head wrote one): the bound holds to the judge's verdicts alone.
 - GPTCache, the PyPI package: sqlite and faiss (its documented similar-search setup), `SearchDistanceEvaluation`
@@ -39,8 +39,8 @@ from bench.peers import close_gptcache, open_gptcache
 from bench.sections import Run
 from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
-from server.worker import label_calibration
-from server.worker.label_calibration import LABEL_CALIBRATION_FILE, same_label
+from server.worker.semantic import label_calibration
+from server.worker.semantic.label_calibration import LABEL_CALIBRATION_FILE, same_label
 from harness.servers import settled, worker_counters
 from harness.servers import REPO, ServerProcess
 

@@ -1,5 +1,5 @@
 """Group commit (`make bench ARGS="--sections commit"`: bench/results/group-commit-<machine>.json, or
-`python -m bench.group_commit`): what the writer process (server/worker/writer.py) spends per put at the
+`python -m bench.group_commit`): what the writer process (server/worker/store/writer.py) spends per put at the
 miss rates of a CPU host, by how long a put may wait for others to share its transaction
 (`cache.group_commit_ms`).
 
@@ -33,7 +33,7 @@ from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
 from cachestore.results import now_us
 from cachestore.semantic_log import SemanticEntry
-from server.worker.writer import WriterProcess
+from server.worker.store.writer import WriterProcess
 
 RECORD_BYTES = 1600
 PREFILL = 20_000  # entries in the store before a run (a store in use, not an empty one)

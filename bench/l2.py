@@ -254,8 +254,8 @@ async def _device_lru(dim: int, classes: int, entries: int, batch: int, repeats:
     import torch
 
     from cachestore.keys import Namespace
-    from server.worker.feature_lru import FeatureLRU
-    from server.worker.heads import _TorchHead
+    from server.worker.store.feature_lru import FeatureLRU
+    from server.worker.semantic.heads import _TorchHead
 
     lru = FeatureLRU(dim, "float16", 2 * entries * dim * 2, "cuda")  # room for all (slabs round down)
     rng = np.random.default_rng(0)

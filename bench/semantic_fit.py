@@ -83,7 +83,7 @@ def replay(x: np.ndarray, y: np.ndarray, logits: np.ndarray, with_fit: bool = Tr
            warm_share: float | None = None) -> dict:
     """The split above; `warm_share`: only this share of the rows warms the cache (the first of the
     shuffled warm rows), not every row outside the replays."""
-    from server.worker.calibration import Calibration, learn
+    from server.worker.semantic.calibration import Calibration, learn
     from server.shared.match_policy import CalibratedPolicy, Neighbor, assess
     from server.shared.surrogate import Surrogate
 

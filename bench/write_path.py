@@ -5,7 +5,7 @@ the ceiling of LMDB itself on the same file system, in the same run.
 1. Ceiling: py-lmdb in one process, nothing else, putting the same records (1.6 KB answers in the
    store's record form, random keys) in transactions of 4,096, flushed to disk as the server's setting
    does (every `cache.sync_interval_ms`), and flushed per commit (the setting 0).
-2. The writer process (server/worker/writer.py, a real child process on a real LMDB store), fed from an
+2. The writer process (server/worker/store/writer.py, a real child process on a real LMDB store), fed from an
    event loop as a worker feeds it, faster than it commits: each put a MiniLM answer with its semantic
    row; the rate is puts committed over the time until the last one was, and the process's CPU per put.
    Flushed per commit (`cache.sync_interval_ms: 0`) against the default interval, rounds alternating
@@ -95,7 +95,7 @@ async def _writer_run(path: Path, interval_s: float, puts: int, read_s: float) -
     from cachestore.keys import NS_ID_BYTES, Namespace, entry_key
     from cachestore.results import now_us
     from cachestore.semantic_log import SemanticEntry
-    from server.worker.writer import WriterProcess
+    from server.worker.store.writer import WriterProcess
 
     ns = Namespace("bench", "minilm", "1")
     # (a baseline's StoreSettings may predate the flush interval: it is named only where it is set)

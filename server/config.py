@@ -90,7 +90,7 @@ class CacheSection:
 
 @dataclass(frozen=True)
 class L2Section:
-    """The feature tier (server/worker/features.py): encoder outputs that head models read."""
+    """The feature tier (server/worker/store/features.py): encoder outputs that head models read."""
 
     enabled: bool = True
     device_fraction: float = 0.2       # GPU hosts: the memory LRU's cap, a share of the GPU's memory (divided
@@ -107,7 +107,7 @@ class L2Section:
 
 @dataclass(frozen=True)
 class KvSection:
-    """The prefix key/value cache's disk tier (server/worker/prefix_cache.py): blocks of generative models'
+    """The prefix key/value cache's disk tier (server/worker/prefix/prefix_cache.py): blocks of generative models'
     prompts that every worker of the host reuses, kept across restarts."""
 
     dir: str = ""                      # the host's LMDB block store; "" = <cache.dir>/kv

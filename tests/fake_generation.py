@@ -1,5 +1,5 @@
 """A worker's generative side without a model: the real Generations, schedulers and prefix caches
-(server/worker/generation/, server/worker/prefix_cache.py) over the fake decoder
+(server/worker/generation/, server/worker/prefix/prefix_cache.py) over the fake decoder
 (server/engines/fake_decoder.py), fed ComputeItems as a frontend sends them, answering into a
 connection's sink as server/worker/process.py's would."""
 
@@ -17,7 +17,7 @@ from infercache.v1 import worker_pb2
 from server.engines.fake_decoder import END, FakeDecoder, fake_model
 from server.worker.generation.generations import Generations
 from server.worker.generation.scheduler import GenerativeRuntime
-from server.worker.prefix_cache import PrefixCache
+from server.worker.prefix.prefix_cache import PrefixCache
 
 Source = pb.CacheInfo.Source
 

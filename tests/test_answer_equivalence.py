@@ -1,5 +1,5 @@
-"""Semantic answers judged by answer equivalence (`semantic.answer_cosine`: server/worker/answer_equivalence.py,
-shadow regeneration in server/worker/regeneration.py) through a real server: SmolLM2's real weights
+"""Semantic answers judged by answer equivalence (`semantic.answer_cosine`: server/worker/semantic/answer_equivalence.py,
+shadow regeneration in server/worker/semantic/regeneration.py) through a real server: SmolLM2's real weights
 answer and are regenerated, MiniLM embeds questions and answers, real LMDB and hnswlib underneath.
 
 The questions are how-to questions, which SmolLM2 answers by restating them ("To reset your password,

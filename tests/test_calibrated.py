@@ -21,7 +21,7 @@ import pytest
 
 from harness.servers import ServerProcess
 from cachestore.results import now_us
-from server.worker.calibration import EDGES, Calibration, learn, load, save, wilson_upper
+from server.worker.semantic.calibration import EDGES, Calibration, learn, load, save, wilson_upper
 from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from server.shared.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
@@ -369,7 +369,7 @@ class _Echo:
 
 def _check(model: _Echo, calibration: Calibration, entry: bytes, scores=(0.9, 0.1)):
     """A hit that answered "a", from `entry`, offered for its check."""
-    from server.worker.shadow import Check
+    from server.worker.semantic.shadow import Check
 
     return Check(model, calibration, None, np.array(scores), np.zeros(2), "a", 2.0, entry, 1.0, now_us())
 
@@ -391,7 +391,7 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
     of the worker (an encoder), wait for both to be idle: a foreground text queued after them runs first.
     Then the waiting checks go in one batch. A check whose model answer differs from the hit's contests
     the entry that answered."""
-    from server.worker.shadow import ShadowVerifier
+    from server.worker.semantic.shadow import ShadowVerifier
 
     batches: list[list[str]] = []
 
@@ -428,7 +428,7 @@ def test_shadow_checks_wait_for_an_idle_worker_go_together_and_report_disagreeme
 
 
 def test_shadow_checks_of_two_models_go_in_a_batch_each_oldest_model_first():
-    from server.worker.shadow import ShadowVerifier
+    from server.worker.semantic.shadow import ShadowVerifier
 
     batches: list[list[str]] = []
 
@@ -458,7 +458,7 @@ def test_shadow_checks_go_anyway_when_the_worker_is_never_idle(monkeypatch):
     """A batcher kept busy without a pause by two callers (one text per batch: while one runs, the other
     waits): every MAX_DEFER_S one check runs between its batches (counted), so verification goes on
     under sustained load."""
-    from server.worker import shadow
+    from server.worker.semantic import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.2)
     batches: list[list[str]] = []
@@ -497,7 +497,7 @@ def test_shadow_checks_wait_on_rather_than_fill_a_busy_queue(monkeypatch):
     the queue has drained."""
     import threading
 
-    from server.worker import shadow
+    from server.worker.semantic import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.1)
     release = threading.Event()
@@ -535,7 +535,7 @@ def test_a_model_whose_queue_has_no_room_holds_back_only_its_own_checks(monkeypa
     model one's waits on; it goes once its queue has drained."""
     import threading
 
-    from server.worker import shadow
+    from server.worker.semantic import shadow
 
     monkeypatch.setattr(shadow, "MAX_DEFER_S", 0.1)
     release = threading.Event()
@@ -660,7 +660,7 @@ def test_the_tier_fits_every_entrys_scores_rebuilds_the_fit_at_start_and_drops_i
     from cachestore.writer import WriteBehind
     from infercache.v1 import infercache_pb2 as pb
     from server.shared.answers import to_tensors
-    from server.worker.semantic_index import SemanticTier
+    from server.worker.semantic.semantic_index import SemanticTier
 
     rng = np.random.default_rng(2)
     dim, labels = 16, ["a", "b", "c"]

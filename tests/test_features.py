@@ -21,7 +21,7 @@ from cachestore.keys import Namespace
 from harness.servers import ServerProcess
 from server.worker.batcher import Batcher
 from server.config import Config, feature_store_settings
-from server.worker.feature_lru import DeviceRow, FeatureLRU
+from server.worker.store.feature_lru import DeviceRow, FeatureLRU
 from server.shared.feature_records import decode, encode, feature_key, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from harness.servers import link_model, settled
@@ -390,7 +390,7 @@ def test_the_memory_lru_on_the_gpu_keeps_its_cap_in_device_memory():
 
 def test_the_head_gives_the_same_scores_on_torch_for_features_in_the_lru_and_on_the_host():
     pytest.importorskip("torch", reason="the GPU head runs on torch")
-    from server.worker.heads import _NumpyHead, _TorchHead
+    from server.worker.semantic.heads import _NumpyHead, _TorchHead
 
     rng = np.random.default_rng(1)
     weight, bias = rng.normal(size=(384, 7)).astype(np.float32), rng.normal(size=7).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The prefix cache (server/worker/prefix_cache.py) without a model: its keys, and blocks kept, reused,
+"""The prefix cache (server/worker/prefix/prefix_cache.py) without a model: its keys, and blocks kept, reused,
 demoted and evicted through memory, host memory and a real block store on disk, under the real scheduler
 over the fake decoder (server/engines/fake_decoder.py). The fake's tokens hash everything its slot
 holds, so an answer that reused blocks equals the one computed from scratch only if every restored block
@@ -12,7 +12,7 @@ from collections import Counter
 from cachestore.env import StoreSettings
 from cachestore.keys import NS_ID_BYTES, namespace
 from server.worker.generation.request import Generation
-from server.worker.prefix_disk import BlockStore
+from server.worker.prefix.prefix_disk import BlockStore
 from tests.fake_generation import FakeWorker, prompt
 
 BLOCK = 4

@@ -1,4 +1,4 @@
-"""Semantic answers for generated text (server/shared/answer_match.py, server/worker/answer_matching.py)
+"""Semantic answers for generated text (server/shared/answer_match.py, server/worker/semantic/answer_matching.py)
 through a real server: SmolLM2's real weights answer, the FAQ head trained by train-head judges, real
 LMDB and hnswlib underneath. The bound is permissive here (max_error 0.2: a dozen outcomes make a
 threshold) so a few dozen generations on two cores reach hits; the benchmark runs it at 0.01."""
@@ -14,7 +14,7 @@ import pytest
 
 from server.shared import question_guards as guards
 from server.shared.answer_match import answer_match_from_config, namespace_material
-from server.worker.label_calibration import BINS, LABEL_CALIBRATION_FILE, LabelCalibration, read, same_label
+from server.worker.semantic.label_calibration import BINS, LABEL_CALIBRATION_FILE, LabelCalibration, read, same_label
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
 from harness.servers import link_model, settled, worker_counters
 from harness.servers import REPO, ServerProcess, free_port
@@ -238,7 +238,7 @@ def test_shadow_checks_judge_hits_and_count_in_the_bound(server):
         [(g.source, g.verdict) for g in again]
 
 
-# ---- the judge's label calibration (server/worker/label_calibration.py) ---------------------------------
+# ---- the judge's label calibration (server/worker/semantic/label_calibration.py) ---------------------------------
 
 def test_train_head_writes_the_judge_s_label_calibration(faq_models):
     calibration = read(faq_models / "faq" / "1")

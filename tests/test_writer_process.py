@@ -1,4 +1,4 @@
-"""The worker's store writer in its own process (server/worker/writer.py): a real child process on a real
+"""The worker's store writer in its own process (server/worker/store/writer.py): a real child process on a real
 LMDB store, driven from an event loop as the worker drives it."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cachestore.results import ResultCache, now_us
 from cachestore.semantic_log import SemanticEntry
 from cachestore.keys import Selector
 from server.shared.errors import WorkerUnavailable
-from server.worker.writer import WriterProcess
+from server.worker.store.writer import WriterProcess
 from tests.helpers import running
 
 MB = 1 << 20
@@ -80,7 +80,7 @@ def test_a_semantic_entry_comes_back_to_the_worker_as_an_index_row_with_the_vect
         key = _put(writer, "hello", semantic=SemanticEntry(entry_key(NS.ns_id, "hello")[:NS_ID_BYTES], "greeting",
                                                           embedding))
         await asyncio.wrap_future(writer.flush())
-        assert not writer._vectors  # the vector the row named is let go once its put is handled
+        assert not writer.semantic._vectors  # the vector the row named is let go once its put is handled
         removed = await asyncio.wrap_future(writer.invalidate(Selector(key=key)))
         await asyncio.wrap_future(writer.flush())
         await writer.close()

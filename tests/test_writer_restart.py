@@ -73,7 +73,7 @@ def test_a_writer_that_keeps_dying_stops_its_worker_at_once_and_the_supervisor_s
     """Past MAX_RESTARTS deaths within a minute the worker gives its writer up and stops taking items at
     once (its frontends send them elsewhere, or to the worker started again), rather than answering for
     server.drain_s with nothing stored."""
-    from server.worker.writer import MAX_RESTARTS
+    from server.worker.store.writer import MAX_RESTARTS
 
     server = start_server(frontends=1, settings=("server.drain_s=60",))
     worker = server.worker_pid()

@@ -10,7 +10,7 @@ row's input token may be left to the decoder: the argmax it produced for that sl
 returns from `launch` at once; the scheduler then launches step n+1 before it collects step n, and the
 device never waits for the host. Others compute in `launch`.
 
-Prefix blocks (server/worker/prefix_cache.py): a decoder keeps key/value blocks of `block_tokens`
+Prefix blocks (server/worker/prefix/prefix_cache.py): a decoder keeps key/value blocks of `block_tokens`
 positions in its fastest memory (`open_blocks`: device memory on a GPU), numbered 0..count-1. A step
 first copies the blocks it exports out to host memory (the outcome carries them, tagged), then writes
 restored blocks into slots (from a memory block, a host block, or a block's bytes from disk), computes,

@@ -1,5 +1,5 @@
 """FEATURE answers made in a frontend: a head model's text that L1 missed, whose encoder output the
-host's LMDB feature store holds (server/worker/features.py), is answered here, without the worker and without
+host's LMDB feature store holds (server/worker/store/features.py), is answered here, without the worker and without
 tokenizing (features are keyed by the normalized text). The head is one matrix product and a softmax
 (server/shared/head_scoring.py), so such an answer costs a frontend little more than an exact hit, where a round trip
 to the worker costs several times that (bench/l2.py: a head version bump).

@@ -80,7 +80,7 @@ class GenerateCalls:
         self.counters["generate_forwarded"] += 1
         first = last = None
         model = plan.model.spec.name
-        # A question's namespace goes to one worker, where its index lives (server/worker/answer_matching.py).
+        # A question's namespace goes to one worker, where its index lives (server/worker/semantic/answer_matching.py).
         route = plan.model.route(plan.key) if plan.question is None else namespace_route(plan.question.key)
         async for frame in self.workers.stream(route, functools.partial(_fill, plan=plan),
                                                time_remaining):

@@ -4,14 +4,14 @@ A generative model (`task: generate`) with a `semantic:` section matches the nor
 request against the questions whose answers it cached, within a namespace that hashes everything else
 that shapes the answer (`namespace_material`): the system prompt, the earlier turns where `context: all`
 says they matter, and the generation settings. Tenants are in the namespace id, so each tenant has its
-own index (server/worker/semantic_index.py keeps one per namespace), never a filter over a shared one.
+own index (server/worker/semantic/semantic_index.py keeps one per namespace), never a filter over a shared one.
 
 An answer is faithful to a new question when the model would answer it the same way. The config says
 who judges that, one of two:
 - `judge`: a classification model of the repository (a head on the embedder, Banking77's intents for a
   banking FAQ bot) whose label for the new question equals its label for the cached one;
 - `answer_cosine`: answer equivalence, the model itself: its fresh answer to the new question and the
-  cached answer, both embedded by the embedder, within that cosine (server/worker/answer_equivalence.py).
+  cached answer, both embedded by the embedder, within that cosine (server/worker/semantic/answer_equivalence.py).
   With no class labels, the rule decides on the questions' similarity (`margin`), and the calibration
   learns the similarity at which answers stay alike for `max_error`.
 
@@ -19,12 +19,12 @@ Under a classifier judge the decision is
 the calibrated rule of the classifier tier (server/shared/match_policy.py) applied to the judge: the
 judge's class scores stored with each cached question are interpolated at the query, and a hit needs the
 query covered, the namespace's fit agreeing, and the predicted label's margin over the threshold that the
-judge's own verdicts on the cache's misses and on shadow-checked hits learnt (server/worker/calibration.py)
-for `max_error`, and the judge's label calibration (server/worker/label_calibration.py) must say that the
+judge's own verdicts on the cache's misses and on shadow-checked hits learnt (server/worker/semantic/calibration.py)
+for `max_error`, and the judge's label calibration (server/worker/semantic/label_calibration.py) must say that the
 two questions share a label in truth, not only in the judge's eyes, with the probability that labelled
 rows showed to keep `max_error`. The guards (server/shared/question_guards.py) then refuse a neighbour whose negations,
 numbers, dates or entities differ from the query's; under answer equivalence a guarded pair whose
-answers the model showed alike may answer after all (server/worker/answer_equivalence.py).
+answers the model showed alike may answer after all (server/worker/semantic/answer_equivalence.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from server.shared.match_policy import CalibratedPolicy
 
 CONTEXTS = ("system", "all")  # what besides the last user turn keys an answer: system prompts, or every turn
 # Answer equivalence: a calibration margin is the questions' similarity times this, so the calibration's
-# bins (server/worker/calibration.py: 0.125 wide, up to 8) are 1/64 of a similarity wide.
+# bins (server/worker/semantic/calibration.py: 0.125 wide, up to 8) are 1/64 of a similarity wide.
 SIMILARITY_SCALE = 8.0
 
 
@@ -53,7 +53,7 @@ class AnswerMatchPolicy:
         return self.answer_cosine is not None
 
     def settings(self, embedder_version: str, judge_version: str = "") -> str:
-        """What its outcomes depend on (server/worker/calibration.py keeps them with it)."""
+        """What its outcomes depend on (server/worker/semantic/calibration.py keeps them with it)."""
         if self.by_answers:
             return (f"answers cosine={self.answer_cosine} context={self.context} {self.rule.embedder}/"
                     f"{embedder_version} k={self.rule.k} scale={SIMILARITY_SCALE}")

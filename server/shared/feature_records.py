@@ -1,7 +1,7 @@
 """What a stored feature (an encoder output a head model reads, L2) is, for both sides: its namespace
 (its tenant's, or shared across tenants where the head's config says so), its key (derived from the
 normalized text, so a frontend can look it up without tokenizing), and its stored form (FP16 where the
-encoder's output survives it, else FP32). The workers keep features (server/worker/features.py); a
+encoder's output survives it, else FP32). The workers keep features (server/worker/store/features.py); a
 frontend answers from stored ones (server/frontend/features.py)."""
 
 from __future__ import annotations

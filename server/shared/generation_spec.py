@@ -50,7 +50,7 @@ GENERATION_KEYS = frozenset(f.name for f in fields(GenerationSpec))
 @dataclass(frozen=True)
 class PrefixSpec:
     """A generative model's prefix key/value cache (the config.yaml `prefix_cache:` section;
-    server/worker/prefix_cache.py): prompt blocks computed once, reused by every request that starts
+    server/worker/prefix/prefix_cache.py): prompt blocks computed once, reused by every request that starts
     with them, from device memory, host memory or disk."""
 
     enabled: bool = True

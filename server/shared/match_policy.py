@@ -9,7 +9,7 @@ A wrong cached answer is worse than a slow one. Two rules:
   this is a first-order estimate of the model's scores at the query; for a linear head on the embedder it
   is exact when the query lies in the neighbours' affine hull. The predicted answer's lead over its
   runner-up (`margin`) and the query's distance from the neighbours' hull (`residual`) must lie in the
-  region that verified outcomes say keeps the error under `max_error` (server/worker/calibration.py);
+  region that verified outcomes say keeps the error under `max_error` (server/worker/semantic/calibration.py);
   the residual at most `coverage` unless the namespace's fit is proven to reproduce the model. A query far
   from everything cached is a miss whatever its nearest label.
   And the namespace's cache-wide fit of the model's scores (server/shared/surrogate.py) must not rank another
@@ -18,7 +18,7 @@ A wrong cached answer is worse than a slow one. Two rules:
   stored, beside one it has, is a miss when the fit says the model would answer the new topic. A hit
   decided with the fit has a region of its own, learnt from the outcomes the fit agreed with; one
   decided without (a namespace with fewer entries than the embedding has dimensions, beyond the worker's
-  MAX_FITS, or with scores of another length) that of every outcome (server/worker/calibration.py).
+  MAX_FITS, or with scores of another length) that of every outcome (server/worker/semantic/calibration.py).
 - **consensus** (an expert override, chosen by setting `min_similarity` in the config): a fixed
   similarity floor and agreement among the nearest neighbours.
 """
@@ -86,7 +86,7 @@ class CalibratedPolicy:
     def decide(self, neighbors: list[Neighbor], assessment: Assessment | None, calibration,
                min_similarity: float | None = None) -> Neighbor | None:
         """The entry that answers (the nearest holding the predicted answer), or None. `calibration`:
-        the model version's (server/worker/calibration.py), which says what margin and residual it admits."""
+        the model version's (server/worker/semantic/calibration.py), which says what margin and residual it admits."""
         if assessment is None or not neighbors:
             return None
         if min_similarity is not None and neighbors[0].similarity < min_similarity:
@@ -100,7 +100,7 @@ class CalibratedPolicy:
         return next(n for n in neighbors if n.answer == assessment.answer)
 
     def settings(self, embedder_version: str) -> str:
-        """What outcomes learnt under this rule depend on (server/worker/calibration.py keeps them with it)."""
+        """What outcomes learnt under this rule depend on (server/worker/semantic/calibration.py keeps them with it)."""
         return (f"{self.embedder}/{embedder_version} k={self.k} coverage={self.coverage} ridge={RIDGE} "
                 f"fit_ridge={FIT_RIDGE}")
 
@@ -108,7 +108,7 @@ class CalibratedPolicy:
     def opines(neighbors: list[Neighbor], assessment: Assessment) -> bool:
         """An entry holds the predicted answer: the interpolation would answer in a wide enough region, so
         such a miss is an outcome to calibrate on, at its margin and residual (for hits with a fit too
-        when the fit agreed: server/worker/calibration.py)."""
+        when the fit agreed: server/worker/semantic/calibration.py)."""
         return any(n.answer == assessment.answer for n in neighbors)
 
 

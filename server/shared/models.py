@@ -6,7 +6,7 @@ the cache policy. Frontends read it to validate requests; the worker also loads 
 A version is either a whole graph (model.onnx, and/or the torch form) or a head on an encoder of the
 repository: head.json names the encoder model and version whose output it reads, head.npz holds its
 weights (`infercache train-head` writes this form). The worker runs the encoder once per miss and keeps
-its output in the feature tier (L2, server/worker/features.py), so a new head version reuses it.
+its output in the feature tier (L2, server/worker/store/features.py), so a new head version reuses it.
 """
 
 from __future__ import annotations

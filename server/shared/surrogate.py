@@ -11,7 +11,7 @@ neighbours span. A query of a new topic beside a cached one leaves their hull to
 the interpolation, blind to that direction, answers the cached topic with confidence. The fit sees that
 direction through the scores of every entry. For a model that is a linear head on the embedder (what
 `train-head` makes) it is the model itself, up to rounding; for others it is an approximation. The rule
-uses it only to refuse, and hits decided with it have a threshold of their own (server/worker/calibration.py).
+uses it only to refuse, and hits decided with it have a threshold of their own (server/worker/semantic/calibration.py).
 It is consulted once the namespace holds more entries than the embedding has dimensions: before, the
 ridge, not the entries, decides the directions they do not span (on 52 FAQ rows it refused mostly right
 answers).

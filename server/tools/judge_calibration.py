@@ -1,5 +1,5 @@
 """What `infercache train-head` measures of a head as a judge of semantic answers, on its own labelled
-rows (server/worker/label_calibration.py says what it is for): class scores of every row by a head that
+rows (server/worker/semantic/label_calibration.py says what it is for): class scores of every row by a head that
 never saw it (k folds), the temperature that makes them honest, and the labelled pairs by their
 probability of sharing a label."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.worker.label_calibration import BINS, LabelCalibration, tempered
+from server.worker.semantic.label_calibration import BINS, LabelCalibration, tempered
 
 FOLDS = 5
 NEIGHBORS = 10     # a row's nearest rows among which its pair is looked for (the rule's default k)

@@ -101,7 +101,7 @@ def evaluate(policy: MatchPolicy, queries: list[Query]) -> dict:
 
 def _wilson(agreed: int, n: int) -> list[float] | None:
     """The 95% Wilson interval of a rate (None where n is 0)."""
-    from server.worker.calibration import wilson_lower, wilson_upper
+    from server.worker.semantic.calibration import wilson_lower, wilson_upper
 
     return [round(wilson_lower(agreed, n), 4), round(wilson_upper(agreed, n, 1.96), 4)] if n else None
 

@@ -32,7 +32,7 @@ import grpc
 
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from server.worker.calibration import wilson_lower, wilson_upper
+from server.worker.semantic.calibration import wilson_lower, wilson_upper
 from server.tools.labelled_csv import read_labelled_csv
 from server.tools.semantic_eval import send_all
 

@@ -6,7 +6,7 @@ encoder version, head.npz with its weights), which the worker runs on the encode
 feature tier; labels.json maps score columns to labels, and the encoder's tokenizer is copied (frontends
 tokenize for the encoder with it), and label_calibration.json what the head is worth as the judge of a
 generative model's semantic answers, measured by heads that never saw the rows they judge
-(server/tools/judge_calibration.py, server/worker/label_calibration.py). With `whole_graph`, the format
+(server/tools/judge_calibration.py, server/worker/semantic/label_calibration.py). With `whole_graph`, the format
 before the feature tier instead: one ONNX graph of encoder + head (and, when the encoder has a torch
 source, the same as torch weights).
 Whole-graph versions need the `onnx` package (the prepare extra); serving never imports this module.
@@ -30,7 +30,7 @@ from server.tools.judge_calibration import FOLDS, calibrate
 from server.tools.labelled_csv import read_labelled_csv
 from server.shared.normalize import Normalizer
 from server.shared.tokenization import TextEncoder, pad_batch
-from server.worker.label_calibration import LABEL_CALIBRATION_FILE
+from server.worker.semantic.label_calibration import LABEL_CALIBRATION_FILE
 
 class TrainError(ValueError):
     pass
@@ -161,7 +161,7 @@ def train(csv_path: Path, *, text_column: str, label_column: str, models_dir: Pa
         return fit_softmax(x_fit, y_fit, len(classes), epochs=epochs, l2=l2)
 
     # Heads that never saw a row judge it: the accuracy on unseen rows, and the calibration of the head
-    # as a judge of semantic answers (server/worker/label_calibration.py).
+    # as a judge of semantic answers (server/worker/semantic/label_calibration.py).
     calibration, held_out_accuracy = calibrate(x, y, len(classes), fit)
     w, b = fit(x, y)
     train_accuracy = float(((x @ w + b).argmax(axis=1) == y).mean())

@@ -129,7 +129,7 @@ class Batcher:
 
     @property
     def idle(self) -> bool:
-        """Nothing waits and no batch runs (low-priority work may go in: server/worker/shadow.py)."""
+        """Nothing waits and no batch runs (low-priority work may go in: server/worker/semantic/shadow.py)."""
         return self._waiting == 0 and not self._running and not self._incoming
 
     async def wait_idle(self) -> None:
@@ -148,7 +148,7 @@ class Batcher:
     def enqueue(self, ids, deadline: float | None, waits: bool = False) -> asyncio.Future:
         """Admits one sequence; its future gets the engine's result for it. Cancelling the future
         drops the sequence before it reaches the engine. Raises Overloaded when the queue is full.
-        `waits`: low-priority work with no deadline that may wait however long (server/worker/shadow.py): no
+        `waits`: low-priority work with no deadline that may wait however long (server/worker/semantic/shadow.py): no
         bound on its wait applies (max_wait_s is for callers), only max_queue."""
         if self._closed:
             raise WorkerUnavailable("inference worker is shutting down")

@@ -3,7 +3,7 @@
 Items arrive already normalized, keyed and tokenized. For each, on the event loop and without
 awaiting: join the identical computation in flight (coalescing), else answer from L1 if the entry was
 committed since the frontend looked, else start one computation: straight into the model's batcher, or,
-for a head model or a model with semantic matching, the `Matching.answer` coroutine (server/worker/matching.py) (the head's features from the
+for a head model or a model with semantic matching, the `Matching.answer` coroutine (server/worker/semantic/matching.py) (the head's features from the
 feature tier or the encoder; embed -> search -> match; else the model or head). When it finishes,
 every waiter gets its answer through its frontend's connection, then the result is written behind.
 A joiner shares the first item's deadline and policy (as before this worker core existed). A flight stays
@@ -36,14 +36,14 @@ from server.shared.answers import answer_record
 from server.shared.errors import InferCacheError, ModelNotFound, WorkerUnavailable
 from server.shared.models import ModelRepository
 from server.shared.telemetry import Recorder
-from server.worker.features import FeatureTier, feature_selector
+from server.worker.store.features import FeatureTier, feature_selector
 from server.worker.flights import Flight, FlightRegistry, Outcome, Replies, Source
-from server.worker.answer_matching import AnswerMatching
+from server.worker.semantic.answer_matching import AnswerMatching
 from server.worker.generation.generations import Generations
-from server.worker.heads import HeadRuntime
-from server.worker.matching import Matching
+from server.worker.semantic.heads import HeadRuntime
+from server.worker.semantic.matching import Matching
 from server.worker.model_runtime import ModelRuntime
-from server.worker.writer import WriterProcess
+from server.worker.store.writer import WriterProcess
 
 log = logging.getLogger("infercache.compute")
 
@@ -72,8 +72,8 @@ class WorkerCore:
         self.writer = writer
         self.semantic = semantic
         self.fleet = fleet  # server/fleet/tier.py FleetTier, or None
-        self.features = features  # L2 (server/worker/features.py); every head model has one
-        self.kv_store = kv_store  # the prefix caches' disk tier (server/worker/prefix_disk.py), or None
+        self.features = features  # L2 (server/worker/store/features.py); every head model has one
+        self.kv_store = kv_store  # the prefix caches' disk tier (server/worker/prefix/prefix_disk.py), or None
         self.cache = ResultCache(writer.store) if writer is not None else None
         if writer is not None:  # a read that meets a damaged page has the writer look (and replace the store)
             self.cache.on_corrupt = writer.check

@@ -13,13 +13,13 @@ import asyncio
 
 from server.worker.core import WorkerCore
 from server.shared.devices import WorkerPlacement
-from server.worker.heads import HeadRuntime
+from server.worker.semantic.heads import HeadRuntime
 from server.shared.telemetry import MEANS_SEP, Recorder
 from server.worker.startup import StartupProfile
 from server.worker.upstream.generative import UpstreamGenerativeRuntime
 from server.worker.upstream.runtime import UpstreamRuntime
 
-# infercache_prefix_moves_total's move label -> the prefix cache's counter (server/worker/prefix_cache.py)
+# infercache_prefix_moves_total's move label -> the prefix cache's counter (server/worker/prefix/prefix_cache.py)
 PREFIX_MOVES = {"kept": "prefix_blocks_kept", "demoted_host": "prefix_demoted_host",
                 "demoted_disk": "prefix_demoted_disk", "evicted_memory": "prefix_evicted_memory",
                 "evicted_host": "prefix_evicted_host", "read_disk": "prefix_disk_reads"}

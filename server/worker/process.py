@@ -1,8 +1,8 @@
 """Inference worker process: one per device (each GPU, or the CPU).
 
 Frontends reach it over two unix sockets of its own: items (one connection per frontend, length-prefixed
-frames carrying micro-batches of tokenized items in and of answers out: server/shared/framing.py) and gRPC for
-Invalidate and Stats. The core (server/worker/core.py) joins, batches and runs the items; this module is the
+frames carrying micro-batches of tokenized items in and of answers out: server/worker/connections.py) and
+gRPC for Invalidate and Stats. The core (server/worker/core.py) joins, batches and runs the items; this module is the
 shell around it and the process start-up: pin the device, load every engine from the L3 store, warm
 up, open the store, start the semantic tier.
 """
@@ -23,141 +23,29 @@ import numpy as np
 from cachestore.env import FILE_MODE, StoreSettings
 from cachestore.errors import StoreError
 from infercache.v1 import infercache_pb2 as pb
-from infercache.v1 import worker_pb2, worker_pb2_grpc
-from server.worker import calibration
+from infercache.v1 import worker_pb2_grpc
+from server.worker.semantic import calibration
 from server.shared import process, telemetry
 from server.shared.stats import process_stats
 from server import mps
+from server.worker.connections import Connection, Frontends
 from server.worker.core import WorkerCore
-from server.shared.admission import discounted
 from server.config import Config, feature_store_settings, kv_store_settings, store_settings
 from server.shared.devices import WorkerPlacement
 from server.engines.artifacts import get_runtime, load_engines
-from server.shared.errors import grpc_errors, to_wire
-from server.shared.framing import FrameProtocol, items_socket
-from server.worker.features import FeatureTier
-from server.worker.decoders import open_decoder, prefix_cache
+from server.shared.errors import grpc_errors
+from server.shared.framing import items_socket
+from server.worker.store.features import FeatureTier
+from server.worker.generation.decoders import open_decoder, prefix_cache
 from server.worker.generation.scheduler import GenerativeRuntime
-from server.worker.heads import HeadRuntime
+from server.worker.semantic.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
 from server.shared.models import ModelConfigError, ModelRepository
 from server.worker.metrics import WorkerMetrics
 from server.worker.startup import StartupProfile
-from server.worker.writer import WriterProcess
+from server.worker.store.writer import WriterProcess
 
 log = logging.getLogger("infercache.worker")
-
-
-WAIT_JUMP = 1.5    # a queue wait this many times what a frontend holds (and WAIT_JUMP_S more)
-WAIT_JUMP_S = 0.01  # is pushed to it at once, without waiting for an answer frame
-
-
-class _Frontends:
-    """The worker's open frontend connections.
-
-    Every answer frame tells its frontend the queue waits (admission control in the frontends), but at a
-    burst's start no answer has come back yet: the first batch is still running while its frontends keep
-    sending. So when arriving items make a model's wait jump past what a frontend holds, that frontend
-    is told in a frame of its own, in this loop iteration, and refuses what would not be answered in
-    time instead of sending it."""
-
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
-        self.open: set[_Connection] = set()
-        self._check_scheduled = False
-
-    def items_arrived(self) -> None:
-        """Checks the waits once at the end of this loop iteration, whatever frames it brings (at one
-        item per frame a check per frame cost the worker 5 us per item)."""
-        if not self._check_scheduled:
-            self._check_scheduled = True
-            asyncio.get_running_loop().call_soon(self._check_waits)
-
-    def _check_waits(self) -> None:
-        self._check_scheduled = False
-        now = asyncio.get_running_loop().time()
-        waits = list(self.core.queue_waits())
-        for connection in self.open:
-            if connection.holds_less(waits, now):
-                self.core.counters["wait_pushes"] += 1
-                connection.tell_waits(waits)
-
-
-class _Connection:
-    """One frontend's item connection (server/shared/framing.py): items in, answers out in micro-batches."""
-
-    def __init__(self, core: WorkerCore, frontends: _Frontends) -> None:
-        self.core = core
-        self.frontends = frontends
-        self.waiting: dict = {}              # item id -> flight (written by the core)
-        # The waits of the last frame sent (what the frontend holds, discounting them as time passes):
-        # (model, version) -> (seconds, loop time sent).
-        self.told: dict[tuple[str, str], tuple[float, float]] = {}
-        self.protocol = FrameProtocol(self._on_frame, self._on_lost, worker_pb2.ResultBatch, self._on_flush)
-        frontends.open.add(self)
-
-    def _on_frame(self, frame: bytes) -> None:
-        batch = worker_pb2.ComputeBatch.FromString(frame)
-        now = asyncio.get_running_loop().time()
-        counters = self.core.counters
-        counters["frames"] += 1
-        counters["frame_items"] += len(batch.items)
-        self.core.submit_all(self, batch.items, now)
-        for item_id in batch.cancel:
-            self.core.cancel(self, item_id)
-        if batch.items:
-            self.frontends.items_arrived()
-
-    def holds_less(self, waits, now: float) -> bool:
-        """Whether a wait has jumped past what this frontend holds (WAIT_JUMP, WAIT_JUMP_S)."""
-        for model, version, seconds in waits:
-            told, at = self.told.get((model, version), (0.0, now))
-            if seconds > discounted(told, at, now) * WAIT_JUMP + WAIT_JUMP_S:
-                return True
-        return False
-
-    def tell_waits(self, waits) -> None:
-        """Queue waits in a frame of their own (sent at the end of this loop iteration)."""
-        self._add_waits(self.protocol.out, waits)
-        self.protocol.flush_soon()
-
-    def _on_flush(self, out) -> None:
-        """Every frame tells the frontend how long new items would take (its admission control): as of
-        now, replacing what tell_waits put there earlier in this iteration."""
-        del out.waits[:]
-        waits = list(self.core.queue_waits())
-        self._add_waits(out, waits)
-        now = asyncio.get_running_loop().time()
-        self.told = {(model, version): (seconds, now) for model, version, seconds in waits}
-
-    @staticmethod
-    def _add_waits(out, waits) -> None:
-        for model, version, seconds in waits:
-            out.waits.add(model=model, version=version, seconds=seconds)
-
-    def _on_lost(self, exc: Exception | None) -> None:
-        self.frontends.open.discard(self)
-        for item_id in list(self.waiting):  # the frontend went away: nobody reads these answers
-            self.core.cancel(self, item_id)
-
-    def ok(self, item_id: int, source: int, payload: bytes, rejected: bool = False) -> None:
-        self.protocol.out.results.add(id=item_id, response=payload, source=source, semantic_rejected=rejected)
-        self.protocol.flush_soon()
-
-    def stream(self, item_id: int, text: str, token_ids: list[int]) -> None:
-        self.protocol.out.results.add(id=item_id, more=True, text=text, token_ids=token_ids)
-        self.protocol.flush_soon()
-
-    def finish(self, item_id: int, source: int, answer: bytes) -> None:
-        self.protocol.out.results.add(id=item_id, source=source, response=answer)
-        self.protocol.flush_soon()
-
-    def fail(self, item_id: int, exc: BaseException) -> None:
-        code, message = to_wire(exc)
-        if code == grpc.StatusCode.INTERNAL.value[0]:
-            log.error("item %d failed: %r", item_id, exc)
-        self.protocol.out.results.add(id=item_id, code=code, error=message)
-        self.protocol.flush_soon()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -186,7 +74,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 async def _open_writer(config: Config, role: str, on_lost: Callable[[], None], settings: StoreSettings | None = None,
                        what: str = "result store") -> WriterProcess | None:
-    """The store's writer, in a process of its own (server/worker/writer.py); None when the store cannot
+    """The store's writer, in a process of its own (server/worker/store/writer.py); None when the store cannot
     be opened (served without it). A writer process that dies is started again at once; one given up
     (on_lost) stops this worker, which the supervisor restarts."""
     try:
@@ -220,7 +108,7 @@ def _semantic_tier(config: Config, repository: ModelRepository, runtimes: dict[t
     if len(dims) != 1:
         log.error("semantic matching off: embedders of different dimensions %s", sorted(dims))
         return None
-    from server.worker.semantic_index import SemanticTier
+    from server.worker.semantic.semantic_index import SemanticTier
 
     # Each worker keeps its own indexes (frontends route a semantic model's namespace to one worker).
     snapshots = Path(config.cache.dir) / "semantic" / f"worker-{index}"
@@ -317,9 +205,9 @@ def _fleet_tier(config: Config, writer: WriterProcess | None, index: int, socket
 
 
 def _open_block_store(config: Config):
-    """The prefix cache's disk tier (server/worker/prefix_disk.py); None (logged) when it cannot be opened:
+    """The prefix cache's disk tier (server/worker/prefix/prefix_disk.py); None (logged) when it cannot be opened:
     prefix caches then keep to memory."""
-    from server.worker.prefix_disk import BlockStore
+    from server.worker.prefix.prefix_disk import BlockStore
 
     try:
         return BlockStore(kv_store_settings(config), min((t for t in (config.kv.ttl_s, config.cache.max_ttl_s) if t),
@@ -330,7 +218,7 @@ def _open_block_store(config: Config):
 
 
 def _generative(repository: ModelRepository, threads: int, gpu: bool, kv_store) -> dict[tuple[str, str], GenerativeRuntime]:
-    """A runtime for every version of the served generative models (server/worker/decoders.py picks
+    """A runtime for every version of the served generative models (server/worker/generation/decoders.py picks
     each one's decoder), with its prefix cache; one that cannot be loaded is logged and left out."""
     found = {}
     for spec in repository.servable():
@@ -467,9 +355,9 @@ async def _serve(config: Config, placement: WorkerPlacement, cpu_workers: int, s
     for path in (socket_path, items_path):
         path.unlink(missing_ok=True)  # left behind by a worker that was killed
     server.add_insecure_port(f"unix:{socket_path}")
-    frontends = _Frontends(core)
+    frontends = Frontends(core)
     items = await asyncio.get_running_loop().create_unix_server(
-        lambda: _Connection(core, frontends).protocol, path=str(items_path))
+        lambda: Connection(core, frontends).protocol, path=str(items_path))
     await server.start()
     for path in (socket_path, items_path):  # the server's own user only (the folder is private too)
         path.chmod(FILE_MODE)

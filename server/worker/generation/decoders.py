@@ -37,13 +37,13 @@ def open_decoder(spec: ModelSpec, version: str, threads: int, gpu: bool) -> Deco
 
 
 def prefix_cache(spec: ModelSpec, version: str, decoder: Decoder, gpu: bool, disk):
-    """The version's prefix cache (server/worker/prefix_cache.py), or None where its config turns it off or
+    """The version's prefix cache (server/worker/prefix/prefix_cache.py), or None where its config turns it off or
     its decoder keeps no blocks. Its memory: a share of the device memory free after loading on a GPU
     worker, with pinned host memory beside it; host memory on a CPU worker."""
     settings = spec.prefix
     if not settings.enabled or decoder.block_bytes(settings.block_tokens) == 0:
         return None
-    from server.worker.prefix_cache import PrefixCache
+    from server.worker.prefix.prefix_cache import PrefixCache
 
     host = settings.host_mb << 20
     if gpu and decoder.runtime == "torch":

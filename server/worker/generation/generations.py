@@ -37,7 +37,7 @@ class Generations:
         its flights (flight()) and what computes them (scheduler()). cache: the worker's L1 reader
         (WorkerCore's: it follows the writer's store when a damaged one is replaced), for answers committed
         since the frontend looked. metrics(): the worker's telemetry.Recorder while /metrics is on, else
-        None. answers: the worker's AnswerMatching (server/worker/answer_matching.py), for models with
+        None. answers: the worker's AnswerMatching (server/worker/semantic/answer_matching.py), for models with
         semantic answers. busy(): whether the worker's other models have work (shadow regenerations give way
         to it). flights: the worker's one FlightRegistry (server/worker/flights.py), WorkerCore's."""
         self.runtimes = runtimes
@@ -126,7 +126,7 @@ class Generations:
         return self._schedulers.values()
 
     def regenerate(self, item: worker_pb2.ComputeItem) -> asyncio.Future:
-        """A shadow regeneration of `item` (server/worker/regeneration.py): its whole answer, or Preempted
+        """A shadow regeneration of `item` (server/worker/semantic/regeneration.py): its whole answer, or Preempted
         when foreground work came first (raised at once where its scheduler is busy). Stored nowhere,
         joined by nobody."""
         runtime = self.runtimes[(item.model, item.version)]
@@ -138,7 +138,7 @@ class Generations:
 
     def erase(self, selector) -> int:
         """Invalidate: the prefix blocks `selector` names, dropped from every model version's memory and
-        host memory (server/worker/prefix_cache.py erase); how many went."""
+        host memory (server/worker/prefix/prefix_cache.py erase); how many went."""
         return sum(runtime.prefix.erase(selector) for runtime in self.runtimes.values() if runtime.prefix is not None)
 
     def background(self, coroutine) -> asyncio.Task:
@@ -187,7 +187,7 @@ class Generations:
             put(companion.key, companion.payload, companion.entry)
 
     def _put_question(self, flight: GenerateFlight, shared: bool, key: bytes, payload: bytes, entry) -> None:
-        """A question's entry (server/worker/answer_matching.py), pointing at the flight's answer."""
+        """A question's entry (server/worker/semantic/answer_matching.py), pointing at the flight's answer."""
         item = flight.item
         question = answer_record(flight.model.spec, flight.created_us, payload, item.ttl_class)
         self.writer.put(key, namespace(item.tenant, item.model, item.version), question, semantic=entry,

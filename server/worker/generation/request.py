@@ -11,7 +11,7 @@ import numpy as np
 
 from cachestore.results import now_us
 from infercache.v1 import worker_pb2
-from server.worker.answer_text import AnswerText, Sampler
+from server.worker.generation.answer_text import AnswerText, Sampler
 
 if TYPE_CHECKING:
     from server.worker.generation.scheduler import GenerativeRuntime
@@ -37,7 +37,7 @@ class GenerateFlight:
         self.deadline = deadline
         self.created_us = now_us()
         self.store = item.store
-        # Semantic answers (server/worker/answer_matching.py): the question's entry, stored beside the answer.
+        # Semantic answers (server/worker/semantic/answer_matching.py): the question's entry, stored beside the answer.
         self.companion = None
         # A shadow regeneration: the future its whole answer goes to (None: a foreground generation).
         self.background: asyncio.Future | None = None
@@ -98,7 +98,7 @@ class Generation(GenerateFlight):
         self.next_token: int | None = None
         self.awaiting = False
         self.last_step = 0
-        # The prefix cache's (server/worker/prefix_cache.py): whether its prompt was looked up, blocks being
+        # The prefix cache's (server/worker/prefix/prefix_cache.py): whether its prompt was looked up, blocks being
         # read from disk for it and those read, its block keys, blocks kept so far, the tier it reused from,
         # the cache's erasures when it was looked up.
         self.looked_up = False

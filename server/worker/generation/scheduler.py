@@ -5,7 +5,7 @@ running generation by a token; generations join and leave the batch at every ste
 were cancelled by all their callers, or passed their deadline are retired. The decoder's work runs on the
 scheduler's own thread, off the event loop. A pipelined decoder (a GPU, server/engines/torch_decoder.py)
 is given step n+1 before step n is read, so the device does not wait for the host: a generation that ended
-at step n has computed one token more, unused. A shadow regeneration (server/worker/regeneration.py) is a
+at step n has computed one token more, unused. A shadow regeneration (server/worker/semantic/regeneration.py) is a
 generation of its own that nobody listens to and nothing stores: it starts only while its scheduler is
 idle, and foreground work that arrives meanwhile (a generation, or a batch of any other model of the
 worker) drops it before the next step (its check waits for the next idle moment).
@@ -29,9 +29,9 @@ from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, 
 from server.shared.generated import whole_answer
 from server.shared.generation_spec import PromptFormat
 from server.shared.models import TOKENIZER_FILE, ModelSpec
-from server.worker.answer_text import LENGTH
+from server.worker.generation.answer_text import LENGTH
 from server.worker.generation.request import Generation
-from server.worker.shadow import Preempted
+from server.worker.semantic.shadow import Preempted
 
 log = logging.getLogger("infercache.generation")
 
@@ -46,7 +46,7 @@ class GenerativeRuntime:
         self.format = PromptFormat.read(directory)
         self.tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
         self.decoder = decoder
-        self.prefix = prefix  # its PrefixCache (server/worker/prefix_cache.py), or None
+        self.prefix = prefix  # its PrefixCache (server/worker/prefix/prefix_cache.py), or None
         self.info = pb.EngineInfo(model=spec.name, version=version, runtime=decoder.runtime,
                                   precision=decoder.precision, device=decoder.device)
 
@@ -94,7 +94,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """No generation waits or runs, and no step is owed (shadow checks may go: server/worker/shadow.py):
+        """No generation waits or runs, and no step is owed (shadow checks may go: server/worker/semantic/shadow.py):
         the blocks of generations that ended are kept by a step of their own, not by the first step of the
         next work (whose prompt may start with them: a conversation's next turn)."""
         return not self.running and not self.waiting and self._pending is None and not self._finishing

@@ -17,7 +17,7 @@ Tiers, each bounded, each a miss on failure:
 - memory: the decoder's own blocks (device memory on a GPU worker, `device_fraction` of what is free
   after loading; host memory on a CPU worker, `host_mb`), an LRU. A block evicted from it is demoted;
 - host (GPU workers): pinned host memory up to `host_mb`, an LRU; evicted blocks are demoted to disk;
-- disk: the host's LMDB block store (server/worker/prefix_disk.py), written behind by a thread, read
+- disk: the host's LMDB block store (server/worker/prefix/prefix_disk.py), written behind by a thread, read
   back by a pool of threads, checked (the store's checksums, sealing when encryption is on): shared by
   the host's workers, kept across restarts, bounded by `kv.budget_mb`. A request whose prefix continues
   on disk waits while those blocks are read into host memory, then restores them.
@@ -50,7 +50,7 @@ class PrefixCache:
     def __init__(self, spec: PrefixSpec, decoder: Decoder, model: str, version: str, *, memory_bytes: int,
                  host_bytes: int, disk=None) -> None:
         """memory_bytes: the decoder's block memory; host_bytes: pinned host blocks beside it (0 on a CPU
-        worker, whose memory tier is host memory); disk: the host's BlockStore (server/worker/prefix_disk.py),
+        worker, whose memory tier is host memory); disk: the host's BlockStore (server/worker/prefix/prefix_disk.py),
         or None."""
         self.decoder = decoder
         self.block = spec.block_tokens

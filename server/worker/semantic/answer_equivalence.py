@@ -12,8 +12,8 @@ within the configured cosine of the cached answer's embedding.
 - **Outcomes**: a miss generates the answer anyway; where the rule had a candidate, the fresh answer's
   embedding against the candidate's answer's is an outcome at the candidate's margin (the calibration
   learns the similarity at which answers stay alike). A share of the hits (every hit of an unproven
-  entry) is regenerated while the worker is idle (server/worker/regeneration.py, through the shadow
-  verifier of server/worker/shadow.py): an agreement proves the entry, a disagreement contests it (it
+  entry) is regenerated while the worker is idle (server/worker/semantic/regeneration.py, through the shadow
+  verifier of server/worker/semantic/shadow.py): an agreement proves the entry, a disagreement contests it (it
   answers no more), and either counts in the calibration (live fidelity, its guard).
 - **Guards overruled**: the nearest entry the rule would have taken but whose marks differ from the
   query's (a negation, number, date or entity apart) is a miss; the model's fresh answer then says whether
@@ -46,11 +46,11 @@ from infercache.v1 import worker_pb2
 from server.shared import question_guards as guards
 from server.shared.answer_match import AnswerMatchPolicy, margin
 from server.shared.generated import marked
-from server.worker import question_entries
-from server.worker.calibration import Calibration
+from server.worker.semantic import question_entries
+from server.worker.semantic.calibration import Calibration
 from server.worker.flights import token_ids
-from server.worker.regeneration import Regeneration, RegenerationLane
-from server.worker.shadow import Check, has_room
+from server.worker.semantic.regeneration import Regeneration, RegenerationLane
+from server.worker.semantic.shadow import Check, has_room
 
 log = logging.getLogger("infercache.answers")
 

@@ -3,19 +3,19 @@ right): a request's question is embedded and searched in its namespace's index; 
 stored with the nearest cached questions decide, under the model's calibrated threshold and the guards,
 whether one of their answers may answer it; then the judge runs on the question (a head on the
 embedding: a matrix product), and its scores against the cached question's, under the judge's label
-calibration (server/worker/label_calibration.py), decide whether it does (RESULT_SEMANTIC, with the
+calibration (server/worker/semantic/label_calibration.py), decide whether it does (RESULT_SEMANTIC, with the
 similarity, the answer's age and the verdict so far). On a miss the judge's scores of the question are
 an outcome for the calibration where the rule had an opinion, and, once the model's answer is generated
 and stored, the question's entry: the judge's response for it (its class scores, the guard marks, and
 the key of the answer as CacheInfo.key) under the question's key, indexed by its embedding.
 
 It reuses the classifier tier whole: the index and the judge's interpolated scores and fit
-(server/worker/semantic_index.py), the threshold and guard of server/worker/calibration.py (one
+(server/worker/semantic/semantic_index.py), the threshold and guard of server/worker/semantic/calibration.py (one
 Calibration per generative model version, saved with the others), and shadow verification
-(server/worker/shadow.py): a share of hits, and every hit of an unproven entry, has the judge run on the
+(server/worker/semantic/shadow.py): a share of hits, and every hit of an unproven entry, has the judge run on the
 question while the worker is idle; a disagreement contests the entry, which answers no more.
 A model whose judge is answer equivalence (`semantic.answer_cosine`) is matched by
-server/worker/answer_equivalence.py instead, with the same calibration and shadow verifier.
+server/worker/semantic/answer_equivalence.py instead, with the same calibration and shadow verifier.
 Any failure is a miss. A caller that goes away during the lookup (a millisecond or two) is not heard
 of until its generation starts: that generation runs for nobody and is stored. Event loop only."""
 
@@ -35,12 +35,12 @@ from infercache.v1 import worker_pb2
 from server.shared import question_guards as guards
 from server.shared.answer_match import AnswerMatchPolicy
 from server.shared.generated import marked
-from server.worker import question_entries
-from server.worker.answer_equivalence import AnswerEquivalence
-from server.worker.calibration import Calibration, learn
+from server.worker.semantic import question_entries
+from server.worker.semantic.answer_equivalence import AnswerEquivalence
+from server.worker.semantic.calibration import Calibration, learn
 from server.worker.flights import token_ids
-from server.worker.heads import HeadRuntime
-from server.worker.shadow import Check
+from server.worker.semantic.heads import HeadRuntime
+from server.worker.semantic.shadow import Check
 
 log = logging.getLogger("infercache.answers")
 
@@ -161,7 +161,7 @@ class AnswerMatching:
 
     def _same_label(self, runtime, judge: HeadRuntime, query: np.ndarray, cached: np.ndarray | None) -> bool:
         """Whether the query and the cached question share a label with the probability that the judge's
-        label calibration asks for at the model's max_error (server/worker/label_calibration.py). A judge
+        label calibration asks for at the model's max_error (server/worker/semantic/label_calibration.py). A judge
         without one is taken at its word (its own verdicts bound the error); one whose calibration does not
         read, or reaches no threshold, answers nothing."""
         max_error = runtime.spec.answer_match.rule.max_error

@@ -3,7 +3,7 @@
 Outcomes come from two places, both the model's own answer beside what the rule would have answered:
 - every miss where the rule had an opinion (an entry holds the answer the interpolation predicts, the
   rule did not answer, the model computed);
-- shadow verification of semantic hits (server/worker/shadow.py), recomputed in the background.
+- shadow verification of semantic hits (server/worker/semantic/shadow.py), recomputed in the background.
 
 They are counted in bins of the assessment's margin and of its residual (the query's distance from the
 neighbours' hull), in two sets: every outcome (the interpolation's own), and those where the namespace's

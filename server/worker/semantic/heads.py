@@ -1,6 +1,6 @@
 """A head model version in an inference worker: a small layer (one matrix product and a softmax) on the
 output of an encoder the worker serves. Its misses run the encoder's batcher once per text, then the head;
-the feature tier (server/worker/features.py) keeps the encoder output, so the next head version, or the same one
+the feature tier (server/worker/store/features.py) keeps the encoder output, so the next head version, or the same one
 after its result expired, runs the head only.
 
 Heads batch like any other work: their own batcher (one bucket: the feature dimension) cuts batches of
@@ -17,8 +17,8 @@ from infercache.v1 import infercache_pb2 as pb
 from server.worker.batcher import Batcher
 from server.config import Config
 from server.shared.head_scoring import head_scores, load_head
-from server.worker import label_calibration
-from server.worker.feature_lru import DeviceRow
+from server.worker.semantic import label_calibration
+from server.worker.store.feature_lru import DeviceRow
 from server.shared.answers import Answers
 from server.worker.model_runtime import ModelRuntime
 from server.shared.models import HeadRef, ModelConfigError, ModelSpec
@@ -92,7 +92,7 @@ class HeadRuntime(ModelRuntime):
         self.built_s, self.warmup_s = 0.0, 0.0  # nothing to build: weights
         self.encoder = encoder.encoder
         self.answers = Answers(spec, version, self.labels)
-        # What the head is worth as the judge of semantic answers (server/worker/label_calibration.py):
+        # What the head is worth as the judge of semantic answers (server/worker/semantic/label_calibration.py):
         # None where train-head wrote none; an unreadable one answers no semantic question (`label_refused`).
         self.label_calibration, self.label_refused = None, ""
         try:
@@ -111,7 +111,7 @@ class HeadRuntime(ModelRuntime):
 
     @property
     def source(self) -> tuple[str, str, str]:
-        """(encoder model, version, output): what this head reads (server/worker/features.py Source)."""
+        """(encoder model, version, output): what this head reads (server/worker/store/features.py Source)."""
         return self.ref.encoder, self.ref.encoder_version, self.ref.input
 
     def reads(self, runtime: ModelRuntime, output: str) -> bool:

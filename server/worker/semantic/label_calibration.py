@@ -1,7 +1,7 @@
 """A judge's calibration against the truth: how often two questions that a classifier judge would give
 the same answer really share a label (semantic answers of generative models: answer_matching.py).
 
-The judge's own verdicts (server/worker/calibration.py) bound how often a semantic answer's question and
+The judge's own verdicts (server/worker/semantic/calibration.py) bound how often a semantic answer's question and
 the new one differ in the judge's eyes; the judge is itself wrong now and then, on either question, and
 two questions it labels alike can then differ in meaning. `infercache train-head` measures that on the
 labelled rows it was given, with heads that never saw them (cross-validation,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.worker.calibration import wilson_upper
+from server.worker.semantic.calibration import wilson_upper
 
 LABEL_CALIBRATION_FILE = "label_calibration.json"
 BINS = 1000  # pairs are counted in bins of same_label this wide: 1/BINS

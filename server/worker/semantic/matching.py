@@ -16,11 +16,11 @@ from server.shared.answers import answer_record
 from server.shared.errors import ModelNotFound
 from server.shared.feature_records import feature_namespace
 from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor
-from server.worker.calibration import Calibration, learn
+from server.worker.semantic.calibration import Calibration, learn
 from server.worker.flights import Outcome, Source, token_ids
-from server.worker.heads import HeadRuntime
+from server.worker.semantic.heads import HeadRuntime
 from server.worker.model_runtime import ModelRuntime
-from server.worker.shadow import Check, ShadowVerifier
+from server.worker.semantic.shadow import Check, ShadowVerifier
 
 
 class Matching:
@@ -110,7 +110,7 @@ class Matching:
                     if runtime.spec.semantic is not None and runtime.spec.semantic.calibrated}
         generations = self.core.generations
         for key, runtime in (generations.runtimes.items() if generations is not None else ()):
-            if (policy := runtime.spec.answer_match) is not None:  # semantic answers (server/worker/answer_matching.py)
+            if (policy := runtime.spec.answer_match) is not None:  # semantic answers (server/worker/semantic/answer_matching.py)
                 try:
                     versions[key] = (policy.rule, generations.answers.settings(policy))
                 except ModelNotFound:  # its judge or embedder is not in the repository (logged where it is used)

@@ -1,5 +1,5 @@
-"""A cached question's entry (semantic answers of generative models: server/worker/answer_matching.py,
-server/worker/answer_equivalence.py): an InferResponse stored under the question's key that holds the
+"""A cached question's entry (semantic answers of generative models: server/worker/semantic/answer_matching.py,
+server/worker/semantic/answer_equivalence.py): an InferResponse stored under the question's key that holds the
 question's guard marks, the key of the answer it points at (CacheInfo.key), and what its judge keeps
 beside them (the classifier's scores, or the answer's embedding). Reading one is a miss on any failure."""
 

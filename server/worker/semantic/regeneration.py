@@ -1,5 +1,5 @@
-"""Shadow regeneration: how the shadow verifier (server/worker/shadow.py) checks a semantic answer of a
-generative model judged by answer equivalence (server/worker/answer_equivalence.py). The check's model is
+"""Shadow regeneration: how the shadow verifier (server/worker/semantic/shadow.py) checks a semantic answer of a
+generative model judged by answer equivalence (server/worker/semantic/answer_equivalence.py). The check's model is
 the generative model itself: the new question's answer is generated again, with the request's own
 generation settings, and embedded by the embedder; the check compares that embedding with the served
 answer's.

@@ -16,11 +16,11 @@ none has room, they wait on, counted in shadow_deferred once per MAX_DEFER_S). A
 which would count as a user's refusal and raise the wait the frontends are told, and no wait bound
 applies to it (it has no deadline). When checks come faster than that, the oldest are dropped, and so is
 one that waited over a minute (all counted). Each outcome feeds the model version's calibration
-(threshold, live fidelity, guard: server/worker/calibration.py). An agreement proves the entry; a disagreement
+(threshold, live fidelity, guard: server/worker/semantic/calibration.py). An agreement proves the entry; a disagreement
 contests it: it answers no near-duplicate again. Either way the model's answer goes to `on_checked` (the
 worker stores it under the query's key, replacing the alias the hit wrote, and indexes it: a verified
 answer is an entry of its own). A generative model's answers are checked by regenerating them
-(server/worker/regeneration.py): a check whose model input yields to foreground work (`Preempted`) is
+(server/worker/semantic/regeneration.py): a check whose model input yields to foreground work (`Preempted`) is
 offered again, in its place, for the next idle moment. One owner: the worker's event loop."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from cachestore.results import now_us
-from server.worker.calibration import Calibration
+from server.worker.semantic.calibration import Calibration
 
 log = logging.getLogger("infercache.shadow")
 
@@ -61,7 +61,7 @@ class Check:
     entry: bytes               # the key of the entry that answered
     chance: float              # the probability this hit was verified
     created_us: int            # when the hit was served
-    fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/worker/calibration.py)
+    fitted: bool = False       # decided with the namespace's fit consulted (it agreed: server/worker/semantic/calibration.py)
     residual: float = 0.0      # the query's distance from its neighbours' hull (match_policy.Assessment)
     agrees: Callable[[dict], bool] | None = None  # whether the model's outputs agree with the hit (None: the
     #                                               label its scores rank first is `served`)

@@ -8,7 +8,7 @@ version finds none of the old ones.
 
 Two levels, looked up in order:
 - memory: an LRU on the worker's GPU (`l2.device_fraction` of the GPU's memory, shared by the workers on
-  it), or in host memory on a CPU host (`l2.memory_mb`): server/worker/feature_lru.py;
+  it), or in host memory on a CPU host (`l2.memory_mb`): server/worker/store/feature_lru.py;
 - the host's LMDB feature store (`<cache.dir>/features`, its own TTL and byte budget, written behind by
   a writer process like the result store's, shared by every worker of the host, surviving restarts).
 A level that fails (a corrupt or unsealable record, an unreadable store) is a miss.
@@ -32,8 +32,8 @@ from cachestore.keys import Namespace, Selector
 from cachestore.results import ResultCache, now_us
 from server.shared.feature_records import Source, decode, encode, feature_tenant, storage_dtype
 from server.shared.ttl_classes import jittered
-from server.worker.feature_lru import DeviceRow, FeatureLRU
-from server.worker.writer import WriterProcess
+from server.worker.store.feature_lru import DeviceRow, FeatureLRU
+from server.worker.store.writer import WriterProcess
 
 log = logging.getLogger("infercache.features")
 

@@ -1,14 +1,8 @@
 """A worker's store writer in a process of its own.
 
-Why a process: py-lmdb releases the GIL inside every call (get, put, commit), so a write-behind thread
-beside the worker's event loop hands the GIL back and forth on each LMDB call. Measured with the null
-engine and items sent straight to one worker (bench/worker_capacity.py, 2-core host, the worker alone
-on one core), the thread held the worker to 18k items/s with one item per frame and 20k with 32 per
-frame, against 44k and 62k with nothing written. The process (server/worker/writer_child.py) runs the
-same WriteBehind (cachestore/writer.py) without a thread of its own: one thread reads the worker's
-frames, commits what arrived (one transaction per batch; puts wait up to `cache.group_commit_ms` for
-others to join it) and answers, so nothing inside it contends either; the worker's share of a write is a
-few protobuf field sets.
+Why a process, and what it measured against a thread: docs/architecture.md ("Writers"). The process
+(server/worker/store/writer_child.py) runs the same WriteBehind (cachestore/writer.py) without a thread of
+its own: one thread reads the worker's frames, commits what arrived and answers.
 
 The worker side (`WriterProcess`) has WriteBehind's interface: put (with on_done), invalidate and
 flush (concurrent futures), counters, store (the worker's own read-only handle) and on_semantic. It
@@ -48,12 +42,13 @@ from cachestore.env import Store, StoreSettings
 from cachestore.errors import StoreError
 from cachestore.keys import Namespace, Selector
 from cachestore.results import now_us
-from cachestore.semantic_log import Row, SemanticEntry
+from cachestore.semantic_log import SemanticEntry
 from cachestore.writer import FENCE_S, GAUGES
 from infercache.v1 import writer_pb2
 from server.shared.errors import WorkerUnavailable
 from server.shared.framing import FrameProtocol
-from server.worker.writer_child import SOCKET_BUFFER, main as child_main
+from server.worker.store.semantic_rows import SemanticRows
+from server.worker.store.writer_child import SOCKET_BUFFER, main as child_main
 
 log = logging.getLogger("infercache.writer_process")
 
@@ -65,17 +60,6 @@ MAX_BACKLOG = 50_000
 # Answers that went to several callers are the likeliest to be asked for again: they are dropped only
 # past this many times max_backlog (one-off answers, at max_backlog).
 SHARED_HEADROOM = 1.25
-# Group commit (`cache.group_commit_ms`, passed as group_commit_s): puts wait up to that long for others
-# to share their transaction. A commit under random keys writes about a page per put and fsyncs: with one
-# put per commit, as at a few thousand misses/s, the writer spent 169-185 us of CPU per miss (2-core
-# machine, null engine), 54-61 us with a 10 ms wait. At a CPU host's few hundred misses/s a 10 ms wait
-# still left a handful of puts per commit; 50 ms cuts the writer's CPU per put there (bench/group_commit.py:
-# 240 vs 140 us at 500 puts/s in frames of 8; frames of 32, one per 64 ms, gain nothing). Invalidations and
-# flushes commit at once. The worker answers a computed key from memory until its put is handled
-# (COALESCED), so an exact repeat is not recomputed meanwhile; a near-duplicate may be (semantic index rows
-# come from commits: a text's row is searchable up to the window plus a commit later).
-
-
 # A writer that dies more often than this within the window is given up (the worker is restarted instead):
 # a put or a store that kills every process it meets must not keep the worker starting processes.
 MAX_RESTARTS = 3
@@ -105,18 +89,17 @@ class WriterProcess:
         self.on_lost = on_lost             # told once if the writer is given up while the worker still needs it
         self.max_backlog = max_backlog
         self.max_restarts = max_restarts
-        self.on_semantic: Callable[[list[Row], list[tuple[bytes, int]]], None] | None = None
         # Told the new read handle when the process replaced a damaged store with a fresh one (the
         # readers of `store`: the core's L1, the feature tier, the semantic tier).
         self.on_store: list[Callable[[Store], None]] = []
         self.process = None
         self.store: Store | None = None
-        self._deferred: list | None = None  # semantic rows of a fresh store, until its read handle is open
         self._replacements = 0              # stores the process replaced (the latest's handle is opened)
         self._checking = False              # a check the process has not answered yet (one at a time)
         self._reported: Counter[str] = Counter()  # the running process's counters, as of its last frame
         self._carried: Counter[str] = Counter()   # the counters of the processes that died
         self._own: Counter[str] = Counter()       # this side's (notify_errors, restarts)
+        self.semantic = SemanticRows(self._own)  # on_semantic: told the rows each commit added or removed
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._protocol: FrameProtocol | None = None  # None while a process starts (operations are held)
@@ -124,10 +107,6 @@ class WriterProcess:
         self._framed = 0                   # the last put number written in a frame
         self._handled = 0                  # the last put number the process said it handled
         self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()  # (put number, on_done)
-        # The vectors of semantic puts not handled yet, by key (the process's rows name them, without
-        # sending 1.5 KB back for each), and the order to forget them in: (put number, key).
-        self._vectors: dict[bytes, tuple[int, np.ndarray]] = {}
-        self._vector_order: deque[tuple[int, bytes]] = deque()
         self._requests: dict[int, tuple[Future, Selector | None]] = {}    # id -> (future, invalidation's selector)
         self._next_request = 0
         self._unconfirmed: deque[tuple[int, writer_pb2.StoreOps]] = deque()  # (last put number, frame) written
@@ -221,6 +200,14 @@ class WriterProcess:
     # ---- WriteBehind's interface (any thread; the work is done on the loop) --------------------------
 
     @property
+    def on_semantic(self) -> Callable[[list, list], None] | None:
+        return self.semantic.on_semantic
+
+    @on_semantic.setter
+    def on_semantic(self, told: Callable[[list, list], None] | None) -> None:
+        self.semantic.on_semantic = told
+
+    @property
     def counters(self) -> Counter[str]:
         counters = self._carried + self._reported + self._own
         # A gauge: puts the process has not handled yet (none once it is gone: they were released).
@@ -273,9 +260,7 @@ class WriterProcess:
         if semantic is not None:
             put.semantic, put.answer = True, semantic.answer
             put.embedding = np.asarray(semantic.embedding, dtype="<f4").tobytes()
-            # (over the frame's bytes: a view of the engine's output would keep its whole batch alive)
-            self._vectors[key] = (self._sent, np.frombuffer(put.embedding, dtype="<f4"))
-            self._vector_order.append((self._sent, key))
+            self.semantic.keep(self._sent, key, put.embedding)
         if on_done is not None:
             self._callbacks.append((self._sent, on_done))
         self._soon()
@@ -367,7 +352,7 @@ class WriterProcess:
         if events.counters:
             self._reported = Counter(events.counters)
         if events.replaced:  # (the process logged it): the rows that follow are the fresh store's
-            self._deferred = []
+            self.semantic.defer()
             self._replacements += 1
             self._loop.create_task(self._reopen(self._replacements))
         self._handled = max(self._handled, events.handled)
@@ -388,31 +373,7 @@ class WriterProcess:
         while unconfirmed and unconfirmed[0][0] <= self._handled and not any(
                 r.id in self._requests for r in unconfirmed[0][1].requests):
             unconfirmed.popleft()
-        if (events.added or events.removed) and self.on_semantic is not None:
-            added = []
-            for r in events.added:
-                vector = np.frombuffer(r.embedding, dtype="<f4") if r.embedding else self._vectors.get(r.key, (0, None))[1]
-                if vector is None:  # (not expected: the index misses it until it is rebuilt from the log)
-                    self._own["semantic_rows_without_vector"] += 1
-                    continue
-                added.append(Row(r.ns_id, r.label, r.key, r.answer, vector))
-            removed = [(r.ns_id, r.label) for r in events.removed]
-            if self._deferred is not None:
-                self._deferred.append((added, removed))
-            else:
-                self._notify(added, removed)
-        order = self._vector_order  # the handled puts' vectors: their rows came before their handled count
-        while order and order[0][0] <= self._handled:
-            number, key = order.popleft()
-            if self._vectors.get(key, (0,))[0] == number:
-                del self._vectors[key]
-
-    def _notify(self, added: list[Row], removed: list[tuple[bytes, int]]) -> None:
-        try:
-            self.on_semantic(added, removed)
-        except Exception:  # the index misses these rows; the log in LMDB is still complete
-            self._own["notify_errors"] += 1
-            log.exception("semantic index notification failed")
+        self.semantic.committed(events, self._handled)
 
     async def _reopen(self, replacement: int) -> None:
         """After the process replaced a damaged store: the worker's read handle on the fresh one, to
@@ -430,9 +391,7 @@ class WriterProcess:
             self.store = store  # (the old handle closes with the last transaction that holds it)
             for use in self.on_store:
                 use(store)
-        deferred, self._deferred = self._deferred, None
-        for added, removed in deferred:
-            self._notify(added, removed)
+        self.semantic.resume()
 
     def _live_fences(self) -> list[tuple[Selector, int]]:
         cutoff = now_us() - int(FENCE_S * 1_000_000)
@@ -498,8 +457,7 @@ class WriterProcess:
         self.dead = True
         self._unconfirmed.clear()
         self._held = []
-        self._vectors.clear()
-        self._vector_order.clear()
+        self.semantic.clear()
         while self._callbacks:  # nothing waits forever for a write that will never be told of
             self._called(self._callbacks.popleft()[1])
         requests, self._requests = self._requests, {}

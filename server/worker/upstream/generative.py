@@ -23,7 +23,7 @@ from server.shared.errors import DeadlineExceeded, InferCacheError, Overloaded, 
 from server.shared.generated import FINISH_NAMES, whole_answer
 from server.shared.models import ModelSpec
 from server.worker.generation.request import GenerateFlight
-from server.worker.shadow import Preempted
+from server.worker.semantic.shadow import Preempted
 from server.worker.upstream.clients import client_for
 from server.worker.upstream.credentials import Credential
 from server.worker.upstream.errors import Abandoned
