@@ -162,10 +162,13 @@ class OpenAIDoor:
         return found
 
     def _texts(self, call: _Embed) -> tuple:
-        """The texts of `call` as the model reads them, and its encoder."""
+        """The texts of `call` as the model reads them, and its encoder (none, and no texts, for a model
+        computed upstream)."""
         planner = self.core.planner
         first = pb.InferRequest.FromString(call.requests[0])
         served = planner.plan(first).served
+        if served.encoder is None:
+            return [], None
         return [planner.keyed(first.tenant, served, pb.InferRequest.FromString(raw).text).text
                 for raw in call.requests], served.encoder
 
