@@ -29,8 +29,7 @@ import grpc
 
 from bench import BANKING77, banking77_missing
 from bench.load import minilm_only
-from harness.servers import link_model
-from harness.servers import REPO, ServerProcess, free_port
+from harness.servers import REPO, ServerProcess, free_port, link_model
 from harness.prometheus_server import PrometheusProcess
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))

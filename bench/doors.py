@@ -33,8 +33,7 @@ from bench.load import INFER, run_raw_load, warm
 from bench.sections import Run
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
-from harness.servers import link_model
-from harness.servers import REPO, ServerProcess, free_port
+from harness.servers import REPO, ServerProcess, free_port, link_model
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 HITS = 200  # distinct texts, each a cached entry

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import grpc
 
+from bench.sections import Run
+from harness.servers import REPO, ServerProcess, link_model
 from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
-from harness.servers import link_model
-from harness.servers import REPO, ServerProcess
-from bench.sections import Run
 
 GEN_DIR = REPO / "models" / "smollm2" / "1"
 NEW_TOKENS = 128

@@ -41,8 +41,7 @@ from server.shared.normalize import Normalizer
 from server.tools.labelled_csv import read_labelled_csv
 from server.worker.semantic import label_calibration
 from server.worker.semantic.label_calibration import LABEL_CALIBRATION_FILE, same_label
-from harness.servers import settled, worker_counters
-from harness.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess, settled, worker_counters
 
 SEED = 7
 MAX_ERROR = 0.01

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from bench.sections import Run
 from cachestore.engine_store import EngineStore
 from harness.servers import REPO, ServerProcess
 from server.engines.artifacts import get_runtime, prepare
 from server.engines.base import RuntimeUnavailable
 from server.engines.onnxruntime import OrtEngine
 from server.shared.models import load_model
-from bench.sections import Run
 
 
 def _timed(fn) -> float:

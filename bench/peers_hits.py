@@ -39,8 +39,7 @@ from bench.triton_peer import CACHE_BYTES, TritonPeer
 from infercache.kserve import grpc_service_pb2 as kpb
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.normalize import Normalizer
-from harness.servers import link_model
-from harness.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess, link_model
 
 HITS = 200  # distinct texts, each a cached entry in both servers
 GOALS = {"p50_ratio_max": 1.2, "throughput_ratio_min": 1.0}  # infercache against Triton, at 1 / 32 callers

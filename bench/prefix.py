@@ -33,8 +33,7 @@ from infercache.v1 import infercache_pb2 as pb
 from infercache.v1 import infercache_pb2_grpc
 from bench.generate_gpu import fan_out, model_config
 from bench.sections import Run
-from harness.servers import link_model
-from harness.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess, link_model
 
 NO_STORE = pb.CachePolicy(mode=pb.CachePolicy.NO_STORE)
 

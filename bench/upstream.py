@@ -38,10 +38,9 @@ import yaml
 from bench.http_load import post, run_http_for, run_http_load
 from bench.peer_envs import PeerServer, litellm_env
 from bench.sections import Run
-from harness.servers import link_model, worker_counters
+from harness.servers import REPO, ServerProcess, UpstreamServer, free_port, link_model, worker_counters
 from harness.redis_servers import RedisProcess
 from harness.redis_servers import available as redis_missing
-from harness.servers import REPO, ServerProcess, UpstreamServer, free_port
 
 TARGETS = {"hit_p50_ratio_max": 0.5, "hit_throughput_ratio_min": 3.0, "identical_misses_upstream_calls": 1,
            "miss_overhead_ms_max": 1.0}

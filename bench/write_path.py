@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from bench.sections import Run
 
 RECORD_BYTES = 1600

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.servers import REPO, ServerProcess
-from harness.servers import link_model
+from harness.servers import REPO, ServerProcess, link_model
 
 # The fast tier (`make test-fast`: `-m "not processes"`) is every test that starts no process: one is
 # marked `processes` where it uses a fixture that starts a server or trains a head, or where its module

@@ -13,8 +13,7 @@ import pytest
 
 from server.shared.answer_match import answer_match_from_config, namespace_material
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model, settled, worker_counters
-from harness.servers import REPO, ServerProcess
+from harness.servers import REPO, ServerProcess, link_model, settled, worker_counters
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 EQUIVALENCE = """

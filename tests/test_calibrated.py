@@ -19,13 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.servers import ServerProcess
+from harness.servers import ServerProcess, link_model, settled
 from cachestore.results import now_us
 from server.worker.semantic.calibration import EDGES, Calibration, learn, load, save, wilson_upper
 from server.shared.match_policy import Assessment, CalibratedPolicy, Neighbor, assess, policy_from_config
 from server.shared.surrogate import Surrogate
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from harness.servers import link_model, settled
 from tests.helpers import unique, wait_for
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.sections import SECTIONS
-from harness.servers import REPO, ServerProcess, free_port
-from harness.servers import link_model
+from harness.servers import REPO, ServerProcess, free_port, link_model
 
 DOCS = REPO / "docs"
 README = REPO / "README.md"

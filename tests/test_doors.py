@@ -26,9 +26,8 @@ from tests import certs
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
 from tests.test_generate import SMALL as ONE_AT_A_TIME  # one generation at a time, no queue, 64 new tokens at most
-from harness.servers import link_model
+from harness.servers import REPO, ServerProcess, free_port, link_model
 from tests.helpers import unique, wait_cached, wait_for
-from harness.servers import REPO, ServerProcess, free_port
 
 TOKENS = {role: f"{role}-{os.urandom(16).hex()}" for role in ("admin", "client", "acme")}
 NEW_TOKENS = 12  # short answers: a 2-core host generates them in about a second

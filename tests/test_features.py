@@ -18,13 +18,12 @@ from cachestore import records
 from cachestore.env import DB_RESULTS, Store
 from cachestore.errors import CorruptRecord
 from cachestore.keys import Namespace
-from harness.servers import ServerProcess
+from harness.servers import ServerProcess, link_model, settled
 from server.worker.batcher import Batcher
 from server.config import Config, feature_store_settings
 from server.worker.store.feature_lru import DeviceRow, FeatureLRU
 from server.shared.feature_records import decode, encode, feature_key, storage_dtype
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model, settled
 from tests.helpers import reseal_crc, unique, wait_cached
 
 QUESTIONS = ["how do I reset my password", "where is my parcel", "can I pay by card", "cancel my subscription",

@@ -13,9 +13,8 @@ import grpc
 import pytest
 
 from infercache.v1 import infercache_pb2 as pb
-from harness.servers import link_model
+from harness.servers import REPO, link_model
 from tests.helpers import unique, wait_for
-from harness.servers import REPO
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 GEN_CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()

@@ -13,8 +13,7 @@ import time
 import pytest
 
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model
-from harness.servers import ServerProcess, free_port
+from harness.servers import ServerProcess, free_port, link_model
 
 HEADER_TIMEOUT_S, REQUEST_TIMEOUT_S, CLIENT_CONNECTIONS = 1.0, 2.0, 4
 

@@ -19,14 +19,13 @@ import pytest
 
 from cachestore.keys import KEY_BYTES
 from harness import prometheus_server
-from harness.servers import ServerProcess, free_port
+from harness.servers import ServerProcess, free_port, link_model
 from harness.prometheus_server import PrometheusProcess, sample_value
 from server.frontend.metrics import FrontendMetrics
 from server.frontend.hot_keys import HotKeys, merge_tops
 from server.shared.telemetry import Recorder
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR, REPO
 from tests.test_generate import GEN_CONFIG, GEN_VERSION_DIR
-from harness.servers import link_model
 from tests.helpers import unique, wait_cached, wait_for
 
 sys.path.insert(0, str(REPO / "deploy" / "grafana"))

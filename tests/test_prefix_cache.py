@@ -17,9 +17,8 @@ import pytest
 from cachestore.env import DB_NAMESPACES, DB_RESULTS
 from cachestore.keys import namespace_id
 from cachestore.records import checked
-from harness.servers import link_model
+from harness.servers import REPO, ServerProcess, link_model
 from tests.helpers import wait_for
-from harness.servers import REPO, ServerProcess
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()

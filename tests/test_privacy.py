@@ -10,11 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from harness.servers import ServerProcess
+from harness.servers import ServerProcess, link_model
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.normalize import DEFAULT_STEPS, Normalizer
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model
 from tests.helpers import is_cached, wait_cached
 
 REDACT = "privacy:\n  pii: redact\n"

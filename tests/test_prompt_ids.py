@@ -15,8 +15,7 @@ from server.frontend.prompt_ids import PromptRenderer
 from server.frontend.prompts import Prompts, _template
 from server.shared.errors import InvalidArgument
 from server.shared.models import ModelRepository
-from harness.servers import link_model
-from harness.servers import REPO
+from harness.servers import REPO, link_model
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 GEN_CONFIG = (REPO / "models" / "smollm2" / "config.yaml").read_text()

@@ -16,13 +16,12 @@ from cachestore.keys import Namespace
 from cachestore.results import now_us
 from cachestore.semantic_log import Row, SemanticEntry
 from cachestore.writer import WriteBehind
-from harness.servers import ServerProcess
+from harness.servers import ServerProcess, link_model, settled
 from infercache.v1 import infercache_pb2 as pb
 from server.shared.match_policy import MatchPolicy, Neighbor
 from server.shared.answers import to_tensors
 from server.worker.semantic.semantic_index import INITIAL_CAPACITY, SemanticTier, _Index
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR, REPO
-from harness.servers import link_model, settled
 from tests.helpers import unique
 
 

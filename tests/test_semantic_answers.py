@@ -16,8 +16,7 @@ from server.shared import question_guards as guards
 from server.shared.answer_match import answer_match_from_config, namespace_material
 from server.worker.semantic.label_calibration import BINS, LABEL_CALIBRATION_FILE, LabelCalibration, read, same_label
 from tests.conftest import FAQ, MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model, settled, worker_counters
-from harness.servers import REPO, ServerProcess, free_port
+from harness.servers import REPO, ServerProcess, free_port, link_model, settled, worker_counters
 
 GEN_VERSION_DIR = REPO / "models" / "smollm2" / "1"
 ANSWERS = """

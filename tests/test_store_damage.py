@@ -17,9 +17,8 @@ from cachestore.env import Store, StoreSettings
 from cachestore.keys import Namespace, entry_key, parse_hex_key
 from cachestore.results import ResultCache, now_us
 from cachestore.writer import WriteBehind
-from harness.servers import link_model, settled
+from harness.servers import REPO, link_model, settled
 from tests.helpers import unique, wait_cached, wait_for
-from harness.servers import REPO
 
 MODEL = "minilm"
 PAGE = 4096

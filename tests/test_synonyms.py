@@ -13,9 +13,8 @@ from server.shared.models import ModelConfigError, load_model
 from server.shared.normalize import Normalizer
 from server.shared.synonyms import Synonyms, parse, problems
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model
+from harness.servers import REPO, link_model
 from tests.helpers import unique, wait_cached
-from harness.servers import REPO
 
 DICTIONARY = """# phrases => canonical form
 get my money back | money back | reimburse me => get a refund

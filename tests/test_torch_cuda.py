@@ -19,14 +19,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (the prepare extra)")
 
 from cachestore.engine_store import EngineStore  # noqa: E402
-from harness.servers import REPO  # noqa: E402
+from harness.servers import REPO, link_model  # noqa: E402
 from server.engines.artifacts import get_runtime, prepare  # noqa: E402
 from server.engines.onnxruntime import OrtEngine  # noqa: E402
 from server import mps  # noqa: E402
 from server.engines.torch_cuda import TorchCudaRuntime, batch_classes, next_capture  # noqa: E402
 from server.shared.models import load_model  # noqa: E402
 from server.shared.tokenization import TextEncoder, pad_batch  # noqa: E402
-from harness.servers import link_model
 from tests.helpers import wait_for  # noqa: E402
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)")

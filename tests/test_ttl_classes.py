@@ -17,9 +17,8 @@ from cachestore.writer import WriteBehind
 from server.shared import ttl_classes
 from server.shared.models import ModelConfigError, load_model
 from tests.conftest import MINILM_CONFIG, MODEL_VERSION_DIR
-from harness.servers import link_model
+from harness.servers import REPO, free_port, link_model
 from tests.helpers import unique, wait_cached
-from harness.servers import REPO, free_port
 
 CLASSES = "cache:\n  classes: {static: 3600, dynamic: 2, realtime: 0}\n  default_class: static\n"
 CLASSY_CONFIG = MINILM_CONFIG.split("cache:")[0] + CLASSES
