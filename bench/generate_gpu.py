@@ -59,7 +59,6 @@ def write_random_model(root: Path, name: str, max_streams: int, device: str = "c
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
     from server.engines.llama import random_weights
-    from server.engines.torch_decoder import write_architecture
     from server.shared.generation_spec import DECODER_WEIGHTS_FILE, GENERATION_FILE
     from server.shared.models import TOKENIZER_FILE
 
@@ -70,7 +69,7 @@ def write_random_model(root: Path, name: str, max_streams: int, device: str = "c
     state = {k: v.cpu() for k, v in random_weights(arch, torch.bfloat16, device, seed=1).items()}
     save_file(state, str(version / DECODER_WEIGHTS_FILE))
     del state
-    write_architecture(version, arch, {"source": "random weights (benchmark)"})
+    arch.write(version, {"source": "random weights (benchmark)"})
     tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(arch.vocab)}, unk_token="w0"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
     tokenizer.save(str(version / TOKENIZER_FILE))

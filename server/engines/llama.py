@@ -53,6 +53,11 @@ class LlamaArchitecture:
                              "(written by an older prepare-model: run it again)")
         return cls(**{f.name: type(getattr(LLAMA3_8B, f.name))(data[f.name]) for f in fields(cls)})
 
+    def write(self, directory: Path, extra: dict | None = None) -> None:
+        """decoder.json, as read() reads it (and, for the ONNX decoder, the fields it reads: layers,
+        kv_heads, head_dim, vocab, which the architecture has under the same names)."""
+        (directory / DECODER_CONFIG_FILE).write_text(json.dumps({**self.to_json(), **(extra or {})}, indent=1))
+
     @classmethod
     def from_hf(cls, config) -> "LlamaArchitecture":
         """From a transformers LlamaConfig."""

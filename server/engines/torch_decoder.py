@@ -20,7 +20,7 @@ n+1 before it reads step n (`pipelined`).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -420,16 +420,8 @@ class TorchDecoder(Decoder):
             self.stream.synchronize()
 
 
-class _NoStream:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else _NoStream()
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def load(directory: Path, slots: int, context: int, device: str, *, graphs: bool | None = None) -> TorchDecoder:
@@ -453,11 +445,3 @@ def load(directory: Path, slots: int, context: int, device: str, *, graphs: bool
              directory, arch.parameters() / 1e6, str(dtype).removeprefix("torch."), device, loaded, slots, context,
              kv / 2**20)
     return TorchDecoder(module, slots, context, graphs=graphs)
-
-
-def write_architecture(directory: Path, arch: LlamaArchitecture, extra: dict | None = None) -> None:
-    """decoder.json: the architecture (and, for the ONNX decoder, the fields it reads: layers, kv_heads,
-    head_dim, vocab, which the architecture has under the same names)."""
-    from server.shared.generation_spec import DECODER_CONFIG_FILE
-
-    (directory / DECODER_CONFIG_FILE).write_text(json.dumps({**arch.to_json(), **(extra or {})}, indent=1))

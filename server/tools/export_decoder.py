@@ -101,13 +101,12 @@ def export_decoder(gguf: Path, target: Path) -> Path:
     from safetensors.torch import save_file
 
     from server.engines.llama import LlamaArchitecture
-    from server.engines.torch_decoder import write_architecture
 
     arch = LlamaArchitecture.from_hf(config)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
              if not (arch.tie_embeddings and name == "lm_head.weight")}
     save_file(state, str(staging / DECODER_WEIGHTS_FILE))
-    write_architecture(staging, arch, {"source": gguf.name})
+    arch.write(staging, {"source": gguf.name})
     _check(model, tokenizer, staging)
     if target.exists():
         shutil.rmtree(target)
