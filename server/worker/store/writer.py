@@ -48,6 +48,7 @@ from infercache.v1 import writer_pb2
 from server.shared.errors import WorkerUnavailable
 from server.shared.framing import FrameProtocol
 from server.worker.store.semantic_rows import SemanticRows
+from server.worker.store.unconfirmed import Unconfirmed
 from server.worker.store.writer_child import SOCKET_BUFFER, main as child_main
 
 log = logging.getLogger("infercache.writer_process")
@@ -104,13 +105,11 @@ class WriterProcess:
         self._loop_thread = threading.get_ident()
         self._protocol: FrameProtocol | None = None  # None while a process starts (operations are held)
         self._sent = 0                     # puts made (their numbers)
-        self._framed = 0                   # the last put number written in a frame
         self._handled = 0                  # the last put number the process said it handled
         self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()  # (put number, on_done)
         self._requests: dict[int, tuple[Future, Selector | None]] = {}    # id -> (future, invalidation's selector)
         self._next_request = 0
-        self._unconfirmed: deque[tuple[int, writer_pb2.StoreOps]] = deque()  # (last put number, frame) written
-        self._held: list[writer_pb2.StoreOps] = []  # frames made while no process runs
+        self._unconfirmed = Unconfirmed()  # frames written and made that no process confirmed yet
         self._fences: list[tuple[Selector, int]] = []  # invalidations of the last FENCE_S, as (selector, us)
         self._deaths: deque[float] = deque()  # when processes died unexpectedly (loop time)
         self._respawning: asyncio.Task | None = None
@@ -180,18 +179,7 @@ class WriterProcess:
     def _hand_over(self, protocol: FrameProtocol) -> None:
         """Makes `protocol` the one operations go to, after writing to it what no process confirmed (the
         dead one's frames, less the puts it handled and the requests it answered) and what was held."""
-        frames = []
-        for last, frame in self._unconfirmed:
-            first = last - len(frame.puts) + 1
-            left = writer_pb2.StoreOps()
-            left.puts.extend(frame.puts[max(0, self._handled - first + 1):])
-            left.requests.extend(r for r in frame.requests if r.id in self._requests)
-            if left.ListFields():
-                frames.append(left)
-        frames += self._held
-        self._unconfirmed.clear()
-        self._held = []
-        self._framed = self._handled
+        frames = self._unconfirmed.replay(self._handled, self._requests)
         self._protocol = protocol
         for frame in frames:
             protocol.out = frame
@@ -213,18 +201,6 @@ class WriterProcess:
         # A gauge: puts the process has not handled yet (none once it is gone: they were released).
         counters["backlog"] = 0 if self.dead else self._sent - self._handled
         return counters
-
-    def _ops(self, put: bool) -> writer_pb2.StoreOps:
-        """The frame the next operation goes into: the protocol's, or while a process starts, the last
-        held one. A frame applies its puts before its requests, so a put that follows a request starts
-        a new frame."""
-        if self._protocol is None:
-            if not self._held or (put and self._held[-1].requests):
-                self._held.append(writer_pb2.StoreOps())
-            return self._held[-1]
-        if put and self._protocol.out.requests:
-            self._protocol.flush_now()
-        return self._protocol.out
 
     def _soon(self) -> None:
         if self._protocol is not None:
@@ -252,7 +228,7 @@ class WriterProcess:
             if on_done is not None:
                 on_done()
             return
-        put = self._ops(put=True).puts.add()
+        put = self._unconfirmed.frame(self._protocol, put=True).puts.add()
         put.key, put.payload = key, record.payload
         put.tenant, put.model, put.version = ns.tenant, ns.model, ns.version
         put.created_us, put.expires_us, put.ttl_class = record.created_us, record.expires_us, ttl_class
@@ -303,7 +279,7 @@ class WriterProcess:
             done.set_exception(self._stopped())
             return
         self._next_request += 1
-        request = self._ops(put=False).requests.add(id=self._next_request, check=check)
+        request = self._unconfirmed.frame(self._protocol, put=False).requests.add(id=self._next_request, check=check)
         if selector is not None:
             wanted = request.invalidate
             wanted.SetInParent()
@@ -340,8 +316,7 @@ class WriterProcess:
 
     def _on_flush(self, frame: writer_pb2.StoreOps) -> None:
         """Each frame as it is written: kept until the process has handled all of it."""
-        self._framed += len(frame.puts)
-        self._unconfirmed.append((self._framed, frame))
+        self._unconfirmed.written(frame)
 
     def _on_frame(self, frame: bytes) -> None:
         events = writer_pb2.StoreEvents.FromString(frame)
@@ -369,10 +344,7 @@ class WriterProcess:
                 future.set_exception(StoreError(done.error))
             else:
                 future.set_result(done.removed)
-        unconfirmed = self._unconfirmed
-        while unconfirmed and unconfirmed[0][0] <= self._handled and not any(
-                r.id in self._requests for r in unconfirmed[0][1].requests):
-            unconfirmed.popleft()
+        self._unconfirmed.confirmed(self._handled, self._requests)
         self.semantic.committed(events, self._handled)
 
     async def _reopen(self, replacement: int) -> None:
@@ -456,7 +428,6 @@ class WriterProcess:
         """No process will handle what waits: every callback is told and every request failed, once."""
         self.dead = True
         self._unconfirmed.clear()
-        self._held = []
         self.semantic.clear()
         while self._callbacks:  # nothing waits forever for a write that will never be told of
             self._called(self._callbacks.popleft()[1])
