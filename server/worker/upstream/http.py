@@ -30,40 +30,19 @@ class _Gone(Exception):
     """The connection ended before any byte of the answer: a kept-alive one the server closed meanwhile."""
 
 
-class _Answer:
-    """httptools' callbacks for one response: its status once the head is read, its body as it comes."""
-
-    def __init__(self) -> None:
-        self.head = False
-        self.complete = False
-        self.body = bytearray()
-        self.framed = False  # its length is said (content-length, chunked): not its connection's end
-        self.keep_alive = False  # (as its head says: llhttp forgets it once the message is complete)
-        self.parser: httptools.HttpResponseParser | None = None
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
-            self.framed = True
-
-    def on_headers_complete(self) -> None:
-        self.head = True
-        self.keep_alive = self.parser.should_keep_alive()
-
-    def on_body(self, body: bytes) -> None:
-        self.body += body
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-
-
 class _Exchange:
-    """One response read from a connection: fed until the head, then until more body or the end."""
+    """One response read from a connection, fed until its head, then until more body or its end; it is
+    httptools' protocol object (the parser calls its on_* methods)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.answer = _Answer()
-        self.parser = self.answer.parser = httptools.HttpResponseParser(self.answer)
+        self.parser = httptools.HttpResponseParser(self)
         self.read = 0
+        self.head = False
+        self.complete = False
+        self.body = bytearray()
+        self.framed = False      # its length is said (content-length, chunked): not its connection's end
+        self.keep_alive = False  # (as its head says: llhttp forgets it once the message is complete)
 
     def feed(self) -> None:
         """One read from the socket into the parser; _Gone where it ended before the answer began,
@@ -72,9 +51,9 @@ class _Exchange:
         if not data:
             if not self.read:
                 raise _Gone()
-            if self.answer.head and not self.answer.framed:
-                self.answer.complete = True  # (an answer whose length is its connection's end)
-            if not self.answer.complete:
+            if self.head and not self.framed:
+                self.complete = True  # (an answer whose length is its connection's end)
+            if not self.complete:
                 raise ConnectionResetError("the connection ended inside the answer")
             return
         self.read += len(data)
@@ -89,7 +68,22 @@ class _Exchange:
 
     @property
     def keeps_alive(self) -> bool:
-        return self.answer.framed and self.answer.keep_alive
+        return self.framed and self.keep_alive
+
+    # httptools' callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.head = True
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 class JsonEndpoint:
@@ -140,23 +134,19 @@ class JsonEndpoint:
         """The JSON object the upstream answered; Failure (with its kind) otherwise."""
         exchange = self._send(path, body, timeout_s, b"application/json")
         try:
-            while not exchange.answer.complete:
-                if len(exchange.answer.body) > MAX_ANSWER_BYTES:
-                    self._drop()
-                    raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
+            while not exchange.complete:
                 exchange.feed()
+                if len(exchange.body) > MAX_ANSWER_BYTES:
+                    raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
         except (OSError, _Gone) as exc:
             self._drop()
             raise _lost(exc, timeout_s) from None
         except Failure:
             self._drop()
             raise
-        if len(exchange.answer.body) > MAX_ANSWER_BYTES:
-            self._drop()
-            raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
         if not exchange.keeps_alive:
             self._drop()
-        return _decoded(exchange.status, bytes(exchange.answer.body))
+        return _decoded(exchange.status, bytes(exchange.body))
 
     def events(self, path: str, body: dict, timeout_s: float) -> Iterator[dict]:
         """The JSON objects of a server-sent event stream (OpenAI's `stream: true`), as they come, up to its
@@ -169,18 +159,17 @@ class JsonEndpoint:
 
         try:
             exchange = self._send(path, body, timeout_s, b"text/event-stream")
-            answer = exchange.answer
             if exchange.status >= 400:
-                while not answer.complete and len(answer.body) <= MAX_ANSWER_BYTES:
+                while not exchange.complete and len(exchange.body) <= MAX_ANSWER_BYTES:
                     exchange.feed()
-                raise Failure.of_status(exchange.status, _message(bytes(answer.body[:MAX_ANSWER_BYTES])))
-            pending = answer.body  # (bytes of the stream not yet split into lines)
+                raise Failure.of_status(exchange.status, _message(bytes(exchange.body[:MAX_ANSWER_BYTES])))
+            pending = exchange.body  # (bytes of the stream not yet split into lines)
             while True:
                 end = pending.find(b"\n")
                 if end < 0:
                     if len(pending) > MAX_EVENT_BYTES:
                         raise broken(f"an event over {MAX_EVENT_BYTES} bytes")
-                    if answer.complete:
+                    if exchange.complete:
                         raise (Failure("cut", "the stream ended before its [DONE]") if started else
                                Failure("malformed", "answered no event (data:) before the end of its answer"))
                     exchange.feed()
@@ -224,9 +213,9 @@ class JsonEndpoint:
                 sock.settimeout(timeout_s)
                 sock.sendall(request)
                 exchange = _Exchange(sock)
-                while not exchange.answer.head:
+                while not exchange.head:
                     exchange.feed()
-                    if exchange.read > MAX_EVENT_BYTES and not exchange.answer.head:
+                    if exchange.read > MAX_EVENT_BYTES and not exchange.head:
                         raise Failure("malformed", "answered a head over 1 MiB")
                 return exchange
             except (_Gone, BrokenPipeError, ConnectionResetError) as exc:
