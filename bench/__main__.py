@@ -107,8 +107,10 @@ def main() -> None:
                   scale, report, save)
         for section in REGISTRY:
             if section.name in sections:
-                importlib.import_module(section.module).section(run)
-    save()
+                try:
+                    importlib.import_module(section.module).section(run)
+                finally:  # what it measured is kept, however it ended
+                    save()
     print("\nwrote " + (", ".join(str(p) for p in sorted(written)) or "nothing"))
 
 

@@ -209,5 +209,4 @@ def section(run: Run) -> None:
     print("benchmarking the doors (OpenAI-compatible HTTP, KServe v2) on exact hits ...", flush=True)
     (run.workdir / "doors").mkdir()
     run.report["doors"] = bench_doors(run.workdir / "doors", run.texts, run.rounds, run.quick)
-    run.save()
     print_doors(run.report["doors"])

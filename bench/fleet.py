@@ -225,5 +225,4 @@ def print_fleet(report: dict) -> None:
 def section(run: Run) -> None:
     print("benchmarking the fleet tier (two pods on one Redis) ...", flush=True)
     run.report["fleet"] = bench_fleet(run.workdir / "fleet", run.texts, run.scale)
-    run.save()
     print_fleet(run.report["fleet"])

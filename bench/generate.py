@@ -200,11 +200,9 @@ def section(run: Run) -> None:
         run.report["generate"] = {}
         bench_generate_gpu(run.workdir / "generate", run.rounds, run.quick, tuple(run.args.generate_models.split(",")),
                            report=run.report["generate"], checkpoint=run.save)
-        run.save()
         print_generate_gpu(run.report["generate"])
         return
     print("benchmarking generation (SmolLM2: misses against transformers' generate, hits) ...", flush=True)
     run.report["generate"] = bench_generate(run.workdir / "generate", run.texts, run.rounds, run.quick,
                                             **({"new_tokens": 8} if run.dry else {}))
-    run.save()
     print_generate(run.report["generate"])

@@ -313,5 +313,4 @@ def section(run: Run) -> None:
     dry = {"rows": 100, "latency_calls": 2, "judge_limit": 500} if run.dry else {}
     run.report["generate_semantic"] = bench_generate_semantic(run.workdir / "generate-semantic",
                                                               run.quick and not run.dry, **dry)
-    run.save()
     print_generate_semantic(run.report["generate_semantic"])

@@ -445,5 +445,4 @@ def section(run: Run) -> None:
               callers=tuple(int(n) for n in args.gpu_callers.split(",")),
               rounds=args.rounds or (1 if run.dry else ALTERNATING_ROUNDS), checkpoint=run.save,
               seconds=0.5 if run.dry else None)
-    run.save()
     print_gpu(run.report["gpu"])

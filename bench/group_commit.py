@@ -135,5 +135,4 @@ def section(run: Run) -> None:
     (run.workdir / "commit").mkdir()
     run.report["group_commit"] = bench_group_commit(run.workdir / "commit", run.rounds,
                                                     0.5 if run.dry else 2.0 if run.quick else 5.0)
-    run.save()
     print_group_commit(run.report["group_commit"])

@@ -423,5 +423,4 @@ def section(run: Run) -> None:
     bench_l2(run.workdir / "l2", run.rounds, run.quick, run.report["l2"], settings=settings,
              gpu=bool(visible_gpus()) and runtime in ("auto", *GPU_RUNTIMES), checkpoint=run.save,
              generator=run.args.load_generator, dry=run.dry)
-    run.save()
     print_l2(run.report["l2"])

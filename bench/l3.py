@@ -93,5 +93,4 @@ def print_l3(result: dict) -> None:
 def section(run: Run) -> None:
     print("benchmarking the L3 engine store ...", flush=True)
     run.report["l3_engines"] = bench_l3(run.workdir, run.models, run.rounds)
-    run.save()
     print_l3(run.report["l3_engines"])

@@ -73,5 +73,4 @@ def section(run: Run) -> None:
     print("benchmarking batches by length group against by bucket (ONNX Runtime misses) ...", flush=True)
     run.report["length_groups"] = {}
     bench_length_groups(run.workdir / "groups", run.rounds, run.quick, run.report["length_groups"], checkpoint=run.save)
-    run.save()
     print_length_groups(run.report["length_groups"])

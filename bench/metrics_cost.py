@@ -197,5 +197,4 @@ def print_metrics_cost(report: dict) -> None:
 def section(run: Run) -> None:
     print("benchmarking /metrics on vs off on exact hits ...", flush=True)
     run.report["metrics_cost"] = bench_metrics_cost(run.workdir / "metrics", run.texts, run.rounds, run.scale)
-    run.save()
     print_metrics_cost(run.report["metrics_cost"])

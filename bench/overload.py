@@ -185,5 +185,4 @@ def section(run: Run) -> None:
     print("benchmarking overload (misses at once against one worker) ...", flush=True)
     run.report["overload"] = bench_overload(run.workdir / "overload", run.texts, run.scale, run.args.overload_deadline,
                                             tuple(filter(None, run.args.overload_settings.split(","))))
-    run.save()
     print_overload(run.report["overload"])

@@ -383,5 +383,4 @@ def section(run: Run) -> None:
                          parts=tuple(run.args.prefix_parts.split(",")))
     else:
         run.report["prefix"] = bench_prefix_cpu(run.workdir / "prefix", run.rounds, run.quick)
-    run.save()
     print_prefix(run.report["prefix"])

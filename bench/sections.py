@@ -3,9 +3,9 @@ the parts of the report it writes, its result file, what it measures), and where
 by the tests without importing the sections themselves (some load KServe's messages, whose proto package
 tritonclient's shares: one process holds only one of the two).
 
-A section's runner takes the run's shared state (Run), writes its parts into run.report, calls run.save()
-after each step worth keeping (a run cut short, a device lease, keeps what it measured) and prints its
-table."""
+A section's runner takes the run's shared state (Run), writes its parts into run.report and prints its
+table; the run saves the report after each section, however it ended, and a long section calls run.save()
+after each step worth keeping on its way (a run cut short, a device lease, keeps what it measured)."""
 
 from __future__ import annotations
 

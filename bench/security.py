@@ -182,5 +182,4 @@ def section(run: Run) -> None:
     run.report["security"] = {"hit_path": bench_hit_path(run.workdir / "security", run.texts, 2 * run.rounds - 1,
                                                          run.scale),
                               "redaction": bench_redaction(run.texts)}
-    run.save()
     print_security(run.report["security"])

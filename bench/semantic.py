@@ -222,6 +222,5 @@ def section(run: Run) -> None:
         "hit_latency": bench_hit_latency(run.models, run.workdir, paired, limit=rows or 5000),
         "shadow": bench_shadow(run.models, run.workdir, paired, limit=rows or 5000, misses=30 if run.dry else 150),
     }
-    run.save()
     print_semantic(run.report["semantic"])
     print_shadow(run.report["semantic"]["shadow"])

@@ -196,6 +196,5 @@ def section(run: Run) -> None:
     report["engine_alone"] = bench_engine(texts, scale)
     print("benchmarking start-up ...", flush=True)
     report["startup"] = bench_startup(workdir, models, server.cache_dir, texts, rounds)
-    run.save()
     print_serving(report)
 

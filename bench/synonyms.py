@@ -168,5 +168,4 @@ def print_synonyms(report: dict) -> None:
 def section(run: Run) -> None:
     print("benchmarking synonym dictionaries (Banking77 exact hits, the normalizer's cost) ...", flush=True)
     run.report["synonyms"] = bench_synonyms(run.rounds)
-    run.save()
     print_synonyms(run.report["synonyms"])

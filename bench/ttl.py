@@ -451,5 +451,4 @@ def section(run: Run) -> None:
     print("benchmarking TTL classes and expiry jitter ...", flush=True)
     run.report["ttl"] = {}
     bench_ttl(run.workdir / "ttl", run.texts, run.rounds, run.scale, run.report["ttl"], checkpoint=run.save)
-    run.save()
     print_ttl(run.report["ttl"])

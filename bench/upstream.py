@@ -389,5 +389,4 @@ def section(run: Run) -> None:
     print("benchmarking infercache in front of an upstream server against LiteLLM's proxy cache ...", flush=True)
     (run.workdir / "upstream").mkdir()
     run.report["upstream"] = bench_upstream(run.workdir / "upstream", run.rounds, run.size)
-    run.save()
     print_upstream(run.report["upstream"])

@@ -161,5 +161,4 @@ def section(run: Run) -> None:
     seconds = 0.5 if run.dry else 2.0 if run.quick else 5.0
     run.report["worker_capacity"] = bench_worker_capacity(run.workdir / "worker", seconds,
                                                           ("null", "torch-cuda") if gpu_available() else ("null",))
-    run.save()
     print_worker_capacity(run.report["worker_capacity"])

@@ -147,5 +147,4 @@ def section(run: Run) -> None:
     run.report["workers"] = {}
     bench_workers(run.workdir, run.texts, run.report["workers"], quick=run.quick, checkpoint=run.save,
                   seconds=0.5 if run.dry else None)
-    run.save()
     print_workers(run.report["workers"])

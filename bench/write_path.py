@@ -265,5 +265,4 @@ def section(run: Run) -> None:
     (run.workdir / "write").mkdir()
     run.report["write_path"] = bench_write_path(run.workdir / "write", run.rounds, run.quick,
                                                 baseline=run.args.write_baseline)
-    run.save()
     print_write_path(run.report["write_path"])
