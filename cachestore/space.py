@@ -112,7 +112,7 @@ class StoreSpace:
         budget = self.budget
         if store.used_bytes(txn) <= budget:
             return 0, False
-        evicted, most = 0, EVICT_PER_OP * self.commit_ops
+        evicted, most = 0, self.evict_chunk
         while evicted < most and store.used_bytes(txn) > budget * LOW_WATER:
             n = results.evict_oldest(store, txn, min(EVICT_STEP, most - evicted), removed)
             evicted += n
