@@ -156,7 +156,9 @@ class OpenAIDoor:
             requests.append(one.SerializeToString())
         batch = (pb.InferBatchRequest(model=model, tenant=tenant, texts=inputs, cache=policy)
                  if len(inputs) > 1 else None)
-        found = _Embed(model, orjson.dumps(model), requests, batch, encoding == "base64", dimensions, None)
+        # A model computed upstream counts no tokens: this server has not its tokenizer.
+        tokens = 0 if spec.upstream is not None else None
+        found = _Embed(model, orjson.dumps(model), requests, batch, encoding == "base64", dimensions, tokens)
         if len(request.body) <= KEPT_MAX_BYTES and spec.pii == "off":
             keep(self._embeds, key, found, KEPT)
         return found
@@ -174,8 +176,7 @@ class OpenAIDoor:
 
     async def _prompt_tokens(self, call: _Embed) -> int:
         """What the texts of `call` are to the model, in tokens (usage), counted once: a hit never
-        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are. A
-        model computed upstream counts none: this server has not its tokenizer."""
+        tokenizes otherwise. Many texts are tokenized off the event loop, as the core's misses are."""
         if len(call.requests) <= TOKENIZE_INLINE_MAX:
             return self._tokens_inline(call)
         texts, encoder = self._texts(call)

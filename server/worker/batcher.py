@@ -53,6 +53,7 @@ RunBatch = Callable[[list], list[Any]]  # sequences (token ids, or texts) -> one
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
+RECHECK_MIN_S = 0.002       # and at most this often while it runs (a deadline is milliseconds or more)
 ROW_MODEL_MIN = 0.5         # the row model is on where a row adds at least this share of one row's batch
 
 
@@ -78,6 +79,23 @@ class _Request:
 
     def dead(self, now: float) -> bool:
         return self.future.done() or (self.deadline is not None and now >= self.deadline)
+
+
+class _Recheck:
+    """Calls shed(now) every `period` seconds until cancelled."""
+
+    __slots__ = ("loop", "period", "shed", "handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, period: float, shed) -> None:
+        self.loop, self.period, self.shed = loop, period, shed
+        self.handle = loop.call_later(period, self._fire)
+
+    def _fire(self) -> None:
+        self.shed(self.loop.time())
+        self.handle = self.loop.call_later(self.period, self._fire)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 class Batcher:
@@ -232,8 +250,10 @@ class Batcher:
     def _shed(self, now: float) -> None:
         """Refuses queued requests whose batch, at the current estimate, would end after their deadline
         (in the order batches are cut: oldest first)."""
+        if not self._waiting:
+            return
         batch_s = self._batch_estimate(now)
-        if batch_s <= 0.0 or not self._waiting:
+        if batch_s <= 0.0:
             return
         self._take_incoming()
         queued = heapq.merge(*self._pending.values(), key=lambda r: r.enqueued)
@@ -373,10 +393,15 @@ class Batcher:
             running = loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
             modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].group)
             expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
-            if expected > 0.0:  # while it runs past the estimate, its age raises the estimate: re-check
-                while not (await asyncio.wait({running}, timeout=SLOWDOWN * expected))[0]:
-                    self._shed(loop.time())
-            results = await running
+            # While it runs past the estimate, its age raises the estimate: the queue is re-checked every
+            # SLOWDOWN * expected until it ends (a timer, not a wait per period: most batches end before it).
+            recheck = (_Recheck(loop, max(RECHECK_MIN_S, SLOWDOWN * expected), self._shed) if expected > 0.0
+                       else None)
+            try:
+                results = await running
+            finally:
+                if recheck is not None:
+                    recheck.cancel()
             took = loop.time() - started
             del self._started[task]
             self._last_batch_s = took
