@@ -117,6 +117,14 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def stop_later(self, timeout: float = 30.0) -> None:
+        """SIGTERM without waiting for the exit (a test fixture's teardown, so that the next test starts while
+        this server drains): reap() collects it, and kills it `timeout` seconds after this if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        _collect_exited()
+        _STOPPING[self] = time.monotonic() + timeout
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then SIGKILL of the whole process group after `timeout`; returns the exit code."""
         if self.proc.poll() is None:
@@ -128,6 +136,29 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+_STOPPING: dict[ServerProcess, float] = {}  # signalled by stop_later, not yet collected: when it is killed
+_EXITED: dict[ServerProcess, int] = {}      # collected since the last reap(): exit codes
+
+
+def _collect_exited() -> None:
+    """Collects the servers stop_later() signalled that have exited, and kills those past their time."""
+    now = time.monotonic()
+    for server, kill_at in list(_STOPPING.items()):
+        if server.proc.poll() is not None or now >= kill_at:
+            del _STOPPING[server]
+            _EXITED[server] = server.stop(timeout=0.0)
+
+
+def reap() -> dict[ServerProcess, int]:
+    """Waits for every server stop_later() signalled (killed at its time): exit codes, since the last reap."""
+    while _STOPPING:
+        _collect_exited()
+        time.sleep(0.05)
+    codes = dict(_EXITED)
+    _EXITED.clear()
+    return codes
 
 
 class UpstreamServer:

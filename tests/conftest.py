@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.servers import REPO, ServerProcess, link_model
+from harness.servers import REPO, ServerProcess, link_model, reap
 
 # The fast tier (`make test-fast`: `-m "not processes"`) is every test that starts no process: one is
 # marked `processes` where it uses a fixture that starts a server or trains a head, or where its module
@@ -99,17 +99,31 @@ def start_server(tmp_path, models_dir, engines_dir):
         return server
 
     yield start
-    for server in started:
-        server.stop()
+    for server in started:  # (a test may have crashed one: their exit codes are not checked)
+        server.stop_later()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, models_dir, engines_dir):
-    """One server shared by a test module (2 frontends). Tests use unique texts to stay independent."""
+    """One server shared by a test module (2 frontends). Tests use unique texts to stay independent; each
+    such server must exit 0 (checked once every server has drained, at the end of the session)."""
     srv = ServerProcess(tmp_path_factory.mktemp("server"), models_dir, engines_dir=engines_dir)
     yield srv
-    code = srv.stop()
-    assert code == 0, srv.log_text()
+    srv.stop_later()
+    SHARED.append(srv)
+
+
+SHARED: list[ServerProcess] = []  # the module servers, whose exit codes reap_servers checks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reap_servers():
+    """Servers are stopped by their fixtures without waiting (the next tests start while they drain); here
+    every one of them is waited for, and a shared server that did not exit 0 fails the session."""
+    yield
+    codes = reap()
+    failed = [server for server in SHARED if codes.get(server) != 0]
+    assert not failed, "\n\n".join(f"exit {codes.get(s)}:\n{s.log_text()[-4000:]}" for s in failed)
 
 
 @pytest.fixture(scope="session")
