@@ -27,8 +27,10 @@ from server.shared.framing import FrameProtocol, items_socket
 log = logging.getLogger("infercache.workers")
 
 MARGIN_S = 0.05        # answer UNAVAILABLE this long before the caller's own deadline fires
-RECONNECT_S = 0.05     # first retry of a lost connection; doubles up to MAX_RECONNECT_S
+RECONNECT_S = 0.05     # first retry after a connection the worker dropped; doubles up to MAX_RECONNECT_S
 MAX_RECONNECT_S = 0.5
+LISTEN_POLL_S = 0.02   # a worker not listening (loading, restarting) is tried this often: a refused connect
+                       # costs microseconds, and its first misses flow as soon as it listens
 COPY_DELAY_S = 0.005   # copies into L1 (WorkerLink.send) wait at most this long for a write
 STABLE_S = 1.0         # a connection that lived this long resets the backoff
 
@@ -179,8 +181,7 @@ class WorkerLink:
                                           worker_pb2.ComputeBatch, self._on_flush),
                     str(self.items_path))
             except OSError:  # not listening yet, or restarting
-                await asyncio.sleep(delay)
-                delay = min(MAX_RECONNECT_S, delay * 2)
+                await asyncio.sleep(LISTEN_POLL_S)
                 continue
             self._set_up(True)
             connected_at = loop.time()
