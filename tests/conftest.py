@@ -45,13 +45,24 @@ cache: {{ttl_s: {SHORT_TTL_S}}}
 """
 
 
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory) -> Path:
-    """minilm (the shipped config) and shortlived (same weights, 2 s TTL, two versions)."""
+def _with_minilm(root: Path) -> Path:
     if not (MODEL_VERSION_DIR / "model.onnx").is_file():
         pytest.fail("default model missing: run `make model` (make test does it)")
-    root = tmp_path_factory.mktemp("models")
     link_model(root, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})
+    return root
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """minilm (the shipped config) alone: each engine a worker loads is a second or so of its start."""
+    return _with_minilm(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def versioned_models(tmp_path_factory) -> Path:
+    """minilm and shortlived (same weights, 2 s TTL, two versions): a module whose tests need TTLs or model
+    versions makes this its models_dir."""
+    root = _with_minilm(tmp_path_factory.mktemp("versioned-models"))
     link_model(root, "shortlived", SHORT_CONFIG, {"1": MODEL_VERSION_DIR, "2": MODEL_VERSION_DIR})
     return root
 

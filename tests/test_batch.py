@@ -12,6 +12,12 @@ from tests.helpers import is_cached, unique, wait_cached
 MODEL = "minilm"
 
 
+@pytest.fixture(scope="module")
+def models_dir(versioned_models):
+    """This module's servers serve shortlived too (its TTL, its two versions)."""
+    return versioned_models
+
+
 def _embedding(result) -> bytes:
     return result.outputs["embedding"].tobytes()
 

@@ -18,6 +18,12 @@ from tests.helpers import is_cached, unique, wait_cached
 MODEL = "minilm"
 
 
+@pytest.fixture(scope="module")
+def models_dir(versioned_models):
+    """This module's servers serve shortlived too (its TTL, its two versions)."""
+    return versioned_models
+
+
 def test_first_call_misses_second_hits_with_identical_outputs(server):
     text = unique("How do I return an item?")
     with server.client() as client:

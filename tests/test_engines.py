@@ -177,16 +177,16 @@ def test_engines_cli_list_verify_prune(tmp_path):
     assert bad.returncode == 1 and "BAD" in bad.stdout and "checksum mismatch" in bad.stdout
 
 
-def test_server_builds_into_an_empty_store_and_then_only_loads(start_server, tmp_path):
+def test_server_builds_into_an_empty_store_and_then_only_loads(start_server, tmp_path, versioned_models):
     engines = tmp_path / "fresh-engines"
-    cold = start_server(engines_dir=engines)
+    cold = start_server(versioned_models, engines_dir=engines)
     counters = cold.stats().worker.counters
     assert counters["worker.engines_built_at_start"] == counters["worker.engines_loaded"] == 3
     assert counters["worker.engine_build_ms"] > 0
     assert "built engine minilm_1_" in cold.log_text() and "infercache engines build" in cold.log_text()
     assert cold.stop() == 0
 
-    warm = start_server(engines_dir=engines)
+    warm = start_server(versioned_models, engines_dir=engines)
     counters = warm.stats().worker.counters
     assert counters["worker.engines_built_at_start"] == 0 and counters["worker.engines_loaded"] == 3
     with warm.client() as client:
