@@ -91,10 +91,11 @@ def make_gpu_models(root: Path, on_gpu: bool) -> Path:
 
 
 
-def make_models(root: Path) -> Path:
-    """minilm as shipped, and minilm-b1: the same weights with max_batch_size 1 (the no-batching baseline)."""
+def make_models(root: Path, unbatched: bool = False) -> Path:
+    """minilm as shipped, and with `unbatched` minilm-b1: the same weights with max_batch_size 1 (the
+    no-batching baseline; a second engine each server loads)."""
     source = REPO / "models" / "minilm"
-    for name, batch in (("minilm", None), ("minilm-b1", 1)):
+    for name, batch in (("minilm", None), ("minilm-b1", 1))[:2 if unbatched else 1]:
         (root / name).mkdir(parents=True)
         config = (source / "config.yaml").read_text()
         if batch is not None:

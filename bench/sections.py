@@ -79,7 +79,7 @@ class Run:
     args: argparse.Namespace  # the command line (each section reads its own options)
     sections: set[str]        # the sections this run takes
     workdir: Path             # a temporary folder, gone after the run
-    models: Path              # minilm and minilm-b1 (bench.fixtures.make_models)
+    models: Path              # minilm (bench.fixtures.make_models)
     texts: list[str]
     rounds: int
     scale: float              # of the requests each load sends (0.02 dry, 0.2 quick, 1 full)

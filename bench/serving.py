@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench import echo
-from bench.fixtures import first_success
+from bench.fixtures import first_success, make_models
 from bench.gpu import load_one
 from bench.load import INFER, run_load, warm
 from bench.metrics_cost import bench_metrics_cost, print_metrics_cost
@@ -173,7 +173,8 @@ def print_serving(report: dict) -> None:
 
 
 def section(run: Run) -> None:
-    report, workdir, models, texts, rounds, scale = run.report, run.workdir, run.models, run.texts, run.rounds, run.scale
+    report, workdir, texts, rounds, scale = run.report, run.workdir, run.texts, run.rounds, run.scale
+    models = make_models(workdir / "serving-models", unbatched=True)  # (minilm-b1: the no-batching baseline)
     (workdir / "main").mkdir()
     server = ServerProcess(workdir / "main", models, frontends=multiprocessing.cpu_count(),
                            engines_dir=workdir / "engines")
