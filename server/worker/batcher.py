@@ -315,10 +315,11 @@ class Batcher:
             if group is None:
                 if self.idle:  # (shedding may have emptied the queue with no batch left to end)
                     self._became_idle.set()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), None if next_at is None else next_at - now)
-                except TimeoutError:
-                    pass
+                # (a timer where a group falls due, not wait_for: it wraps each wait in a task of its own)
+                due = None if next_at is None else loop.call_at(next_at, self._wakeup.set)
+                await self._wakeup.wait()
+                if due is not None:
+                    due.cancel()
                 self._wakeup.clear()
                 continue
             await self._slots.acquire()     # engine busy: the batches keep growing meanwhile
