@@ -395,7 +395,7 @@ class Batcher:
             modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].group)
             expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
             # While it runs past the estimate, its age raises the estimate: the queue is re-checked every
-            # SLOWDOWN * expected until it ends (a timer, not a wait per period: most batches end before it).
+            # SLOWDOWN * expected (RECHECK_MIN_S at least) until it ends; a timer, not a wait per period.
             recheck = (_Recheck(loop, max(RECHECK_MIN_S, SLOWDOWN * expected), self._shed) if expected > 0.0
                        else None)
             try:
