@@ -164,13 +164,11 @@ class OpenAIDoor:
         return found
 
     def _texts(self, call: _Embed) -> tuple:
-        """The texts of `call` as the model reads them, and its encoder (none, and no texts, for a model
-        computed upstream)."""
+        """The texts of `call` as the model reads them, and its encoder (a local model's: an upstream
+        model's call has its tokens, none, from _embed_call)."""
         planner = self.core.planner
         first = pb.InferRequest.FromString(call.requests[0])
         served = planner.plan(first).served
-        if served.encoder is None:
-            return [], None
         return [planner.keyed(first.tenant, served, pb.InferRequest.FromString(raw).text).text
                 for raw in call.requests], served.encoder
 
@@ -180,16 +178,13 @@ class OpenAIDoor:
         if len(call.requests) <= TOKENIZE_INLINE_MAX:
             return self._tokens_inline(call)
         texts, encoder = self._texts(call)
-        if encoder is None:
-            call.prompt_tokens = 0
-            return 0
         call.prompt_tokens = sum(map(len, await asyncio.to_thread(encoder.encode_batch, texts)))
         return call.prompt_tokens
 
     def _tokens_inline(self, call: _Embed) -> int:
         """_prompt_tokens of a call of a few texts (one input's), on the event loop: nothing awaited."""
         texts, encoder = self._texts(call)
-        call.prompt_tokens = 0 if encoder is None else sum(len(encoder.encode(text)) for text in texts)
+        call.prompt_tokens = sum(len(encoder.encode(text)) for text in texts)
         return call.prompt_tokens
 
     async def embeddings(self, request: Request, grant: Grant) -> Response:
