@@ -37,6 +37,7 @@ the batch is cut, before they reach the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import logging
 from collections import Counter, deque
@@ -81,6 +82,16 @@ class _Request:
         return self.future.done() or (self.deadline is not None and now >= self.deadline)
 
 
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A batch in an engine thread."""
+    batch: list[_Request]
+    started: float          # loop time
+    modelled: float         # its duration under the row model (0: none)
+    expected: float         # its estimated duration when it started
+    recheck: "_Recheck | None"
+
+
 class _Recheck:
     """Calls shed(now) every `period` seconds until cancelled."""
 
@@ -121,7 +132,6 @@ class Batcher:
         self.row_s = 0.0                    # a row's of the longest bucket (0: no model),
         self.speed = 1.0                    # and recent batches' duration over the model's
         self._rows: Counter[int] = Counter()  # admitted rows not yet cut, by group (the length they pad to)
-        self._started: dict[asyncio.Task, float] = {}  # running batches -> loop time they started
         self.counters: Counter[str] = Counter()
         # For /metrics (server/worker/metrics.py): launches by size, engine seconds, and each bucket's
         # recent engine seconds per text (what a hit of that bucket saves).
@@ -132,7 +142,7 @@ class Batcher:
         self._pending: dict[int, deque[_Request]] = {g: deque() for g in self.groups}
         self._waiting = 0                   # admitted, not yet cut into a batch
         self._refused = (0.0, 0.0)          # (expected wait, loop time) of the last request refused for it
-        self._running: set[asyncio.Task] = set()
+        self._running: set[_Running] = set()
         self._wakeup = asyncio.Event()
         self._became_idle = asyncio.Event()  # set when the last batch ends with nothing waiting
         self._slots = asyncio.Semaphore(concurrency)
@@ -187,7 +197,7 @@ class Batcher:
 
     def _batch_estimate(self, now: float) -> float:
         """Seconds an engine batch takes now (0: no estimate yet)."""
-        oldest = min(self._started.values(), default=now)
+        oldest = min((running.started for running in self._running), default=now)
         return max(self.batch_s, self._last_batch_s, now - oldest)
 
     def expected_wait(self, now: float | None = None, group: int | None = None) -> float:
@@ -332,14 +342,7 @@ class Batcher:
             if not batch:
                 self._slots.release()
                 continue
-            task = loop.create_task(self._run(batch))
-            self._running.add(task)
-            task.add_done_callback(self._batch_done)
-
-    def _batch_done(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
-        if self.idle:
-            self._became_idle.set()
+            self._start(batch, now)
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The owner task ends only at close; anything else is a bug that would leave every request
@@ -385,33 +388,56 @@ class Batcher:
             batch.append(request)
         return batch
 
-    async def _run(self, batch: list[_Request]) -> None:
+    def _start(self, batch: list[_Request], now: float) -> None:
+        """Hands a batch to an engine thread, on the owner task's turn: the thread's end is told to the
+        loop by one callback (a task per batch, and an asyncio future wrapping the thread's, cost a loop
+        iteration each on every miss's path)."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        task = asyncio.current_task()
-        self._started[task] = started
-        try:
-            running = loop.run_in_executor(self._executor, self.run_batch, [r.ids for r in batch])
-            modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].group)
-            expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
-            # While it runs past the estimate, its age raises the estimate: the queue is re-checked every
-            # SLOWDOWN * expected (RECHECK_MIN_S at least) until it ends; a timer, not a wait per period.
-            recheck = (_Recheck(loop, max(RECHECK_MIN_S, SLOWDOWN * expected), self._shed) if expected > 0.0
-                       else None)
+        modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].group)
+        expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
+        # While it runs past the estimate, its age raises the estimate: the queue is re-checked every
+        # SLOWDOWN * expected (RECHECK_MIN_S at least) until it ends; a timer, not a wait per period.
+        recheck = _Recheck(loop, max(RECHECK_MIN_S, SLOWDOWN * expected), self._shed) if expected > 0.0 else None
+        running = _Running(batch, now, modelled, expected, recheck)
+        self._running.add(running)
+
+        def ended(thread_future: concurrent.futures.Future) -> None:  # (in the engine thread)
             try:
-                results = await running
-            finally:
-                if recheck is not None:
-                    recheck.cancel()
-            took = loop.time() - started
-            del self._started[task]
+                loop.call_soon_threadsafe(self._ended, running, thread_future)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for these answers
+                pass
+
+        try:
+            self._executor.submit(self.run_batch, [r.ids for r in batch]).add_done_callback(ended)
+        except RuntimeError as exc:  # the executor shut down (close): the batch fails, its slot is freed
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(WorkerUnavailable(f"inference worker is shutting down ({exc})"))
+            self._ended(running, future)
+
+    def _ended(self, running: _Running, thread_future: concurrent.futures.Future) -> None:
+        """A batch's results to its requests, its timing to the estimates; its slot freed."""
+        batch, loop = running.batch, asyncio.get_running_loop()
+        try:
+            if running.recheck is not None:
+                running.recheck.cancel()
+            exc = thread_future.exception()
+            if exc is not None:
+                log.error("engine batch of %d failed", len(batch), exc_info=exc)
+                self.counters["batch_errors"] += 1
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(exc)
+                return
+            results = thread_future.result()
+            took = loop.time() - running.started
+            self._running.discard(running)
             self._last_batch_s = took
             self.batch_s = took if self.batch_s <= 0.0 else self.batch_s + DURATION_WEIGHT * (took - self.batch_s)
-            if self.row_s and modelled > 0.0:
-                self.speed += DURATION_WEIGHT * (took / modelled - self.speed)
+            if self.row_s and running.modelled > 0.0:
+                self.speed += DURATION_WEIGHT * (took / running.modelled - self.speed)
             # What was admitted at an older estimate may not finish in time: re-checked when a batch
             # ran slow, and after every batch under the row model (its speed moves a little each batch).
-            if took > SLOWDOWN * expected or self.row_s:
+            if took > SLOWDOWN * running.expected or self.row_s:
                 self._shed(loop.time())
             for request, result in zip(batch, results, strict=True):  # (a row's error fails that row alone)
                 if not request.future.done():
@@ -426,12 +452,14 @@ class Batcher:
             per_text, bucket = took / len(batch), batch[0].bucket
             known = self.text_s.get(bucket)
             self.text_s[bucket] = per_text if known is None else known + DURATION_WEIGHT * (per_text - known)
-        except Exception as exc:
+        except Exception as exc:  # (results that do not match the batch: its requests fail, not the loop)
             log.exception("engine batch of %d failed", len(batch))
             self.counters["batch_errors"] += 1
             for request in batch:
                 if not request.future.done():
                     request.future.set_exception(exc)
         finally:
-            self._started.pop(task, None)
+            self._running.discard(running)
             self._slots.release()
+            if self.idle:
+                self._became_idle.set()

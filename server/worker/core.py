@@ -257,8 +257,8 @@ class WorkerCore:
         self.counters[_COUNTED[outcome.source]] += 1
         self.counters["coalesced"] += joined
         if flight.store and self.writer is not None:
-            self._store(flight, outcome, shared=joined > 0)
-            flight.item = None  # (nor the request: the collector sees fewer objects per flight in flight)
+            # Behind the answers: their frames, scheduled as they were given, are written first.
+            asyncio.get_running_loop().call_soon(self._store_behind, flight, outcome, joined > 0)
         else:
             self.flights.forget(flight)
             self._release(flight)
@@ -272,6 +272,10 @@ class WorkerCore:
         replies.waiting.pop(item_id, None)
         source = _COALESCED if joined and outcome.source == _MISS else outcome.source
         replies.ok(item_id, source, outcome.payload, outcome.rejected)
+
+    def _store_behind(self, flight: Flight, outcome: Outcome, shared: bool) -> None:
+        self._store(flight, outcome, shared)
+        flight.item = None  # (nor the request: the collector sees fewer objects per flight in flight)
 
     def _store(self, flight: Flight, outcome: Outcome, shared: bool) -> None:
         item = flight.item
