@@ -3,6 +3,7 @@ test says (the pool's own logic is under test; tests/test_upstream.py runs it ag
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -23,7 +24,7 @@ class Client:
         self.refuses: set[str] = set()  # texts it answers 400 for, with the rest of their call
         self.calls: list[list[str]] = []
 
-    def embed(self, texts, tenant, timeout_s):
+    async def embed(self, texts, tenant, timeout_s):
         self.calls.append(list(texts))
         if self.down:
             raise Failure("connect", "cannot reach it: connection refused")
@@ -42,6 +43,10 @@ def _pool(n: int = 2, **settings) -> tuple[UpstreamPool, list[Client]]:
     return UpstreamPool("m", "1", spec, clients), clients
 
 
+def _embed(pool: UpstreamPool, rows: list[TextRow]) -> list:
+    return asyncio.run(pool.embed(rows))
+
+
 def _rows(n: int) -> list[TextRow]:
     return [TextRow.of(f"text {i}", i.to_bytes(16, "little"), "") for i in range(n)]
 
@@ -49,25 +54,25 @@ def _rows(n: int) -> list[TextRow]:
 def test_keys_stick_to_their_server_and_a_failing_one_s_keys_move_and_come_back():
     pool, clients = _pool()
     rows = _rows(40)
-    pool.embed(rows)
+    _embed(pool, rows)
     first = {c.url: sum(map(len, c.calls)) for c in clients}
     assert all(first.values())  # rendezvous spreads the keys over both
     for c in clients:
         c.calls.clear()
-    pool.embed(rows)
+    _embed(pool, rows)
     assert {c.url: sum(map(len, c.calls)) for c in clients} == first  # the same keys to the same servers
     clients[0].down = True
     for _ in range(3):
-        answers = pool.embed(rows)
+        answers = _embed(pool, rows)
         assert all(isinstance(a, np.ndarray) for a in answers)  # retried on the next server of each ranking
     assert pool.in_rotation() == {clients[0].url: False, clients[1].url: True}
     clients[0].calls.clear()
-    pool.embed(rows)
+    _embed(pool, rows)
     assert clients[0].calls == []  # out of rotation: not even tried
     clients[0].down = False
     time.sleep(0.25)
-    pool.embed(rows)  # one trial call, then its keys again
-    pool.embed(rows)
+    _embed(pool, rows)  # one trial call, then its keys again
+    _embed(pool, rows)
     assert pool.in_rotation() == {clients[0].url: True, clients[1].url: True}
     assert sum(map(len, clients[0].calls)) >= first[clients[0].url]
 
@@ -76,14 +81,14 @@ def test_every_server_out_of_rotation_refuses_at_once_and_a_trial_is_never_left_
     pool, clients = _pool(1, timeout_s=5.0)
     clients[0].down = True
     for _ in range(2):
-        [answer] = pool.embed(_rows(1))
+        [answer] = _embed(pool, _rows(1))
         assert isinstance(answer, UpstreamFailed)
     calls = len(clients[0].calls)
-    [answer] = pool.embed(_rows(1))
+    [answer] = _embed(pool, _rows(1))
     assert isinstance(answer, UpstreamFailed) and "out of rotation" in str(answer) and len(clients[0].calls) == calls
     time.sleep(0.25)
     clients[0].down = False
-    assert isinstance(pool.embed(_rows(1))[0], np.ndarray)  # the trial succeeded: back in rotation
+    assert isinstance(_embed(pool, _rows(1))[0], np.ndarray)  # the trial succeeded: back in rotation
     assert pool.in_rotation() == {clients[0].url: True}
 
 
@@ -91,7 +96,7 @@ def test_an_input_the_upstream_refuses_fails_its_own_row_alone():
     pool, clients = _pool(1)
     rows = _rows(4)
     clients[0].refuses = {str(rows[2])}
-    answers = pool.embed(rows)
+    answers = _embed(pool, rows)
     assert isinstance(answers[2], InvalidArgument) and "refused the input" in str(answers[2])
     assert [isinstance(a, np.ndarray) for a in answers] == [True, True, False, True]
 

@@ -39,10 +39,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import heapq
+import inspect
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from server.shared.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
 from server.shared.admission import admits, bucket_of, discounted, over, wait_bound
@@ -50,7 +51,9 @@ from server.shared.process import nicer_executor
 
 log = logging.getLogger("infercache.batcher")
 
-RunBatch = Callable[[list], list[Any]]  # sequences (token ids, or texts) -> one result (or Exception) each
+# sequences (token ids, or texts) -> one result (or Exception) each: run in an engine thread, or a
+# coroutine (an upstream model's calls) run on the event loop
+RunBatch = Callable[[list], list[Any]] | Callable[[list], Awaitable[list[Any]]]
 DURATION_WEIGHT = 0.2       # weight of the newest batch in the average batch duration
 SLOWDOWN = 1.1              # a batch this much slower than the estimate re-checks the queued deadlines
                             # (when it ends, and every such interval while it still runs)
@@ -115,7 +118,8 @@ class Batcher:
         max_queue: int, concurrency: int = 1, name: str = "batcher", max_wait_s: float = 0.0, nice: int = 0,
         groups: tuple[int, ...] | None = None,
     ) -> None:
-        self.run_batch = run_batch          # runs in a thread: token ids -> one result per sequence
+        self.run_batch = run_batch          # token ids -> one result per sequence (RunBatch)
+        self._on_loop = inspect.iscoroutinefunction(run_batch)
         self.buckets = buckets
         self.groups = groups or buckets     # the lengths a batch is cut by (length_groups), at most the buckets'
         if not set(buckets) <= set(self.groups) or max(self.groups) != max(buckets):
@@ -391,7 +395,7 @@ class Batcher:
     def _start(self, batch: list[_Request], now: float) -> None:
         """Hands a batch to an engine thread, on the owner task's turn: the thread's end is told to the
         loop by one callback (a task per batch, and an asyncio future wrapping the thread's, cost a loop
-        iteration each on every miss's path)."""
+        iteration each on every miss's path). A coroutine's batch is a task of the loop's."""
         loop = asyncio.get_running_loop()
         modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].group)
         expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
@@ -407,6 +411,10 @@ class Batcher:
             except RuntimeError:  # the loop closed meanwhile: nobody waits for these answers
                 pass
 
+        if self._on_loop:
+            loop.create_task(self.run_batch([r.ids for r in batch])).add_done_callback(
+                lambda task: self._ended(running, task))
+            return
         try:
             self._executor.submit(self.run_batch, [r.ids for r in batch]).add_done_callback(ended)
         except RuntimeError as exc:  # the executor shut down (close): the batch fails, its slot is freed
@@ -414,13 +422,14 @@ class Batcher:
             future.set_exception(WorkerUnavailable(f"inference worker is shutting down ({exc})"))
             self._ended(running, future)
 
-    def _ended(self, running: _Running, thread_future: concurrent.futures.Future) -> None:
+    def _ended(self, running: _Running, future: concurrent.futures.Future | asyncio.Future) -> None:
         """A batch's results to its requests, its timing to the estimates; its slot freed."""
         batch, loop = running.batch, asyncio.get_running_loop()
         try:
             if running.recheck is not None:
                 running.recheck.cancel()
-            exc = thread_future.exception()
+            exc = (WorkerUnavailable("inference worker is shutting down") if future.cancelled()
+                   else future.exception())
             if exc is not None:
                 log.error("engine batch of %d failed", len(batch), exc_info=exc)
                 self.counters["batch_errors"] += 1
@@ -428,7 +437,7 @@ class Batcher:
                     if not request.future.done():
                         request.future.set_exception(exc)
                 return
-            results = thread_future.result()
+            results = future.result()
             took = loop.time() - running.started
             self._running.discard(running)
             self._last_batch_s = took

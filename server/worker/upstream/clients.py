@@ -1,6 +1,7 @@
 """One upstream server of a model, by kind: each embeds a list of texts in one call and answers one float32
-vector per text, or streams a generation (openai, infercache), or raises Failure. They run in the batcher's
-threads or a generation's own (blocking calls, never on the event loop).
+vector per text, or streams a generation (openai, infercache), or raises Failure. Embedding calls are
+awaited on the worker's event loop (openai's run on it; the gRPC kinds' blocking calls in the loop's
+threads); a generation streams in a thread of its own.
 
 - openai: POST {url}/embeddings, {url}/chat/completions and {url}/completions (OpenAI's API; url as OpenAI
   clients take it, e.g. http://host:8000/v1);
@@ -11,6 +12,7 @@ threads or a generation's own (blocking calls, never on the event loop).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 import threading
@@ -40,7 +42,7 @@ _GRPC_AS_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUN
 class Client(Protocol):
     url: str
 
-    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+    async def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         """One vector per text, in order; Failure otherwise."""
 
     def generate(self, request: dict, tenant: str, on_piece, timeout_s: float) -> tuple[str, dict]:
@@ -82,11 +84,11 @@ class OpenAIClient:
         headers = {"authorization": credential.header()} if credential is not None else {}
         self.endpoint = JsonEndpoint(url, headers, timeout_s)
 
-    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+    async def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         """Asks for base64 (float32 little-endian: a tenth of the parsing of JSON numbers); a server that
         answers numbers anyway is read as well."""
-        answer = self.endpoint.post("/embeddings", {"model": self.model, "input": texts, "encoding_format": "base64"},
-                                    timeout_s)
+        answer = await self.endpoint.post_async(
+            "/embeddings", {"model": self.model, "input": texts, "encoding_format": "base64"}, timeout_s)
         data = answer.get("data")
         if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
             raise Failure("malformed", "answered no data list")
@@ -120,7 +122,7 @@ class OpenAIClient:
         return finish, usage
 
     def close(self) -> None:
-        pass
+        self.endpoint.close()
 
 
 class _GrpcClient:
@@ -145,6 +147,12 @@ class _GrpcClient:
             return self.method(request, timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise _failure(exc, timeout_s) from None
+
+    async def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.embed_blocking, texts, tenant, timeout_s)
+
+    def embed_blocking(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+        raise NotImplementedError
 
     def close(self) -> None:
         self.channel.close()
@@ -232,7 +240,7 @@ class InfercacheClient(_GrpcClient):
             call.cancel()  # (a stream left early: its call ends here, not when collected)
         raise Failure("cut" if started else "malformed", "the stream ended without its last message")
 
-    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+    def embed_blocking(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         answer = self._call(pb.InferBatchRequest(model=self.model, tenant=tenant, texts=texts), timeout_s)
         rows = []
         for result in answer.results:
@@ -257,7 +265,7 @@ class KServeClient(_GrpcClient):
         kpb = _kserve()
         return "/inference.GRPCInferenceService/ModelInfer", kpb.ModelInferRequest, kpb.ModelInferResponse
 
-    def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
+    def embed_blocking(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         request = _kserve().ModelInferRequest(model_name=self.model)
         request.inputs.add(name="text", datatype="BYTES", shape=[len(texts), 1])
         request.raw_input_contents.append(b"".join(_LENGTH.pack(len(t)) + t for t in (x.encode() for x in texts)))

@@ -1,6 +1,7 @@
-"""HTTP/1.1 JSON calls to one upstream server, from the batcher's threads: a kept-alive connection per
-thread, opened again when the server closed it. Blocking by design: it runs off the event loop, in the
-threads that run an engine's batches for a local model.
+"""HTTP/1.1 JSON calls to one upstream server, opened again when the server closed a kept-alive one:
+- on the worker's event loop (`post_async`, embedding calls): a connection of the loop's own per call in
+  flight, kept alive between calls; a miss's call then costs no thread hand-offs;
+- blocking, from a generation's thread (`post`, `events`): a kept-alive connection per thread.
 
 The request is written as bytes made once per call (its fixed head made once per endpoint) and the
 answer read with httptools (llhttp, the parser the HTTP door uses): a miss's call costs the upstream's
@@ -9,6 +10,7 @@ upstream's answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import ssl
@@ -34,8 +36,7 @@ class _Exchange:
     """One response read from a connection, fed until its head, then until more body or its end; it is
     httptools' protocol object (the parser calls its on_* methods)."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.read = 0
         self.head = False
@@ -44,18 +45,21 @@ class _Exchange:
         self.framed = False      # its length is said (content-length, chunked): not its connection's end
         self.keep_alive = False  # (as its head says: llhttp forgets it once the message is complete)
 
-    def feed(self) -> None:
-        """One read from the socket into the parser; _Gone where it ended before the answer began,
-        ConnectionResetError where it ended inside it."""
-        data = self.sock.recv(READ_BYTES)
-        if not data:
-            if not self.read:
-                raise _Gone()
-            if self.head and not self.framed:
-                self.complete = True  # (an answer whose length is its connection's end)
-            if not self.complete:
-                raise ConnectionResetError("the connection ended inside the answer")
-            return
+    def feed(self, sock: socket.socket) -> None:
+        """One read from `sock` into the parser."""
+        data = sock.recv(READ_BYTES)
+        self.take(data) if data else self.ended()
+
+    def ended(self) -> None:
+        """The connection ended: _Gone where before the answer began, ConnectionResetError where inside it."""
+        if not self.read:
+            raise _Gone()
+        if self.head and not self.framed:
+            self.complete = True  # (an answer whose length is its connection's end)
+        if not self.complete:
+            raise ConnectionResetError("the connection ended inside the answer")
+
+    def take(self, data: bytes) -> None:
         self.read += len(data)
         try:
             self.parser.feed_data(data)
@@ -86,6 +90,50 @@ class _Exchange:
         self.complete = True
 
 
+class _Connection(asyncio.Protocol):
+    """A connection of the event loop's to the upstream: one exchange at a time, its answer to `waiter`."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.exchange = _Exchange()
+        self.waiter: asyncio.Future | None = None
+        self.lost = False
+
+    def call(self, request: bytes) -> asyncio.Future:
+        """Writes a request; the future ends once its answer is whole (or with why not)."""
+        self.exchange = _Exchange()
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return self.waiter
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiter is None or self.waiter.done():
+            self.transport.close()  # (bytes nobody asked for: the connection is not reused)
+            return
+        try:
+            self.exchange.take(data)
+            if len(self.exchange.body) > MAX_ANSWER_BYTES:
+                raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
+        except Failure as failure:
+            self.waiter.set_exception(failure)
+            self.transport.close()
+            return
+        if self.exchange.complete:
+            self.waiter.set_result(self.exchange)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.waiter is not None and not self.waiter.done():
+            try:
+                self.exchange.ended()
+                self.waiter.set_result(self.exchange)
+            except (_Gone, ConnectionResetError) as ended:
+                self.waiter.set_exception(ended)
+
+
 class JsonEndpoint:
     """POSTs JSON to paths under one base URL (its path included: "http://host:8000/v1")."""
 
@@ -104,6 +152,7 @@ class JsonEndpoint:
         # instead, saying so without quoting it.
         self._broken = any(c in f"{name}{value}" for name, value in fields.items() for c in "\r\n\0")
         self._head = "".join(f"{name}: {value}\r\n" for name, value in fields.items()).encode("latin-1", "replace")
+        self._idle: list[_Connection] = []  # the event loop's kept-alive connections between calls
 
     def _connection(self, timeout_s: float) -> tuple[socket.socket, bool]:
         """This thread's connection, and whether it was open already."""
@@ -132,10 +181,10 @@ class JsonEndpoint:
 
     def post(self, path: str, body: dict, timeout_s: float) -> dict:
         """The JSON object the upstream answered; Failure (with its kind) otherwise."""
-        exchange = self._send(path, body, timeout_s, b"application/json")
+        sock, exchange = self._send(path, body, timeout_s, b"application/json")
         try:
             while not exchange.complete:
-                exchange.feed()
+                exchange.feed(sock)
                 if len(exchange.body) > MAX_ANSWER_BYTES:
                     raise Failure("malformed", f"answered over {MAX_ANSWER_BYTES} bytes")
         except (OSError, _Gone) as exc:
@@ -148,6 +197,47 @@ class JsonEndpoint:
             self._drop()
         return _decoded(exchange.status, bytes(exchange.body))
 
+    async def post_async(self, path: str, body: dict, timeout_s: float) -> dict:
+        """post() on the event loop: the same answers and Failures."""
+        request = self._request(path, body, b"application/json")
+        try:
+            async with asyncio.timeout(timeout_s):
+                for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more, on a new one
+                    connection, reused = await self._loop_connection()
+                    try:
+                        exchange = await connection.call(request)
+                    except (_Gone, ConnectionResetError) as exc:
+                        connection.transport.close()
+                        if attempt == 0 and reused:
+                            continue
+                        raise _lost(exc, timeout_s) from None
+                    except BaseException:  # (a Failure, the timeout, a cancel: its answer is not read to its end)
+                        connection.transport.close()
+                        raise
+                    if exchange.keeps_alive and not connection.lost:
+                        self._idle.append(connection)
+                    else:
+                        connection.transport.close()
+                    return _decoded(exchange.status, bytes(exchange.body))
+        except OSError as exc:  # (TimeoutError included)
+            raise _lost(exc, timeout_s) from None
+        raise Failure("connect", "connection lost")  # (not reached: the loop returns or raises)
+
+    async def _loop_connection(self) -> tuple[_Connection, bool]:
+        """An idle kept-alive connection of the loop's, or a new one; and whether it was idle."""
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.lost:
+                return connection, True
+        _, connection = await asyncio.get_running_loop().create_connection(
+            _Connection, self.host, self.port, ssl=self._tls, server_hostname=self.host if self._tls else None)
+        return connection, False
+
+    def close(self) -> None:
+        """Closes the loop's idle connections (a thread's close with their threads)."""
+        while self._idle:
+            self._idle.pop().transport.close()
+
     def events(self, path: str, body: dict, timeout_s: float) -> Iterator[dict]:
         """The JSON objects of a server-sent event stream (OpenAI's `stream: true`), as they come, up to its
         `data: [DONE]`; each awaited for at most timeout_s. Failure otherwise: one raised after the first
@@ -158,10 +248,10 @@ class JsonEndpoint:
             return Failure("cut" if started else "malformed", message)
 
         try:
-            exchange = self._send(path, body, timeout_s, b"text/event-stream")
+            sock, exchange = self._send(path, body, timeout_s, b"text/event-stream")
             if exchange.status >= 400:
                 while not exchange.complete and len(exchange.body) <= MAX_ANSWER_BYTES:
-                    exchange.feed()
+                    exchange.feed(sock)
                 raise Failure.of_status(exchange.status, _message(bytes(exchange.body[:MAX_ANSWER_BYTES])))
             pending = exchange.body  # (bytes of the stream not yet split into lines)
             while True:
@@ -172,7 +262,7 @@ class JsonEndpoint:
                     if exchange.complete:
                         raise (Failure("cut", "the stream ended before its [DONE]") if started else
                                Failure("malformed", "answered no event (data:) before the end of its answer"))
-                    exchange.feed()
+                    exchange.feed(sock)
                     continue
                 line = bytes(pending[:end])
                 del pending[:end + 1]
@@ -197,13 +287,16 @@ class JsonEndpoint:
         finally:  # (read to its [DONE] or not, failed or left early: the next call opens a fresh connection)
             self._drop()
 
-    def _send(self, path: str, body: dict, timeout_s: float, accept: bytes) -> _Exchange:
-        """The upstream's response to a POST of `body`, its head read; Failure otherwise."""
+    def _request(self, path: str, body: dict, accept: bytes) -> bytes:
         if self._broken:
             raise Failure("connect", "a header of this upstream (its credential?) holds a line break")
         payload = orjson.dumps(body)
-        request = b"POST %s HTTP/1.1\r\n%saccept: %s\r\ncontent-length: %d\r\n\r\n%s" % (
+        return b"POST %s HTTP/1.1\r\n%saccept: %s\r\ncontent-length: %d\r\n\r\n%s" % (
             (self.prefix + path).encode(), self._head, accept, len(payload), payload)
+
+    def _send(self, path: str, body: dict, timeout_s: float, accept: bytes) -> tuple[socket.socket, _Exchange]:
+        """The connection and the upstream's response to a POST of `body`, its head read; Failure otherwise."""
+        request = self._request(path, body, accept)
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more, on a new one
             try:
                 sock, reused = self._connection(timeout_s)
@@ -212,12 +305,12 @@ class JsonEndpoint:
             try:
                 sock.settimeout(timeout_s)
                 sock.sendall(request)
-                exchange = _Exchange(sock)
+                exchange = _Exchange()
                 while not exchange.head:
-                    exchange.feed()
+                    exchange.feed(sock)
                     if exchange.read > MAX_EVENT_BYTES and not exchange.head:
                         raise Failure("malformed", "answered a head over 1 MiB")
-                return exchange
+                return sock, exchange
             except (_Gone, BrokenPipeError, ConnectionResetError) as exc:
                 self._drop()
                 if attempt == 0 and reused:

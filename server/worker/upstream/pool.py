@@ -8,10 +8,12 @@ worth retrying (Failure.retryable) is tried again, on the next server of its ran
 backoff, within the model's upstream.timeout_s; a server whose calls fail breaker_failures times in a row is
 skipped for breaker_open_s, then tried by one call. When every server's breaker is open, calls fail at once.
 
-Called from the batcher's threads: the breakers' state is under one lock."""
+Embedding calls run on the worker's event loop (`embed`), generations in their own threads (`generate`):
+both take their tries from one `_Tries`, and the breakers' state is under one lock."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import logging
@@ -136,7 +138,7 @@ class UpstreamPool:
                 server.open_until = time.monotonic() + self.spec.breaker_open_s
             server.trial = False
 
-    def embed(self, rows: list[TextRow]) -> list[np.ndarray | InferCacheError]:
+    async def embed(self, rows: list[TextRow]) -> list[np.ndarray | InferCacheError]:
         """A vector, or the error its caller gets, for each row: rows go to their key's first usable
         server, each server's share in one call (per tenant), tried again as the module says. An input
         the upstream refuses fails its own row alone: a refused call of several texts is sent again one
@@ -148,79 +150,66 @@ class UpstreamPool:
         out: list[np.ndarray | InferCacheError | None] = [None] * len(rows)
         for (_, tenant), (ranked, members) in groups.items():
             try:
-                vectors = self._texts(ranked, [str(rows[n]) for n in members], tenant)
+                vectors = await self._texts(ranked, [str(rows[n]) for n in members], tenant)
             except InvalidArgument as exc:
-                vectors = [exc] if len(members) == 1 else [self._one(ranked, str(rows[n]), tenant) for n in members]
+                vectors = [exc] if len(members) == 1 else [await self._one(ranked, str(rows[n]), tenant)
+                                                            for n in members]
             except InferCacheError as exc:
                 vectors = [exc] * len(members)
             for n, vector in zip(members, vectors):
                 out[n] = vector
         return out
 
-    def _one(self, ranked: list[Server], text: str, tenant: str) -> np.ndarray | InferCacheError:
+    async def _one(self, ranked: list[Server], text: str, tenant: str) -> np.ndarray | InferCacheError:
         try:
-            return self._texts(ranked, [text], tenant)[0]
+            return (await self._texts(ranked, [text], tenant))[0]
         except InferCacheError as exc:
             return exc
 
-    def _texts(self, ranked: list[Server], texts: list[str], tenant: str) -> list[np.ndarray]:
-        return self._call(ranked, lambda client, timeout_s: client.embed(texts, tenant, timeout_s), len(texts))
+    async def _texts(self, ranked: list[Server], texts: list[str], tenant: str) -> list[np.ndarray]:
+        tries = _Tries(self, ranked, len(texts))
+        while (pause := tries.pause()) is not None:
+            if pause:
+                await asyncio.sleep(pause)
+            if (chosen := tries.next()) is None:
+                break
+            server, remaining = chosen
+            try:
+                vectors = await server.client.embed(texts, tenant, remaining)
+            except asyncio.CancelledError:
+                tries.left(server)
+                raise
+            except Exception as exc:  # noqa: BLE001 (a Failure, or an answer a client could not read)
+                tries.failed(server, exc)
+            else:
+                tries.succeeded(server)
+                return vectors
+        raise tries.error()
 
     def generate(self, route: bytes, request: dict, tenant: str, on_piece) -> tuple[str, dict]:
-        """One generation (server/worker/upstream/generative.py): its pieces of text to on_piece as the
-        upstream streams them; (finish reason, usage) once it ended. `route` ranks the servers (what a
-        conversation starts with: its next turns reach the server whose prefix cache holds it). A call
-        that failed before its first piece is tried again as an embedding call is; one cut off after it
-        is not (its callers have that text already)."""
-        return self._call(self._ranked(route), lambda client, timeout_s: client.generate(request, tenant, on_piece,
-                                                                                         timeout_s), 1)
-
-    def _call(self, ranked: list[Server], work, units: int):
-        """work(client, seconds left) on the first usable server of `ranked`, tried again as the module
-        says; units: texts (or generations) it computes, for the counters."""
-        spec = self.spec
-        deadline = time.monotonic() + spec.timeout_s
-        tried: set[Server] = set()
-        last: tuple[Server, Failure] | None = None
-        for attempt in range(spec.retries + 1):
-            if attempt:
-                pause = random.uniform(0, spec.retry_backoff_ms / 1000 * (1 << (attempt - 1)))
-                if time.monotonic() + pause >= deadline:
-                    break
+        """One generation (server/worker/upstream/generative.py), in the caller's thread: its pieces of text
+        to on_piece as the upstream streams them; (finish reason, usage) once it ended. `route` ranks the
+        servers (what a conversation starts with: its next turns reach the server whose prefix cache holds
+        it). A call that failed before its first piece is tried again as an embedding call is; one cut off
+        after it is not (its callers have that text already)."""
+        tries = _Tries(self, self._ranked(route), 1)
+        while (pause := tries.pause()) is not None:
+            if pause:
                 time.sleep(pause)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if (chosen := tries.next()) is None:
                 break
-            server = self._choose(ranked, tried) or (self._choose(ranked, set()) if last is not None else None)
-            if server is None:
-                if last is not None:
-                    break
-                raise UpstreamFailed(f"{self.name}: every upstream ({', '.join(s.url for s in self.servers)}) is out "
-                                     f"of rotation after failing (tried again in {self._reopens_in():.1f} s)")
-            tried.add(server)
-            if attempt:
-                with self._lock:
-                    self.counters["retries"] += 1
-            started = time.monotonic()
-            try:  # (whatever happens, the call ends in _succeeded or _failed: a trial is never left open)
-                answer = work(server.client, remaining)
+            server, remaining = chosen
+            try:
+                answer = server.client.generate(request, tenant, on_piece, remaining)
             except Abandoned:
-                self._succeeded(server, time.monotonic() - started, units)  # (it was answering)
+                tries.succeeded(server)  # (it was answering)
                 raise
-            except Failure as failure:
-                last = (server, failure)
-            except Exception as exc:  # noqa: BLE001 (an answer a client could not read: malformed, never a crash)
-                last = (server, Failure("malformed", f"an answer that could not be read ({type(exc).__name__})"))
+            except Exception as exc:  # noqa: BLE001 (a Failure, or an answer a client could not read)
+                tries.failed(server, exc)
             else:
-                self._succeeded(server, time.monotonic() - started, units)
+                tries.succeeded(server)
                 return answer
-            self._failed(server, last[1])
-            if not last[1].retryable:
-                break
-        if last is None:
-            raise UpstreamFailed(f"{self.name}: no upstream answered within upstream.timeout_s ({spec.timeout_s} s)")
-        server, failure = last
-        raise failure.domain(server.url)
+        raise tries.error()
 
     def _reopens_in(self) -> float:
         with self._lock:
@@ -229,3 +218,69 @@ class UpstreamPool:
     def close(self) -> None:
         for server in self.servers:
             server.client.close()
+
+
+class _Tries:
+    """One call's tries, as the module says: the pause before each, its server and the seconds left, and
+    each try's end (every try ends in succeeded, failed or left: a breaker's trial is never left open)."""
+
+    def __init__(self, pool: UpstreamPool, ranked: list[Server], units: int) -> None:
+        self.pool = pool
+        self.ranked = ranked
+        self.units = units  # texts (or generations) a try computes, for the counters
+        self.deadline = time.monotonic() + pool.spec.timeout_s
+        self.tried: set[Server] = set()
+        self.last: tuple[Server, Failure] | None = None
+        self.count = 0
+        self.started = 0.0
+
+    def pause(self) -> float | None:
+        """Seconds to wait before the next try (0 before the first); None: no try is left."""
+        spec = self.pool.spec
+        if self.count > spec.retries or (self.last is not None and not self.last[1].retryable):
+            return None
+        if not self.count:
+            return 0.0
+        pause = random.uniform(0, spec.retry_backoff_ms / 1000 * (1 << (self.count - 1)))
+        return None if time.monotonic() + pause >= self.deadline else pause
+
+    def next(self) -> tuple[Server, float] | None:
+        """The next try's server and its seconds left; None: none left in time. UpstreamFailed when every
+        server is out of rotation before any try."""
+        pool, remaining = self.pool, self.deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        server = pool._choose(self.ranked, self.tried) or (pool._choose(self.ranked, set()) if self.last else None)
+        if server is None:
+            if self.last is not None:
+                return None
+            raise UpstreamFailed(f"{pool.name}: every upstream ({', '.join(s.url for s in pool.servers)}) is out "
+                                 f"of rotation after failing (tried again in {pool._reopens_in():.1f} s)")
+        self.tried.add(server)
+        if self.count:
+            with pool._lock:
+                pool.counters["retries"] += 1
+        self.count += 1
+        self.started = time.monotonic()
+        return server, remaining
+
+    def succeeded(self, server: Server) -> None:
+        self.pool._succeeded(server, time.monotonic() - self.started, self.units)
+
+    def failed(self, server: Server, exc: Exception) -> None:
+        failure = exc if isinstance(exc, Failure) else Failure(
+            "malformed", f"an answer that could not be read ({type(exc).__name__})")
+        self.last = (server, failure)
+        self.pool._failed(server, failure)
+
+    def left(self, server: Server) -> None:
+        """The try was cancelled (its worker stops): neither the server's success nor its failure."""
+        with self.pool._lock:
+            server.trial = False
+
+    def error(self) -> Exception:
+        if self.last is None:
+            return UpstreamFailed(f"{self.pool.name}: no upstream answered within upstream.timeout_s "
+                                  f"({self.pool.spec.timeout_s} s)")
+        server, failure = self.last
+        return failure.domain(server.url)

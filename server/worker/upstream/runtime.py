@@ -1,8 +1,8 @@
 """An upstream model in a worker: what WorkerCore needs of a model version (its batcher, its answers, its
 EngineInfo), with batches sent to its upstream servers (server/worker/upstream/pool.py) instead of an engine.
 Items carry their text (the frontend has no tokenizer of the model); the batcher cuts batches of up to
-upstream.max_batch_texts, and runs up to upstream.max_in_flight of them at once, each in a thread of its own
-(the calls block; the event loop does not)."""
+upstream.max_batch_texts, and runs up to upstream.max_in_flight of them at once, each a coroutine on the
+worker's event loop (the calls wait on sockets, not in threads: server/worker/upstream/pool.py)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ class UpstreamRuntime(ModelRuntime):
     def phases(self) -> dict[str, float]:
         return {}
 
-    def _run_batch(self, rows: list[TextRow]) -> list[dict[str, np.ndarray] | Exception]:
+    async def _run_batch(self, rows: list[TextRow]) -> list[dict[str, np.ndarray] | Exception]:
         name = self.spec.outputs[0]
-        return [{name: found} if isinstance(found, np.ndarray) else found for found in self.pool.embed(rows)]
+        return [{name: found} if isinstance(found, np.ndarray) else found for found in await self.pool.embed(rows)]
 
     def output_dim(self, name: str) -> int:
         raise RuntimeError("an upstream model's output size is known once it answers")
