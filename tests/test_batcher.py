@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from server.shared.admission import ADMIT_HEADROOM
-from server.worker.batcher import Batcher, length_groups
+from server.shared.admission import length_groups
+from server.worker.batcher import Batcher
 from server.engines.onnxruntime import OrtEngine
 from server.shared.errors import DeadlineExceeded, Overloaded
 from server.shared.tokenization import TextEncoder, pad_batch

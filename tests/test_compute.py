@@ -165,7 +165,7 @@ def test_a_model_runtime_cuts_by_length_group_where_its_engine_takes_any_length(
     server.length_groups is off); the null engine (as a profile-padded engine would) keeps the buckets."""
     import dataclasses
 
-    from server.worker.batcher import length_groups
+    from server.shared.admission import length_groups
     from server.engines.onnxruntime import OrtEngine
 
     link_model(tmp_path, "minilm", MINILM_CONFIG, {"1": MODEL_VERSION_DIR})

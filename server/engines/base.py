@@ -52,7 +52,7 @@ class Engine(ABC):
 
     slots: int = 1
     # Runs a batch of any sequence length at that length's cost, padded to its longest row (not to its
-    # profile): the batcher then cuts batches by finer length groups (server/worker/batcher.py length_groups).
+    # profile): the batcher then cuts batches by finer length groups (server/shared/admission.py length_groups).
     any_length: bool = False
 
     @abstractmethod

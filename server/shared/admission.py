@@ -1,5 +1,5 @@
-"""Admission arithmetic the frontends and the workers share: which sequence-length bucket a text waits in,
-how long a request may wait, and whether an expected wait admits it. The frontends refuse at once what
+"""Admission arithmetic the frontends and the workers share: which sequence-length bucket a text waits in
+(and the finer length groups a batcher cuts batches by), how long a request may wait, and whether an expected wait admits it. The frontends refuse at once what
 their worker's told queue wait would not answer in time (server/frontend/workers.py); the worker's
 batcher checks the same on arrival (server/worker/batcher.py)."""
 
@@ -18,6 +18,17 @@ def bucket_of(buckets: tuple[int, ...], length: int) -> int:
     """The sequence-length bucket (engine profile) of a sequence of `length` tokens: the smallest that
     holds it, else the largest (the tokenizer truncates to it)."""
     return buckets[min(bisect.bisect_left(buckets, length), len(buckets) - 1)]
+
+
+def length_groups(buckets: tuple[int, ...], shortest: int = 8) -> tuple[int, ...]:
+    """The buckets and finer lengths between them, from `shortest` up to the longest bucket: steps of
+    2 tokens up to 16, 4 up to 32, 8 up to 64 and so on, so that a row pads by under a quarter of its
+    length (plus up to `shortest`)."""
+    out, length = set(buckets), shortest
+    while length < buckets[-1]:
+        out.add(length)
+        length += max(2, (1 << (length.bit_length() - 1)) // 4)
+    return tuple(sorted(b for b in out if b <= buckets[-1]))
 
 
 def wait_bound(max_wait_s: float, remaining: float | None) -> float | None:

@@ -3,8 +3,8 @@
 Requests are grouped by sequence-length bucket (one engine profile each), and cut into batches by
 group: a group is a bucket where the engine pads a batch to its profile (TensorRT, CUDA graphs), and a
 finer length within one where it runs any length at that length's own cost (ONNX Runtime on a CPU pads
-a batch to its longest row): `length_groups`, steps of at most a quarter of a length, so a batch's rows
-pad less. On a 2-core host a Banking77 text (13 tokens at the median) cost 15.8 ms of CPU in
+a batch to its longest row): `length_groups` (server/shared/admission.py), steps of at most a quarter
+of a length, so a batch's rows pad less. On a 2-core host a Banking77 text (13 tokens at the median) cost 15.8 ms of CPU in
 batches of 32 padded to their longest row, 10.3 ms in batches of like lengths (ONNX Runtime, 2
 threads). A group is cut when it holds max_batch requests or its oldest request has waited max_delay. A
 cut waits for a free engine slot first, so while the engine is busy requests keep joining the next
@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import heapq
 import inspect
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Awaitable, Callable, Sequence
 
 from server.shared.errors import DeadlineExceeded, Overloaded, WorkerUnavailable
@@ -61,17 +63,6 @@ RECHECK_MIN_S = 0.002       # and at most this often while it runs (a deadline i
 ROW_MODEL_MIN = 0.5         # the row model is on where a row adds at least this share of one row's batch
 
 
-def length_groups(buckets: tuple[int, ...], shortest: int = 8) -> tuple[int, ...]:
-    """The buckets and finer lengths between them, from `shortest` up to the longest bucket: steps of
-    2 tokens up to 16, 4 up to 32, 8 up to 64 and so on, so that a row pads by under a quarter of its
-    length (plus up to `shortest`)."""
-    out, length = set(buckets), shortest
-    while length < buckets[-1]:
-        out.add(length)
-        length += max(2, (1 << (length.bit_length() - 1)) // 4)
-    return tuple(sorted(b for b in out if b <= buckets[-1]))
-
-
 @dataclass(eq=False, slots=True)
 class _Request:
     ids: Sequence[int]
@@ -85,31 +76,26 @@ class _Request:
         return self.future.done() or (self.deadline is not None and now >= self.deadline)
 
 
-@dataclass(eq=False, slots=True)
 class _Running:
-    """A batch in an engine thread."""
-    batch: list[_Request]
-    started: float          # loop time
-    modelled: float         # its duration under the row model (0: none)
-    expected: float         # its estimated duration when it started
-    recheck: "_Recheck | None"
+    """A batch being computed: when it started, its modelled and expected durations, and the timer that
+    re-checks the queue while it runs (shed(now) every `period` seconds; none at period 0)."""
 
+    __slots__ = ("batch", "started", "modelled", "expected", "period", "shed", "timer")
 
-class _Recheck:
-    """Calls shed(now) every `period` seconds until cancelled."""
+    def __init__(self, batch: list[_Request], started: float, modelled: float, expected: float, period: float,
+                 shed: Callable[[float], None]) -> None:
+        self.batch, self.started, self.modelled, self.expected = batch, started, modelled, expected
+        self.period, self.shed = period, shed
+        self.timer = asyncio.get_running_loop().call_later(period, self._recheck) if period else None
 
-    __slots__ = ("loop", "period", "shed", "handle")
+    def _recheck(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.shed(loop.time())
+        self.timer = loop.call_later(self.period, self._recheck)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, period: float, shed) -> None:
-        self.loop, self.period, self.shed = loop, period, shed
-        self.handle = loop.call_later(period, self._fire)
-
-    def _fire(self) -> None:
-        self.shed(self.loop.time())
-        self.handle = self.loop.call_later(self.period, self._fire)
-
-    def cancel(self) -> None:
-        self.handle.cancel()
+    def ended(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class Batcher:
@@ -393,51 +379,35 @@ class Batcher:
         return batch
 
     def _start(self, batch: list[_Request], now: float) -> None:
-        """Hands a batch to an engine thread, on the owner task's turn: the thread's end is told to the
-        loop by one callback (a task per batch, and an asyncio future wrapping the thread's, cost a loop
-        iteration each on every miss's path). A coroutine's batch is a task of the loop's."""
+        """Hands a batch to an engine thread on the owner task's turn, and the thread's end back to the
+        loop in one callback (a task per batch, and an asyncio future wrapping the thread's, cost a loop
+        iteration each on every miss's path); a coroutine's batch is a task of the loop's. While it runs
+        past its estimate, its age raises the estimate: the queue is re-checked every SLOWDOWN x expected
+        (RECHECK_MIN_S at least) until it ends; a timer, not a wait per period."""
         loop = asyncio.get_running_loop()
         modelled = self.fixed_s + len(batch) * self._row_cost(batch[0].group)
         expected = max(self.batch_s, self._last_batch_s, modelled * self.speed)
-        # While it runs past the estimate, its age raises the estimate: the queue is re-checked every
-        # SLOWDOWN * expected (RECHECK_MIN_S at least) until it ends; a timer, not a wait per period.
-        recheck = _Recheck(loop, max(RECHECK_MIN_S, SLOWDOWN * expected), self._shed) if expected > 0.0 else None
-        running = _Running(batch, now, modelled, expected, recheck)
+        running = _Running(batch, now, modelled, expected, expected and max(RECHECK_MIN_S, SLOWDOWN * expected),
+                           self._shed)
         self._running.add(running)
+        if self._on_loop:
+            loop.create_task(self.run_batch([r.ids for r in batch])).add_done_callback(partial(self._ended, running))
+            return
 
         def ended(thread_future: concurrent.futures.Future) -> None:  # (in the engine thread)
-            try:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: nobody waits for these answers)
                 loop.call_soon_threadsafe(self._ended, running, thread_future)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits for these answers
-                pass
 
-        if self._on_loop:
-            loop.create_task(self.run_batch([r.ids for r in batch])).add_done_callback(
-                lambda task: self._ended(running, task))
-            return
-        try:
-            self._executor.submit(self.run_batch, [r.ids for r in batch]).add_done_callback(ended)
-        except RuntimeError as exc:  # the executor shut down (close): the batch fails, its slot is freed
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_exception(WorkerUnavailable(f"inference worker is shutting down ({exc})"))
-            self._ended(running, future)
+        self._executor.submit(self.run_batch, [r.ids for r in batch]).add_done_callback(ended)
 
     def _ended(self, running: _Running, future: concurrent.futures.Future | asyncio.Future) -> None:
         """A batch's results to its requests, its timing to the estimates; its slot freed."""
         batch, loop = running.batch, asyncio.get_running_loop()
         try:
-            if running.recheck is not None:
-                running.recheck.cancel()
-            exc = (WorkerUnavailable("inference worker is shutting down") if future.cancelled()
-                   else future.exception())
-            if exc is not None:
-                log.error("engine batch of %d failed", len(batch), exc_info=exc)
-                self.counters["batch_errors"] += 1
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(exc)
-                return
-            results = future.result()
+            running.ended()
+            if future.cancelled():
+                raise WorkerUnavailable("inference worker is shutting down")
+            results = future.result()  # (the engine's exception, raised here, fails the batch below)
             took = loop.time() - running.started
             self._running.discard(running)
             self._last_batch_s = took
@@ -461,7 +431,7 @@ class Batcher:
             per_text, bucket = took / len(batch), batch[0].bucket
             known = self.text_s.get(bucket)
             self.text_s[bucket] = per_text if known is None else known + DURATION_WEIGHT * (per_text - known)
-        except Exception as exc:  # (results that do not match the batch: its requests fail, not the loop)
+        except Exception as exc:  # (also results that do not match the batch: its requests fail, not the loop)
             log.exception("engine batch of %d failed", len(batch))
             self.counters["batch_errors"] += 1
             for request in batch:

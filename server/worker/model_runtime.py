@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from infercache.v1 import infercache_pb2 as pb
-from server.worker.batcher import Batcher, length_groups
+from server.shared.admission import length_groups
+from server.worker.batcher import Batcher
 from server.worker.flights import token_ids
 from server.config import Config
 from server.shared.answers import Answers
