@@ -199,3 +199,23 @@ def test_an_unreachable_upstream_is_a_connect_failure(post):
     with pytest.raises(Failure) as refused:
         post(JsonEndpoint(f"http://127.0.0.1:{port}/v1", {}, 5.0), "/embeddings", {}, 5.0)
     assert refused.value.kind == "connect"
+
+
+def test_a_large_answer_is_read_off_the_event_loop_and_a_small_one_on_it(canned):
+    numbers = b'{"v": [%s]}' % b",".join([b"0.125"] * 40_000)  # (JSON numbers: about 240 KB)
+    server = canned(_json(b'{"v": [1]}'), _json(numbers))
+    endpoint = JsonEndpoint(server.url, {}, 5.0)
+    loop, readers = uvloop.new_event_loop(), []
+
+    def read(answer: dict) -> int:
+        readers.append(threading.get_ident())
+        return len(answer["v"])
+
+    try:
+        small = loop.run_until_complete(endpoint.post_async("/embeddings", {}, 5.0, read=read))
+        large = loop.run_until_complete(endpoint.post_async("/embeddings", {}, 5.0, read=read))
+    finally:
+        endpoint.close()
+        loop.close()
+    assert (small, large) == (1, 40_000)
+    assert readers[0] == threading.get_ident() != readers[1]  # (the loop runs in this test's thread)

@@ -4,11 +4,11 @@ Requests are grouped by sequence-length bucket (one engine profile each), and cu
 group: a group is a bucket where the engine pads a batch to its profile (TensorRT, CUDA graphs), and a
 finer length within one where it runs any length at that length's own cost (ONNX Runtime on a CPU pads
 a batch to its longest row): `length_groups` (server/shared/admission.py), steps of at most a quarter
-of a length, so a batch's rows pad less. On a 2-core host a Banking77 text (13 tokens at the median) cost 15.8 ms of CPU in
-batches of 32 padded to their longest row, 10.3 ms in batches of like lengths (ONNX Runtime, 2
-threads). A group is cut when it holds max_batch requests or its oldest request has waited max_delay. A
-cut waits for a free engine slot first, so while the engine is busy requests keep joining the next
-batch. The engine's recent seconds per text (metrics: what a hit saves) are kept per bucket.
+of a length, so a batch's rows pad less. On a 2-core host a Banking77 text (13 tokens at the median) cost
+15.8 ms of CPU in batches of 32 padded to their longest row, 10.3 ms in batches of like lengths (ONNX
+Runtime, 2 threads). A group is cut when it holds max_batch requests or its oldest request has waited
+max_delay. A cut waits for a free engine slot first, so while the engine is busy requests keep joining the
+next batch. The engine's recent seconds per text (metrics: what a hit saves) are kept per bucket.
 
 Admission is bounded and answered at once: `enqueue` raises Overloaded past `max_queue` waiting
 requests, and when the time the queue implies until this request's batch is done exceeds two thirds of

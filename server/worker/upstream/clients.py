@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -64,6 +66,18 @@ def _vectors(rows, count: int) -> list[np.ndarray]:
     return list(matrix)
 
 
+def _embeddings(answer: dict, count: int) -> list[np.ndarray]:
+    """The vectors of an OpenAI embeddings answer, in input order."""
+    data = answer.get("data")
+    if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+        raise Failure("malformed", "answered no data list")
+    try:
+        ordered = sorted(data, key=lambda d: d.get("index", 0))
+        return _vectors([_decoded(d["embedding"]) for d in ordered], count)
+    except (KeyError, TypeError):
+        raise Failure("malformed", "answered data items without an embedding") from None
+
+
 def _decoded(embedding):
     """An embedding as OpenAI answers it: base64 of float32 little-endian, or a list of numbers."""
     if not isinstance(embedding, str):
@@ -87,16 +101,9 @@ class OpenAIClient:
     async def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         """Asks for base64 (float32 little-endian: a tenth of the parsing of JSON numbers); a server that
         answers numbers anyway is read as well."""
-        answer = await self.endpoint.post_async(
-            "/embeddings", {"model": self.model, "input": texts, "encoding_format": "base64"}, timeout_s)
-        data = answer.get("data")
-        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
-            raise Failure("malformed", "answered no data list")
-        try:
-            ordered = sorted(data, key=lambda d: d.get("index", 0))
-            return _vectors([_decoded(d["embedding"]) for d in ordered], len(texts))
-        except (KeyError, TypeError):
-            raise Failure("malformed", "answered data items without an embedding") from None
+        return await self.endpoint.post_async(
+            "/embeddings", {"model": self.model, "input": texts, "encoding_format": "base64"}, timeout_s,
+            read=functools.partial(_embeddings, count=len(texts)))
 
     def generate(self, request: dict, tenant: str, on_piece, timeout_s: float) -> tuple[str, dict]:
         """request: messages (chat completions) or prompt (completions), and the settings, as OpenAI names
@@ -128,7 +135,7 @@ class OpenAIClient:
 class _GrpcClient:
     """A channel to host:port (TLS for https://), the credential as call metadata, and the one method it calls."""
 
-    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
+    def __init__(self, url: str, model: str, output: str, credential: Credential | None, calls: int) -> None:
         parts = urlsplit(url)
         self.url = url
         self.model = model
@@ -141,6 +148,7 @@ class _GrpcClient:
         path, request, response = self.method_of()
         self.method = self.channel.unary_unary(path, request_serializer=request.SerializeToString,
                                                response_deserializer=response.FromString)
+        self._threads = ThreadPoolExecutor(calls, thread_name_prefix="upstream")  # (upstream.max_in_flight)
 
     def _call(self, request, timeout_s: float):
         try:
@@ -149,12 +157,14 @@ class _GrpcClient:
             raise _failure(exc, timeout_s) from None
 
     async def embed(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
-        return await asyncio.get_running_loop().run_in_executor(None, self.embed_blocking, texts, tenant, timeout_s)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.embed_blocking, texts, tenant,
+                                                                timeout_s)
 
     def embed_blocking(self, texts: list[str], tenant: str, timeout_s: float) -> list[np.ndarray]:
         raise NotImplementedError
 
     def close(self) -> None:
+        self._threads.shutdown(wait=False)
         self.channel.close()
 
     @staticmethod
@@ -197,8 +207,8 @@ class _Watchdog:
 
 
 class InfercacheClient(_GrpcClient):
-    def __init__(self, url: str, model: str, output: str, credential: Credential | None) -> None:
-        super().__init__(url, model, output, credential)
+    def __init__(self, url: str, model: str, output: str, credential: Credential | None, calls: int) -> None:
+        super().__init__(url, model, output, credential, calls)
         self._generate = self.channel.unary_stream("/infercache.v1.InferenceCache/Generate",
                                                    request_serializer=pb.GenerateRequest.SerializeToString,
                                                    response_deserializer=pb.GenerateResponse.FromString)
@@ -291,5 +301,5 @@ def client_for(spec: UpstreamSpec, url: str, model: str, output: str, credential
     if spec.kind == "openai":
         return OpenAIClient(url, spec.upstream_model(model), credential, spec.timeout_s)
     if spec.kind == "infercache":
-        return InfercacheClient(url, spec.upstream_model(model), spec.output or output, credential)
-    return KServeClient(url, spec.upstream_model(model), spec.output, credential)
+        return InfercacheClient(url, spec.upstream_model(model), spec.output or output, credential, spec.max_in_flight)
+    return KServeClient(url, spec.upstream_model(model), spec.output, credential, spec.max_in_flight)

@@ -15,7 +15,8 @@ import json
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -26,10 +27,15 @@ from server.worker.upstream.errors import Failure
 MAX_ANSWER_BYTES = 64 << 20  # an answer's body, at most (as the gRPC kinds' message limit)
 MAX_EVENT_BYTES = 1 << 20  # one line of a streamed answer, at most
 READ_BYTES = 1 << 16
+READ_ON_LOOP_BYTES = 128 << 10  # larger answers are decoded off the event loop (post_async)
 
 
 class _Gone(Exception):
     """The connection ended before any byte of the answer: a kept-alive one the server closed meanwhile."""
+
+
+def _as_is(answer: dict) -> dict:
+    return answer
 
 
 class _Exchange:
@@ -197,8 +203,10 @@ class JsonEndpoint:
             self._drop()
         return _decoded(exchange.status, bytes(exchange.body))
 
-    async def post_async(self, path: str, body: dict, timeout_s: float) -> dict:
-        """post() on the event loop: the same answers and Failures."""
+    async def post_async(self, path: str, body: dict, timeout_s: float, read: Callable[[dict], Any] = _as_is) -> Any:
+        """post() on the event loop, the answer given to read(): the same answers and Failures. An answer
+        over READ_ON_LOOP_BYTES is decoded and read in the loop's executor (JSON numbers of a large batch
+        would hold the loop for milliseconds)."""
         request = self._request(path, body, b"application/json")
         try:
             async with asyncio.timeout(timeout_s):
@@ -218,7 +226,10 @@ class JsonEndpoint:
                         self._idle.append(connection)
                     else:
                         connection.transport.close()
-                    return _decoded(exchange.status, bytes(exchange.body))
+                    status, data = exchange.status, bytes(exchange.body)
+                    if len(data) <= READ_ON_LOOP_BYTES:
+                        return read(_decoded(status, data))
+                    return await asyncio.get_running_loop().run_in_executor(None, lambda: read(_decoded(status, data)))
         except OSError as exc:  # (TimeoutError included)
             raise _lost(exc, timeout_s) from None
         raise Failure("connect", "connection lost")  # (not reached: the loop returns or raises)
