@@ -1,7 +1,7 @@
 """One upstream server of a model, by kind: each embeds a list of texts in one call and answers one float32
 vector per text, or streams a generation (openai, infercache), or raises Failure. Embedding calls are
-awaited on the worker's event loop (openai's run on it; the gRPC kinds' blocking calls in the loop's
-threads); a generation streams in a thread of its own.
+awaited on the worker's event loop (openai's run on it; the gRPC kinds' blocking calls in threads of
+their own, one per call in flight); a generation streams in a thread of its own.
 
 - openai: POST {url}/embeddings, {url}/chat/completions and {url}/completions (OpenAI's API; url as OpenAI
   clients take it, e.g. http://host:8000/v1);
