@@ -1,7 +1,8 @@
 """Admission arithmetic the frontends and the workers share: which sequence-length bucket a text waits in
-(and the finer length groups a batcher cuts batches by), how long a request may wait, and whether an expected wait admits it. The frontends refuse at once what
-their worker's told queue wait would not answer in time (server/frontend/workers.py); the worker's
-batcher checks the same on arrival (server/worker/batcher.py)."""
+(and the finer length groups a batcher cuts batches by), how long a request may wait, and whether an
+expected wait admits it. The frontends refuse at once what their worker's told queue wait would not answer
+in time (server/frontend/workers.py); the worker's batcher checks the same on arrival
+(server/worker/batcher.py)."""
 
 from __future__ import annotations
 
