@@ -54,7 +54,10 @@ class _Exchange:
     def feed(self, sock: socket.socket) -> None:
         """One read from `sock` into the parser."""
         data = sock.recv(READ_BYTES)
-        self.take(data) if data else self.ended()
+        if data:
+            self.take(data)
+        else:
+            self.ended()
 
     def ended(self) -> None:
         """The connection ended: _Gone where before the answer began, ConnectionResetError where inside it."""
@@ -101,7 +104,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.exchange = _Exchange()
+        self.exchange: _Exchange | None = None  # (made by each call, with its waiter)
         self.waiter: asyncio.Future | None = None
         self.lost = False
 
